@@ -1,0 +1,270 @@
+"""The Codec interface and the registry of named codecs.
+
+A codec is a configuration (a JSON object whose ``"id"`` is a pinned string) plus code. Its
+``encode`` turns a :class:`~kvcodec.cache.KVCache` into the bytes of a KVC container and its
+``decode`` turns them back. Codecs work tensor by tensor (:meth:`Codec.encode_tensor`), which lets
+the container stream layer by layer; a codec that needs whole-cache side information (calibrated
+tables, bins) returns it from :meth:`Codec.encode_globals` and it is stored once per file.
+
+Example:
+    >>> import torch, kvcodec
+    >>> codec = kvcodec.get_codec("fp16")
+    >>> cache = kvcodec.KVCache.from_tensors([(torch.randn(4, 2, 8).half(), torch.randn(4, 2, 8).half())])
+    >>> codec.decode(codec.encode(cache)).equal(cache)
+    True
+    >>> kvcodec.get_codec(codec.get_config()) == codec
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from .cache import KVCache
+from .errors import ConfigError, InputError, UnknownCodecError
+
+
+@dataclass
+class TensorContext:
+    """What a codec knows about the tensor it is coding.
+
+    Attributes:
+        layer: layer index.
+        role: ``"k"``, ``"v"`` or ``"kv"`` (MLA latent).
+        shape: ``(tokens, heads, head_dim)``.
+        dtype: the source dtype, which ``decode_tensor`` must return.
+        layer_kind: ``"full"``, ``"sliding"`` or ``"mla"``.
+        globals: file-level planes from :meth:`Codec.encode_globals` (read-only).
+    """
+
+    layer: int
+    role: str
+    shape: tuple[int, int, int]
+    dtype: torch.dtype
+    layer_kind: str = "full"
+    globals: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        t, h, d = self.shape
+        return t * h * d
+
+
+@dataclass
+class EncodedTensor:
+    """One tensor's coded form: named numpy planes plus small JSON parameters.
+
+    Every plane is stored in the container as ``layers.{i}.{role}.{plane}``; ``params`` goes into
+    the manifest. Both must hold every parameter needed to decode.
+    """
+
+    planes: dict[str, np.ndarray]
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in self.planes.values())
+
+
+class Codec(ABC):
+    """Base class of every codec. Subclasses set ``codec_id`` and ``defaults``.
+
+    ``defaults`` maps each parameter name to its default; the constructor accepts exactly those
+    names. The config is ``{"id": codec_id, **params}``; equality and ``repr`` derive from it.
+    """
+
+    codec_id: ClassVar[str] = ""
+    defaults: ClassVar[dict[str, Any]] = {}
+    #: Parameters validated by type: the value must be an instance of the default's type.
+    lossless: ClassVar[bool] = False
+
+    def __init__(self, **params: Any) -> None:
+        unknown = set(params) - set(self.defaults)
+        if unknown:
+            raise ConfigError(
+                f"codec {self.codec_id!r} has no parameter(s) {sorted(unknown)}; "
+                f"known: {sorted(self.defaults)}"
+            )
+        merged = copy.deepcopy(self.defaults)
+        for k, v in params.items():
+            d = self.defaults[k]
+            if isinstance(d, bool) != isinstance(v, bool) or (
+                d is not None and not isinstance(v, type(d)) and not (isinstance(d, float) and isinstance(v, int))
+            ):
+                raise ConfigError(
+                    f"codec {self.codec_id!r}: parameter {k!r} must be {type(d).__name__}, "
+                    f"got {v!r}"
+                )
+            merged[k] = float(v) if isinstance(d, float) else v
+        self.params = merged
+        self.check_params()
+
+    def check_params(self) -> None:
+        """Validate ``self.params``; raise :class:`ConfigError`. Subclasses extend this."""
+
+    # ------------------------------------------------------------------ config
+    def get_config(self) -> dict[str, Any]:
+        """The JSON-able config that rebuilds this codec through :func:`get_codec`."""
+        return {"id": self.codec_id, **copy.deepcopy(self.params)}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Codec":
+        cfg = dict(config)
+        cid = cfg.pop("id", cls.codec_id)
+        if cid != cls.codec_id:
+            raise ConfigError(f"config id {cid!r} does not match codec {cls.codec_id!r}")
+        return cls(**cfg)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and self.get_config() == other.get_config()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.get_config(), sort_keys=True))
+
+    def __repr__(self) -> str:
+        return f"kvcodec.get_codec({self.get_config()!r})"
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def nominal_bits(self) -> float:
+        """Approximate bits per element of the coded values, before side information."""
+        return 16.0
+
+    # ------------------------------------------------------------------ tensor coding
+    def encode_globals(self, cache: KVCache) -> dict[str, np.ndarray]:
+        """File-level planes (calibration, shared tables) computed from the whole cache."""
+        return {}
+
+    @abstractmethod
+    def encode_tensor(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
+        """Code one ``[T, H, D]`` tensor."""
+
+    @abstractmethod
+    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
+        """Decode one tensor; return ``ctx.shape`` in ``ctx.dtype`` on the CPU."""
+
+    # ------------------------------------------------------------------ whole caches
+    def encode(self, cache: KVCache, path: str | os.PathLike[str] | None = None) -> bytes:
+        """Encode a cache into KVC container bytes; also write them atomically to ``path``."""
+        from .format import container
+
+        cache.validate()
+        for i, role, t in cache.tensors():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise InputError(f"layers.{i}.{role} holds NaN or Inf values; refusing to encode")
+        globals_ = {k: np.ascontiguousarray(v) for k, v in self.encode_globals(cache).items()}
+        return container.write_cache(self, cache, globals_, path=path)
+
+    def decode(self, data: bytes | str | os.PathLike[str], device: str = "cpu") -> KVCache:
+        """Decode KVC bytes (or a path) written by this codec into a :class:`KVCache`."""
+        from .format import container
+
+        return container.read_cache(data, codec=self, device=device)
+
+    def bits_per_element(self, cache: KVCache) -> float:
+        """Exact all-in size of ``encode(cache)`` in bits per cached value (headers included)."""
+        return 8.0 * len(self.encode(cache)) / max(1, cache.num_elements)
+
+
+# ---------------------------------------------------------------------- registry
+_CODECS: dict[str, type[Codec]] = {}
+_PRESETS: dict[str, tuple[dict[str, Any], str]] = {}
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: register a codec class under its pinned ``codec_id``."""
+    cid = cls.__dict__.get("codec_id")
+    if not cid or not isinstance(cid, str):
+        raise ConfigError(f"{cls.__name__} must define a string codec_id")
+    if cid in _CODECS and _CODECS[cid] is not cls:
+        raise ConfigError(f"codec id {cid!r} is already registered by {_CODECS[cid].__name__}")
+    _CODECS[cid] = cls
+    return cls
+
+
+def register_preset(name: str, config: dict[str, Any], description: str = "") -> None:
+    """Register a named preset (for example ``"kivi-4"``) for a registered codec config."""
+    if name in _PRESETS and _PRESETS[name][0] != config:
+        raise ConfigError(f"preset {name!r} is already registered with another config")
+    _PRESETS[name] = (dict(config), description)
+
+
+def _ensure_loaded() -> None:
+    from . import codecs  # noqa: F401  (registers the built-in codecs)
+
+
+def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
+    """Return a codec from a preset name, a codec id, a JSON string, or a config dict.
+
+    Raises:
+        UnknownCodecError: the name or id is not registered (the message lists known names).
+        ConfigError: the config has unknown or invalid parameters.
+    """
+    _ensure_loaded()
+    if isinstance(name_or_config, Codec):
+        return name_or_config
+    if isinstance(name_or_config, str):
+        s = name_or_config.strip()
+        if s.startswith("{"):
+            try:
+                config = json.loads(s)
+            except ValueError as e:
+                raise ConfigError(f"codec config is not valid JSON: {e}") from None
+        elif s in _PRESETS:
+            config = _PRESETS[s][0]
+        elif s in _CODECS:
+            config = {"id": s}
+        else:
+            raise UnknownCodecError(
+                f"unknown codec {s!r}; known: {', '.join(list_codecs())}"
+            )
+    elif isinstance(name_or_config, dict):
+        config = name_or_config
+    else:
+        raise ConfigError(f"expected a codec name or config dict, got {type(name_or_config).__name__}")
+    if not isinstance(config, dict) or not isinstance(config.get("id"), str):
+        raise ConfigError(f"codec config needs a string 'id': {config!r}")
+    cls = _CODECS.get(config["id"])
+    if cls is None:
+        raise UnknownCodecError(
+            f"unknown codec id {config['id']!r}; known ids: {', '.join(sorted(_CODECS))}"
+        )
+    return cls.from_config(config)
+
+
+def list_codecs() -> list[str]:
+    """Names of every registered preset, in registration order."""
+    _ensure_loaded()
+    return list(_PRESETS)
+
+
+def preset_description(name: str) -> str:
+    _ensure_loaded()
+    return _PRESETS[name][1] if name in _PRESETS else ""
+
+
+def codec_ids() -> list[str]:
+    """Every registered codec id."""
+    _ensure_loaded()
+    return sorted(_CODECS)
+
+
+__all__ = [
+    "Codec",
+    "EncodedTensor",
+    "TensorContext",
+    "codec_ids",
+    "get_codec",
+    "list_codecs",
+    "preset_description",
+    "register_codec",
+    "register_preset",
+]

@@ -1,0 +1,32 @@
+"""``kvcodec decode IN.kvc RAW.safetensors``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from . import print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("decode", help="decode a KVC file back into a raw safetensors dump")
+    p.add_argument("input", help="KVC file")
+    p.add_argument("output", help="raw safetensors dump to write (atomically)")
+    p.add_argument("--device", default="cpu", help="cpu (reference) or cuda (kernels)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary to stdout")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import decode
+
+    cache = decode(args.input, device=args.device)
+    cache.to_safetensors(args.output)
+    summary = {"input": os.fspath(args.input), "output": os.fspath(args.output),
+               "layers": cache.num_layers, "tokens": cache.num_tokens,
+               "dtype": str(cache.dtype).replace("torch.", "")}
+    if args.json:
+        print_json(summary)
+    else:
+        print(f"{summary['output']}: {cache.num_layers} layers, {cache.num_tokens} tokens, {summary['dtype']}")
+    return 0

@@ -1,0 +1,75 @@
+import json
+
+import pytest
+import torch
+
+import kvcodec
+from kvcodec.errors import ConfigError, InputError, KVCodecError, UnknownCodecError
+
+from conftest import make_cache
+
+
+@pytest.mark.parametrize("name", kvcodec.list_codecs())
+def test_config_registry_roundtrip(name):
+    c = kvcodec.get_codec(name)
+    cfg = c.get_config()
+    assert cfg["id"] == c.codec_id
+    assert kvcodec.get_codec(cfg) == c
+    assert kvcodec.get_codec(json.dumps(cfg)) == c
+    assert eval(repr(c), {"kvcodec": kvcodec}) == c
+    json.dumps(cfg)  # JSON-able
+
+
+@pytest.mark.parametrize("name", kvcodec.list_codecs())
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_every_codec_roundtrips_shape_and_dtype(name, dtype):
+    cache = make_cache(dtype=dtype, dim=32)
+    codec = kvcodec.get_codec(name)
+    blob = codec.encode(cache)
+    out = kvcodec.decode(blob)
+    assert out.num_layers == cache.num_layers
+    assert out.token_ids is not None and torch.equal(out.token_ids, cache.token_ids)
+    for (i, r, a), (_, _, b) in zip(cache.tensors(), out.tensors()):
+        assert b.shape == a.shape and b.dtype == a.dtype, (name, i, r)
+        assert torch.isfinite(b.float()).all()
+    # the all-in size is what encode returned
+    assert codec.bits_per_element(cache) == pytest.approx(8 * len(blob) / cache.num_elements)
+
+
+@pytest.mark.parametrize("name", [n for n in kvcodec.list_codecs() if kvcodec.get_codec(n).lossless])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_lossless_codecs_are_bit_identical(name, dtype):
+    cache = make_cache(dtype=dtype)
+    assert kvcodec.decode(kvcodec.get_codec(name).encode(cache)).equal(cache)
+
+
+def test_fp16_is_bit_identical_on_fp16():
+    cache = make_cache(dtype=torch.float16)
+    assert kvcodec.decode(kvcodec.get_codec("fp16").encode(cache)).equal(cache)
+
+
+def test_unknown_codec_and_bad_params():
+    with pytest.raises(UnknownCodecError, match="unknown codec 'nope'"):
+        kvcodec.get_codec("nope")
+    with pytest.raises(UnknownCodecError):
+        kvcodec.get_codec({"id": "nope"})
+    with pytest.raises(ConfigError, match="no parameter"):
+        kvcodec.get_codec({"id": "raw", "bogus": 1})
+    with pytest.raises(ConfigError):
+        kvcodec.get_codec("{not json")
+    assert issubclass(UnknownCodecError, KVCodecError)
+
+
+def test_nan_input_rejected():
+    cache = make_cache(dtype=torch.float32)
+    cache.layers[1]["v"][3, 0, 0] = float("nan")
+    for name in kvcodec.list_codecs():
+        with pytest.raises(InputError, match="NaN or Inf"):
+            kvcodec.get_codec(name).encode(cache)
+
+
+def test_mla_and_empty_caches():
+    for cache in (make_cache(mla=True, dim=40), make_cache(tokens=0), make_cache(tokens=1)):
+        for name in kvcodec.list_codecs():
+            out = kvcodec.decode(kvcodec.get_codec(name).encode(cache))
+            assert [t.shape for _, _, t in out.tensors()] == [t.shape for _, _, t in cache.tensors()]
