@@ -49,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits on --help and on bad arguments
         return int(e.code or 0)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in results files
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -1,0 +1,83 @@
+"""The CLI: main(argv) from tests, JSON on stdout, one-line errors with no traceback."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import kvcodec
+from kvcodec.cli import main
+
+from conftest import make_cache
+
+
+def test_help_and_no_command(capsys):
+    assert main(["--help"]) == 0
+    assert "encode" in capsys.readouterr().out
+    assert main([]) == 2
+    assert main(["encode"]) == 2  # missing arguments: argparse usage error
+    assert main(["no-such-command"]) == 2
+
+
+def test_codecs_json_lists_every_codec(capsys):
+    assert main(["codecs", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == kvcodec.list_codecs()
+    for r in rows:
+        assert r["nominal_bits"] > 0
+        assert kvcodec.get_codec(r["config"]).codec_id == r["id"]
+
+
+@pytest.mark.parametrize("codec", ["raw", "fp16"])
+def test_encode_decode_roundtrip(tmp_path, capsys, codec):
+    cache = make_cache(dtype=torch.float16)
+    raw, kvc, back = tmp_path / "in.safetensors", tmp_path / "c.kvc", tmp_path / "out.safetensors"
+    cache.to_safetensors(raw)
+    assert main(["encode", str(raw), str(kvc), "--codec", codec, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["bytes"] == kvc.stat().st_size
+    assert main(["decode", str(kvc), str(back)]) == 0
+    assert kvcodec.KVCache.from_safetensors(back).equal(cache)
+
+
+def _one_line_error(capsys, needle):
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    assert needle in err, err
+
+
+def test_bad_inputs_exit_nonzero_with_one_line(tmp_path, capsys):
+    raw = tmp_path / "in.safetensors"
+    make_cache().to_safetensors(raw)
+    assert main(["encode", str(tmp_path / "missing.safetensors"), str(tmp_path / "o"), "--codec", "raw"]) == 1
+    _one_line_error(capsys, "No such file")
+    assert main(["encode", str(raw), str(tmp_path / "o"), "--codec", "nope"]) == 1
+    _one_line_error(capsys, "unknown codec 'nope'")
+    bad_names = tmp_path / "names.safetensors"
+    save_file({"layer0.key": torch.zeros(2, 1, 4)}, bad_names)
+    assert main(["encode", str(bad_names), str(tmp_path / "o"), "--codec", "raw"]) == 1
+    _one_line_error(capsys, "unexpected tensor name 'layer0.key'")
+    bad_shape = tmp_path / "shape.safetensors"
+    save_file({"layers.0.k": torch.zeros(2, 4), "layers.0.v": torch.zeros(2, 4)}, bad_shape)
+    assert main(["encode", str(bad_shape), str(tmp_path / "o"), "--codec", "raw"]) == 1
+    _one_line_error(capsys, "expected [tokens, heads, dim]")
+    not_st = tmp_path / "junk.safetensors"
+    not_st.write_bytes(b"hello world, not safetensors")
+    assert main(["encode", str(not_st), str(tmp_path / "o"), "--codec", "raw"]) == 1
+    _one_line_error(capsys, "not a readable safetensors file")
+    assert main(["decode", str(not_st), str(tmp_path / "o")]) == 1
+    _one_line_error(capsys, "error")
+    assert not (tmp_path / "o").exists()  # nothing written on failure
+
+
+def test_bench_on_raw_dump(tmp_path, capsys):
+    raw = tmp_path / "in.safetensors"
+    make_cache(tokens=20).to_safetensors(raw)
+    assert main(["bench", "--input", str(raw), "--codecs", "raw,fp16", "--repeat", "1",
+                 "--out", str(tmp_path / "b"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["codec"] for r in res["rows"]] == ["raw", "fp16"]
+    assert res["rows"][0]["rel_err_k"] == 0.0 and res["rows"][0]["rel_err_v"] == 0.0
+    assert (tmp_path / "b" / "bench.md").read_text().count("raw") >= 1
