@@ -12,7 +12,7 @@ Example:
     >>> int(f.sum()), int(f.min()) >= 1
     (256, True)
     >>> [int(x) for x in f]
-    [229, 24, 2, 1]
+    [228, 24, 3, 1]
 """
 
 from __future__ import annotations
