@@ -1,0 +1,136 @@
+"""Scaled FP8 codecs: ``fp8`` (presets ``fp8-e4m3``, ``fp8-e5m2``).
+
+Config (codec id ``"fp8"``):
+
+* ``format``: ``"e4m3"`` (E4M3FN, default) or ``"e5m2"``.
+* ``k_granularity`` / ``v_granularity``: scale granularity for K (also used for an MLA latent
+  ``kv``) and for V: ``"tensor"``, ``"head"`` (default), ``"channel"``, ``"token"``, ``"block"``.
+  Why per head: in the normal range FP8's relative error does not depend on the scale (2^-4 for
+  E4M3, 2^-3 for E5M2), and one amax per head keeps realistic K and V (channel offsets of
+  10-50x included) far above the subnormal range (E4M3 spans 2^-6..448, 16 binades), so finer
+  scales mostly add side information; per head rather than per tensor guards against heads of
+  very different magnitude. ``"token"`` costs 32/D extra bits per element, ``"block"`` 32/B.
+* ``block``: block length along ``head_dim`` for ``"block"`` granularity (default 32).
+
+Plane layout of one ``[T, H, D]`` tensor (pinned; the CUDA kernels read exactly this):
+
+* ``codes``: ``uint8 [T, H, D]``, C order, one FP8 code per element (sign bit 0x80, then
+  exponent and mantissa as in :mod:`kvcodec.quant.fp8`; -0 = 0x80; E4M3FN has no inf, E5M2's
+  inf/NaN codes never occur because encode saturates and rejects non-finite input).
+* ``scale``: ``float32``, broadcastable against ``codes``: ``[1, 1, 1]`` (tensor), ``[1, H, 1]``
+  (head), ``[1, H, D]`` (channel), ``[T, H, 1]`` (token), ``[T, H, ceil(D/B)]`` (block; element
+  ``d`` uses scale ``d // B``). ``scale = amax / FMAX`` per group (1.0 for an all-zero group,
+  at least ``2^-126``).
+
+Tensor params in the manifest: ``{"format": "e4m3"|"e5m2", "granularity": ..., "block": B}``.
+
+Decode (*multiply*): ``x = fp8_value(code) * scale`` in float32 (one rounded product), then cast
+to the source dtype (RNE). Encode: ``code = RNE(clamp(x_f32 / scale, +-FMAX))``.
+
+Example:
+    >>> import torch, kvcodec
+    >>> cache = kvcodec.KVCache.from_tensors([(torch.randn(8, 2, 64), torch.randn(8, 2, 64))])
+    >>> codec = kvcodec.get_codec("fp8-e4m3")
+    >>> out = codec.decode(codec.encode(cache))
+    >>> bool(((out.layers[0]["k"] - cache.layers[0]["k"]).abs() <= cache.layers[0]["k"].abs() / 16 + 1e-3).all())
+    True
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..codec import Codec, EncodedTensor, TensorContext, register_codec, register_preset
+from ..errors import ConfigError, FormatError
+from ..quant.fp8 import (
+    FP8_FORMATS,
+    GRANULARITIES,
+    fp8_decode_reference,
+    fp8_encode_reference,
+    scale_shape,
+)
+
+#: Geometry behind ``nominal_bits``: 1024 tokens, 8 KV heads, head_dim 128 (K and V averaged).
+NOMINAL_SHAPE = (1024, 8, 128)
+
+
+def plane_as_tensor(enc: EncodedTensor, ctx: TensorContext, name: str, dtype: np.dtype,
+                    shape: tuple[int, ...]) -> torch.Tensor:
+    """Fetch a plane, check its dtype and shape, and return a writable torch copy."""
+    a = enc.planes.get(name)
+    where = f"layers.{ctx.layer}.{ctx.role}"
+    if a is None:
+        raise FormatError(f"{where}: plane {name!r} is missing")
+    if a.dtype != dtype:
+        raise FormatError(f"{where}.{name}: dtype {a.dtype}, expected {np.dtype(dtype)}")
+    if a.size != int(np.prod(shape, dtype=np.int64)):
+        raise FormatError(f"{where}.{name}: {a.size} elements, expected shape {list(shape)}")
+    return torch.from_numpy(np.array(a, copy=True).reshape(shape))
+
+
+@register_codec
+class FP8Codec(Codec):
+    """Scaled FP8 (E4M3FN or E5M2), see the module docstring for config and plane layout.
+
+    Example:
+        >>> import kvcodec
+        >>> c = kvcodec.get_codec({"id": "fp8", "format": "e5m2", "v_granularity": "token"})
+        >>> c.get_config()["format"], round(c.nominal_bits, 3)
+        ('e5m2', 8.125)
+    """
+
+    codec_id = "fp8"
+    defaults = {"format": "e4m3", "k_granularity": "head", "v_granularity": "head", "block": 32}
+
+    def check_params(self) -> None:
+        if self.params["format"] not in FP8_FORMATS:
+            raise ConfigError(f"fp8 format must be one of {sorted(FP8_FORMATS)}, got {self.params['format']!r}")
+        for k in ("k_granularity", "v_granularity"):
+            if self.params[k] not in GRANULARITIES:
+                raise ConfigError(f"fp8 {k} must be one of {GRANULARITIES}, got {self.params[k]!r}")
+        if self.params["block"] < 1:
+            raise ConfigError(f"fp8 block must be >= 1, got {self.params['block']}")
+
+    def granularity(self, role: str) -> str:
+        return self.params["v_granularity" if role == "v" else "k_granularity"]
+
+    def tensor_bits(self, shape: tuple[int, int, int], role: str) -> int:
+        """Exact bits of the planes of one tensor (codes plus float32 scales)."""
+        n = shape[0] * shape[1] * shape[2]
+        s = scale_shape(shape, self.granularity(role), self.params["block"])
+        return 8 * n + 32 * s[0] * s[1] * s[2]
+
+    @property
+    def nominal_bits(self) -> float:
+        """Bits per element of codes plus scales at :data:`NOMINAL_SHAPE` (K and V averaged)."""
+        n = NOMINAL_SHAPE[0] * NOMINAL_SHAPE[1] * NOMINAL_SHAPE[2]
+        return sum(self.tensor_bits(NOMINAL_SHAPE, r) for r in ("k", "v")) / (2 * n)
+
+    def encode_tensor(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
+        g = self.granularity(ctx.role)
+        codes, scale = fp8_encode_reference(x, self.params["format"], g, self.params["block"])
+        return EncodedTensor(
+            {"codes": codes.numpy(), "scale": scale.contiguous().numpy()},
+            {"format": self.params["format"], "granularity": g, "block": self.params["block"]},
+        )
+
+    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
+        fmt = enc.params.get("format")
+        g = enc.params.get("granularity")
+        block = enc.params.get("block")
+        if fmt not in FP8_FORMATS or g not in GRANULARITIES or not isinstance(block, int) or block < 1:
+            raise FormatError(
+                f"layers.{ctx.layer}.{ctx.role}: bad fp8 params {enc.params!r}"
+            )
+        codes = plane_as_tensor(enc, ctx, "codes", np.uint8, ctx.shape)
+        scale = plane_as_tensor(enc, ctx, "scale", np.float32, scale_shape(ctx.shape, g, block))
+        if scale.numel() and not bool((torch.isfinite(scale) & (scale > 0)).all()):
+            raise FormatError(f"layers.{ctx.layer}.{ctx.role}: fp8 scales must be positive and finite")
+        return fp8_decode_reference(codes, scale, fmt, ctx.dtype, block)
+
+
+register_preset("fp8-e4m3", {"id": "fp8", "format": "e4m3"},
+                "FP8 E4M3FN, one fp32 scale per head (amax/448), RNE")
+register_preset("fp8-e5m2", {"id": "fp8", "format": "e5m2"},
+                "FP8 E5M2, one fp32 scale per head (amax/57344), RNE")
