@@ -25,10 +25,16 @@ from .codec import (  # noqa: E402
     register_preset,
 )
 from .errors import KVCodecError  # noqa: E402
+from . import format  # noqa: E402,A004  (kvcodec.format.open: lazy, validated reading)
 
 
 def decode(data, device: str = "cpu") -> KVCache:
-    """Decode KVC bytes or a path with whatever codec the file names."""
+    """Decode KVC bytes, a path or a binary file with whatever codec the file names.
+
+    Raises:
+        FormatError: the file is damaged or foreign; the subclass (TruncatedError, VersionError,
+            ChecksumError) names the problem. UnknownCodecError: the codec is not installed.
+    """
     from .format.container import read_cache
 
     return read_cache(data, device=device)

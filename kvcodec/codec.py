@@ -152,8 +152,14 @@ class Codec(ABC):
         """Decode one tensor; return ``ctx.shape`` in ``ctx.dtype`` on the CPU."""
 
     # ------------------------------------------------------------------ whole caches
-    def encode(self, cache: KVCache, path: str | os.PathLike[str] | None = None) -> bytes:
-        """Encode a cache into KVC container bytes; also write them atomically to ``path``."""
+    def encode(
+        self, cache: KVCache, path: str | os.PathLike[str] | None = None, *, tokens_per_chunk: int = 0
+    ) -> bytes:
+        """Encode a cache into KVC container bytes; also write them atomically to ``path``.
+
+        ``tokens_per_chunk > 0`` codes the token axis in independent chunks of that many tokens,
+        so a reader can decode a range of chunks alone (formats/SPEC.md, chunking).
+        """
         from .format import container
 
         cache.validate()
@@ -161,10 +167,15 @@ class Codec(ABC):
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise InputError(f"layers.{i}.{role} holds NaN or Inf values; refusing to encode")
         globals_ = {k: np.ascontiguousarray(v) for k, v in self.encode_globals(cache).items()}
-        return container.write_cache(self, cache, globals_, path=path)
+        return container.write_cache(self, cache, globals_, path=path, tokens_per_chunk=tokens_per_chunk)
 
     def decode(self, data: bytes | str | os.PathLike[str], device: str = "cpu") -> KVCache:
-        """Decode KVC bytes (or a path) written by this codec into a :class:`KVCache`."""
+        """Decode KVC bytes (or a path, or a binary file) written by this codec into a :class:`KVCache`.
+
+        Raises:
+            FormatError: the file is damaged or foreign (subclasses name the problem), or it was
+                written by another codec.
+        """
         from .format import container
 
         return container.read_cache(data, codec=self, device=device)

@@ -1,61 +1,218 @@
-"""KVC container: a safetensors file whose ``__metadata__`` carries a format key, a version and a
-canonical JSON manifest (see formats/SPEC.md).
+"""KVC container: encode a cache into a KVC file and read it back, strictly and lazily.
 
-This module maps codecs and caches onto the container: :func:`write_cache` and :func:`read_cache`.
-The byte-level layout (header parsing, validation, checksums) lives in :mod:`kvcodec.format.safetensors_io`.
+A KVC file is a valid safetensors file whose ``__metadata__`` holds a format key, a
+``MAJOR.MINOR`` version, a canonical JSON manifest and the CRC-32 of that manifest
+(formats/SPEC.md). The writer is deterministic (same input and config -> same bytes), aligns every
+tensor to 64 bytes and writes files atomically. The reader validates the whole header and manifest
+before it reads any tensor data, checks the CRC-32 of every tensor it reads, and decodes one layer
+at a time.
+
+Example:
+    >>> import torch, kvcodec
+    >>> from kvcodec import format as kvf
+    >>> cache = kvcodec.KVCache.from_tensors([(torch.ones(4, 2, 8), torch.zeros(4, 2, 8))] * 3)
+    >>> blob = kvcodec.get_codec("raw").encode(cache)
+    >>> with kvf.open(blob) as r:
+    ...     r.num_layers, r.read_layer(1)["k"].shape
+    (3, torch.Size([4, 2, 8]))
 """
 
 from __future__ import annotations
 
+import json
 import os
-from typing import TYPE_CHECKING, Any
+import tempfile
+import zlib
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from .. import __version__
 from ..cache import DTYPE_NAMES, SOURCE_DTYPES, KVCache, LayerInfo, ModelIdentity
-from ..errors import FormatError
+from ..errors import ConfigError, FormatError, InputError, KVCodecError, TruncatedError
+from . import manifest as mf
 from . import safetensors_io as sio
+from .atomic import atomic_write_chunks
+from .manifest import FORMAT_KEY, FORMAT_VERSION, canonical_json, tensor_name
 
 if TYPE_CHECKING:
     from ..codec import Codec
 
-FORMAT_KEY = "kvc"
-FORMAT_VERSION = (1, 0)
+__all__ = [
+    "FORMAT_KEY",
+    "FORMAT_VERSION",
+    "KVCReader",
+    "crc32_hex",
+    "open_kvc",
+    "read_cache",
+    "tensor_name",
+    "write_cache",
+    "write_file",
+]
+
+_COPY_CHUNK = 1 << 20
 
 
-def tensor_name(layer: int, role: str, plane: str) -> str:
-    """The container name of one plane of one layer's tensor."""
-    return f"layers.{layer}.{role}.{plane}"
+def crc32_hex(data: bytes | memoryview) -> str:
+    """CRC-32 (ISO-HDLC / zlib polynomial 0x04C11DB7, reflected) as 8 lowercase hex digits.
+
+    >>> crc32_hex(b"123456789")
+    'cbf43926'
+    """
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 
-def build_manifest(codec: "Codec", cache: KVCache, params: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The manifest of a cache coded by ``codec``; ``params`` maps ``"{i}.{role}"`` to tensor params."""
+# ====================================================================== writer
+class _Plane:
+    """One encoded plane: its stored name, dtype, shape, little-endian bytes and CRC-32."""
+
+    __slots__ = ("name", "dtype", "shape", "nbytes", "crc", "data")
+
+    def __init__(self, name: str, arr: np.ndarray) -> None:
+        self.name = name
+        self.dtype = sio.dtype_name(arr.dtype)
+        le = np.ascontiguousarray(arr).astype(sio.DTYPES[self.dtype], copy=False)
+        self.shape = tuple(int(s) for s in le.shape)
+        self.data: bytes | None = le.tobytes()
+        self.nbytes = len(self.data)
+        self.crc = crc32_hex(self.data)
+
+
+def _json_params(params: Any, where: str) -> dict[str, Any]:
+    if not isinstance(params, dict):
+        raise ConfigError(f"{where}: codec params must be a dict, got {type(params).__name__}")
+    try:
+        return json.loads(canonical_json(params))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: codec params are not finite JSON: {e}") from None
+
+
+def _encode_planes(codec: "Codec", cache: KVCache, globals_: dict[str, np.ndarray], tokens_per_chunk: int,
+                   params_out: dict[tuple[int, str], list[dict[str, Any]]]) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(stored name, array)`` in canonical order, encoding one tensor chunk at a time."""
+    from ..codec import TensorContext
+
+    chunked = tokens_per_chunk > 0
+    for g in sorted(globals_):
+        if not mf.GLOBAL_RE.fullmatch(g):
+            raise ConfigError(f"codec {codec.codec_id!r}: global plane name {g!r} breaks the naming rule")
+        yield f"global.{g}", globals_[g]
+    if cache.token_ids is not None:
+        yield "meta.token_ids", cache.token_ids.detach().cpu().to(torch.int64).numpy()
+    if cache.positions is not None:
+        yield "meta.positions", cache.positions.detach().cpu().to(torch.int64).numpy()
+    T = cache.num_tokens
+    for i, role, t in cache.tensors():
+        starts = [0] if not chunked else list(range(0, T, tokens_per_chunk))
+        plist: list[dict[str, Any]] = []
+        params_out[(i, role)] = plist
+        for j, s in enumerate(starts):
+            x = t if not chunked else t[s : s + tokens_per_chunk]
+            x = x.detach().cpu().contiguous()
+            ctx = TensorContext(layer=i, role=role, shape=tuple(x.shape), dtype=x.dtype,
+                                layer_kind=cache.layer_info[i].kind, globals=globals_)
+            enc = codec.encode_tensor(x, ctx)
+            plist.append({"tokens": int(x.shape[0]),
+                          "params": _json_params(enc.params, f"layers.{i}.{role}")})
+            for p in sorted(enc.planes):
+                if not mf.PLANE_RE.fullmatch(p):
+                    raise ConfigError(f"codec {codec.codec_id!r}: plane name {p!r} must match [A-Za-z0-9_]{{1,64}}")
+                arr = enc.planes[p]
+                if not isinstance(arr, np.ndarray):
+                    raise ConfigError(f"codec {codec.codec_id!r}: plane {p!r} is {type(arr).__name__}, not a numpy array")
+                yield tensor_name(i, role, p, j if chunked else None), arr
+
+
+def build_manifest(codec: "Codec", cache: KVCache, params: dict[tuple[int, str], list[dict[str, Any]]],
+                   storage: dict[str, dict[str, Any]], tokens_per_chunk: int) -> dict[str, Any]:
+    """The manifest of ``cache`` coded by ``codec`` (SPEC §4)."""
     layers = []
     for i, layer in enumerate(cache.layers):
         info = cache.layer_info[i]
-        layers.append(
-            {
-                "kind": info.kind,
-                "window": int(info.window),
-                "tensors": {
-                    r: {"shape": [int(s) for s in t.shape], "params": params.get(f"{i}.{r}", {})}
-                    for r, t in layer.items()
-                },
-            }
-        )
+        kind = info.kind if info.kind in mf.LAYER_KINDS else "full"
+        lm: dict[str, Any] = {"kind": kind, "window": int(info.window) if kind == "sliding" else 0}
+        if "kv" in layer:
+            lm.update(kv_heads=int(layer["kv"].shape[1]), latent_dim=int(layer["kv"].shape[2]))
+        else:
+            lm.update(kv_heads=int(layer["k"].shape[1]), head_dim_k=int(layer["k"].shape[2]),
+                      head_dim_v=int(layer["v"].shape[2]))
+        lm["tensors"] = {r: {"shape": [int(s) for s in t.shape], "chunks": params[(i, r)]} for r, t in layer.items()}
+        layers.append(lm)
     return {
-        "producer": f"kvcodec {__version__}",
+        "producer": {"name": "kvcodec", "version": __version__},
         "model": cache.model.to_dict(),
         "source_dtype": DTYPE_NAMES[cache.dtype],
-        "rope": {"applied": bool(cache.rope_applied), **cache.rope},
+        "rope": {"applied": bool(cache.rope_applied), "params": dict(cache.rope)},
         "num_tokens": cache.num_tokens,
         "has_token_ids": cache.token_ids is not None,
         "has_positions": cache.positions is not None,
+        "chunking": {"tokens_per_chunk": int(tokens_per_chunk)},
         "codec": codec.get_config(),
         "layers": layers,
+        "storage": {"alignment": sio.ALIGNMENT, "checksum": mf.CHECKSUM, "tensors": storage},
+        "required_features": [],
     }
+
+
+def _check_cache(cache: KVCache, tokens_per_chunk: int) -> None:
+    if type(tokens_per_chunk) is not int or tokens_per_chunk < 0:
+        raise ConfigError(f"tokens_per_chunk must be an integer >= 0, got {tokens_per_chunk!r}")
+    for i, info in enumerate(cache.layer_info):
+        if info.kind not in mf.LAYER_KINDS:
+            raise InputError(f"layer {i}: kind {info.kind!r} is not one of {mf.LAYER_KINDS}")
+        if (info.kind == "sliding") != (info.window > 0):
+            raise InputError(f"layer {i}: a window > 0 is required exactly for sliding layers")
+        if (info.kind == "mla") != ("kv" in cache.layers[i]):
+            raise InputError(f"layer {i}: kind {info.kind!r} does not match its tensors {sorted(cache.layers[i])}")
+    if cache.num_layers > mf.MAX_LAYERS:
+        raise InputError(f"{cache.num_layers} layers exceeds the format limit of {mf.MAX_LAYERS}")
+
+
+def _assemble(codec: "Codec", cache: KVCache, globals_: dict[str, np.ndarray], tokens_per_chunk: int,
+              spool: BinaryIO | None) -> tuple[bytes, list[sio.Entry], list[_Plane]]:
+    """Encode everything. Plane bytes go to ``spool`` (each at its aligned position) when given,
+    else they are kept in memory. Returns the header bytes, the layout and the planes."""
+    _check_cache(cache, tokens_per_chunk)
+    params: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    planes: list[_Plane] = []
+    pos = 0
+    for name, arr in _encode_planes(codec, cache, globals_, tokens_per_chunk, params):
+        p = _Plane(name, arr)
+        if spool is not None:  # same bytes and padding as plan_layout, written as we go
+            assert p.data is not None
+            gap = -pos % sio.ALIGNMENT
+            spool.write(b"\0" * gap)
+            spool.write(p.data)
+            pos += gap + p.nbytes
+            p.data = None
+        planes.append(p)
+    storage = {p.name: {"dtype": p.dtype, "shape": list(p.shape), "crc32": p.crc} for p in planes}
+    manifest = build_manifest(codec, cache, params, storage, tokens_per_chunk)
+    try:
+        text = canonical_json(manifest)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"manifest is not finite JSON (codec {codec.codec_id!r} config or params): {e}") from None
+    layout = sio.plan_layout((p.name, p.dtype, p.shape) for p in planes)
+    meta = {
+        "format": FORMAT_KEY,
+        "format_version": f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}",
+        "manifest": text,
+        "manifest_crc32": crc32_hex(text.encode("utf-8")),
+    }
+    return sio.build_header(layout, meta), layout, planes
+
+
+def _memory_chunks(header: bytes, layout: list[sio.Entry], planes: list[_Plane]) -> Iterator[bytes]:
+    yield header
+    by_name = {p.name: p for p in planes}
+    for e in layout:
+        if e.name in by_name:
+            d = by_name[e.name].data
+            assert d is not None
+            yield d
+        else:
+            yield b"\0" * e.nbytes
 
 
 def write_cache(
@@ -63,90 +220,401 @@ def write_cache(
     cache: KVCache,
     globals_: dict[str, np.ndarray],
     path: str | os.PathLike[str] | None = None,
+    tokens_per_chunk: int = 0,
 ) -> bytes:
-    """Encode every tensor of ``cache`` with ``codec`` and return the container bytes."""
-    from ..codec import TensorContext
+    """Encode ``cache`` with ``codec`` into KVC bytes; if ``path`` is given, also write them there
+    atomically. Used by :meth:`kvcodec.Codec.encode` (the caller computed ``globals_``).
 
-    planes: list[tuple[str, np.ndarray]] = []
-    params: dict[str, dict[str, Any]] = {}
-    for name, arr in globals_.items():
-        planes.append((f"global.{name}", arr))
-    if cache.token_ids is not None:
-        planes.append(("meta.token_ids", cache.token_ids.to(torch.int64).numpy()))
-    if cache.positions is not None:
-        planes.append(("meta.positions", cache.positions.to(torch.int64).numpy()))
-    for i, role, t in cache.tensors():
-        ctx = TensorContext(
-            layer=i, role=role, shape=tuple(t.shape), dtype=t.dtype,
-            layer_kind=cache.layer_info[i].kind, globals=globals_,
-        )
-        enc = codec.encode_tensor(t.detach().cpu().contiguous(), ctx)
-        params[f"{i}.{role}"] = enc.params
-        for pname, arr in enc.planes.items():
-            planes.append((tensor_name(i, role, pname), np.ascontiguousarray(arr)))
-    manifest = build_manifest(codec, cache, params)
-    data = sio.write(planes, manifest, FORMAT_KEY, FORMAT_VERSION)
+    For caches too large to hold their encoding twice in memory, use :func:`write_file`.
+    """
+    header, layout, planes = _assemble(codec, cache, globals_, tokens_per_chunk, spool=None)
+    data = b"".join(_memory_chunks(header, layout, planes))
     if path is not None:
-        from .atomic import atomic_write_bytes
-
-        atomic_write_bytes(path, data)
+        atomic_write_chunks(path, [data])
     return data
 
 
-def read_cache(
-    data: bytes | str | os.PathLike[str], codec: "Codec | None" = None, device: str = "cpu"
-) -> KVCache:
-    """Decode a KVC container into a cache. ``codec`` must match the file's codec if given."""
-    from ..codec import EncodedTensor, TensorContext, get_codec
+def write_file(
+    codec: "Codec",
+    cache: KVCache,
+    dest: str | os.PathLike[str] | BinaryIO,
+    tokens_per_chunk: int = 0,
+) -> int:
+    """Stream-encode ``cache`` into ``dest`` (a path, written atomically, or a writable binary
+    file object); return the number of bytes written.
 
-    f = sio.open_kvc(data, FORMAT_KEY, FORMAT_VERSION)
-    m = f.manifest
-    file_codec = get_codec(m["codec"])
-    if codec is not None and codec.codec_id != file_codec.codec_id:
-        raise FormatError(
-            f"file was written by codec {file_codec.codec_id!r}, not {codec.codec_id!r}"
-        )
-    dtype = SOURCE_DTYPES.get(m.get("source_dtype", ""))
-    if dtype is None:
-        raise FormatError(f"unknown source_dtype {m.get('source_dtype')!r}")
-    globals_ = {n[len("global."):]: f.get(n) for n in f.names() if n.startswith("global.")}
-    layers: list[dict[str, torch.Tensor]] = []
-    infos: list[LayerInfo] = []
-    for i, lm in enumerate(m["layers"]):
-        layer = {}
-        for role, tm in lm["tensors"].items():
-            prefix = f"layers.{i}.{role}."
-            enc = EncodedTensor(
-                planes={n[len(prefix):]: f.get(n) for n in f.names() if n.startswith(prefix)},
-                params=tm.get("params", {}),
+    Memory stays near one tensor's encoding: planes are spooled to a temporary file beside
+    ``dest`` as each layer is coded, then copied behind the header (whose offsets and checksums
+    are only known at the end). The bytes are identical to :func:`write_cache`'s.
+
+    Example:
+        >>> import os, tempfile, torch, kvcodec
+        >>> from kvcodec.format import write_file
+        >>> c = kvcodec.KVCache.from_tensors([(torch.ones(2, 1, 4), torch.ones(2, 1, 4))])
+        >>> p = os.path.join(tempfile.mkdtemp(), "c.kvc")
+        >>> write_file(kvcodec.get_codec("raw"), c, p) == os.path.getsize(p)
+        True
+    """
+    cache.validate()
+    for i, role, t in cache.tensors():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise InputError(f"layers.{i}.{role} holds NaN or Inf values; refusing to encode")
+    globals_ = {k: np.ascontiguousarray(v) for k, v in codec.encode_globals(cache).items()}
+    spool_dir = os.path.dirname(os.path.abspath(os.fspath(dest))) if isinstance(dest, (str, os.PathLike)) else None
+    with tempfile.TemporaryFile(dir=spool_dir, prefix=".kvc-spool-") as spool:
+        header, layout, planes = _assemble(codec, cache, globals_, tokens_per_chunk, spool=spool)
+        spool_size = spool.tell()
+
+        def chunks() -> Iterator[bytes]:
+            yield header
+            spool.seek(0)
+            left = spool_size
+            while left:
+                b = spool.read(min(_COPY_CHUNK, left))
+                if not b:
+                    raise TruncatedError("spool file ended early")
+                left -= len(b)
+                yield b
+
+        if isinstance(dest, (str, os.PathLike)):
+            return atomic_write_chunks(dest, chunks())
+        n = 0
+        for c in chunks():
+            dest.write(c)
+            n += len(c)
+        return n
+
+
+# ====================================================================== reader
+class KVCReader:
+    """A validated KVC file opened for lazy reading. Create it with :func:`open_kvc`
+    (``kvcodec.format.open``).
+
+    Opening reads only the header; it validates the header, the manifest (and its checksum), the
+    tensor naming, the canonical layout and the decoded-size limits. Each ``read_*`` call then reads
+    only the bytes it needs, checks their CRC-32 and decodes them.
+
+    Attributes:
+        manifest: the manifest as a dict (validated).
+        codec: the codec that decodes this file.
+        file_size: total bytes.
+        version: ``(major, minor)`` of the file.
+
+    Example:
+        >>> import torch, kvcodec
+        >>> c = kvcodec.KVCache.from_tensors([(torch.ones(3, 1, 4), torch.ones(3, 1, 4))] * 4)
+        >>> r = kvcodec.format.open(kvcodec.get_codec("fp16").encode(c))
+        >>> [t["v"].shape[0] for t in r.read_layers(range(1, 3))]
+        [3, 3]
+    """
+
+    def __init__(self, source: sio.Source) -> None:
+        from ..codec import get_codec
+
+        self._src = source
+        try:
+            h = sio.read_raw_header(source)
+            self.version = mf.check_version(h.metadata)
+            entries = sio.validate_entries(h)
+            text = h.metadata.get("manifest")
+            crc = h.metadata.get("manifest_crc32")
+            if text is None or crc is None:
+                raise FormatError("__metadata__ lacks 'manifest' or 'manifest_crc32'")
+            if crc32_hex(text.encode("utf-8", "surrogatepass")) != crc:
+                raise _checksum_error(f"manifest CRC-32 mismatch (stored {crc[:16]!r})")
+            raw = sio.strict_json_loads(text, "manifest")
+            self._m = mf.validate(raw)
+            self.codec = get_codec(raw["codec"])
+            self._check_layout(entries, h.data_start)
+        except BaseException:
+            source.close()
+            raise
+        self._data_start = h.data_start
+        self.header_len = h.header_len
+        self.file_size = source.size
+        self.metadata = h.metadata
+        self.manifest: dict[str, Any] = raw
+        self._entries = {e.name: e for e in entries}
+        self._pads = [e for e in entries if e.name.startswith(sio.PAD_PREFIX)]
+        self._globals: dict[str, np.ndarray] | None = None
+        self.dtype = SOURCE_DTYPES[self._m.source_dtype]
+
+    # ------------------------------------------------------------------ validation
+    def _check_layout(self, entries: list[sio.Entry], data_start: int) -> None:
+        if data_start % sio.ALIGNMENT:
+            raise FormatError(f"data section starts at byte {data_start}, not a multiple of {sio.ALIGNMENT}")
+        st = self._m.storage
+        chunked = self._m.chunked
+        names = sorted(st, key=lambda n: mf.canonical_key(n, chunked))
+        want = sio.plan_layout((n, st[n]["dtype"], tuple(st[n]["shape"])) for n in names)
+        got = {e.name: e for e in entries}
+        if len(got) != len(want):
+            extra = sorted(set(got) - {e.name for e in want})[:3]
+            missing = sorted({e.name for e in want} - set(got))[:3]
+            raise FormatError(
+                f"header holds {len(got)} tensors but the manifest's canonical layout has {len(want)}"
+                f" (unexpected: {extra}, missing: {missing})"
             )
-            ctx = TensorContext(
-                layer=i, role=role, shape=tuple(tm["shape"]), dtype=dtype,
-                layer_kind=lm.get("kind", "full"), globals=globals_,
-            )
+        for w in want:
+            g = got.get(w.name)
+            if g is None:
+                raise FormatError(f"tensor {w.name!r} of the manifest is not in the header")
+            if (g.dtype, g.shape, g.start, g.end) != (w.dtype, w.shape, w.start, w.end):
+                raise FormatError(
+                    f"tensor {w.name!r}: header says {g.dtype}{list(g.shape)} at [{g.start},{g.end}], "
+                    f"canonical layout from the manifest gives {w.dtype}{list(w.shape)} at [{w.start},{w.end}]"
+                )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_layers(self) -> int:
+        return len(self._m.layers)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._m.num_tokens
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        """Tokens per chunk (0: the file is not chunked, one chunk per tensor)."""
+        return self._m.tokens_per_chunk
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._m.layers[0].tensors[next(iter(self._m.layers[0].tensors))].chunks) if self._m.layers else 0
+
+    @property
+    def num_elements(self) -> int:
+        return sum(t.shape[0] * t.shape[1] * t.shape[2] for lm in self._m.layers for t in lm.tensors.values())
+
+    def tensor_names(self) -> list[str]:
+        """Stored tensor names in file order (padding excluded)."""
+        return [e.name for e in sorted(self._entries.values(), key=lambda e: (e.start, e.end))
+                if not e.name.startswith(sio.PAD_PREFIX)]
+
+    def layer_span(self, i: int) -> tuple[int, int]:
+        """Absolute ``[start, end)`` byte span of layer ``i``'s planes (padding inside included)."""
+        es = [self._entries[n] for t in self._layer(i).tensors.values() for c in t.chunks for n in c.planes.values()]
+        if not es:
+            return (self._data_start, self._data_start)
+        return (self._data_start + min(e.start for e in es), self._data_start + max(e.end for e in es))
+
+    def layer_nbytes(self, i: int) -> int:
+        """Stored bytes of layer ``i`` (its planes, without padding)."""
+        return sum(self._entries[n].nbytes for t in self._layer(i).tensors.values() for c in t.chunks
+                   for n in c.planes.values())
+
+    def layer_info(self, i: int) -> LayerInfo:
+        lm = self._layer(i)
+        return LayerInfo(kind=lm.kind, window=lm.window)
+
+    def _layer(self, i: int) -> mf.LayerManifest:
+        if type(i) is not int or not 0 <= i < len(self._m.layers):
+            raise InputError(f"layer {i!r} out of range: the file has {len(self._m.layers)} layers")
+        return self._m.layers[i]
+
+    # ------------------------------------------------------------------ raw planes
+    def _read_span(self, start: int, end: int) -> bytes | memoryview:
+        return self._src.read(start, end - start)
+
+    def _plane_from(self, buf: bytes | memoryview, base: int, name: str) -> np.ndarray:
+        e = self._entries[name]
+        mv = memoryview(buf)[e.start + self._data_start - base : e.end + self._data_start - base]
+        want = self._m.storage[name]["crc32"]
+        if crc32_hex(mv) != want:
+            raise _checksum_error(f"tensor {name!r}: CRC-32 mismatch (stored {want})")
+        dt = sio.DTYPES[e.dtype]
+        if e.nbytes == 0:
+            a = np.zeros(e.shape, dtype=dt)
+        else:
+            a = np.frombuffer(mv, dtype=dt).reshape(e.shape)
+        a.flags.writeable = False
+        return a
+
+    def _check_pads(self, buf: bytes | memoryview, base: int, start: int, end: int) -> None:
+        """Check that every padding tensor inside the absolute span ``[start, end)`` is zero."""
+        for e in self._pads:
+            a = e.start + self._data_start
+            if start <= a < end:
+                if any(memoryview(buf)[a - base : a - base + e.nbytes]):
+                    raise FormatError(f"padding tensor {e.name!r} holds non-zero bytes")
+
+    def check_padding(self) -> None:
+        """Read every padding tensor (at most 63 bytes each) and check that it is all zero."""
+        for e in self._pads:
+            a = self._data_start + e.start
+            if any(bytes(self._read_span(a, a + e.nbytes))):
+                raise FormatError(f"padding tensor {e.name!r} holds non-zero bytes")
+
+    def read_plane(self, name: str) -> np.ndarray:
+        """One stored tensor by name, checksum-verified, read-only."""
+        if name not in self._entries or name.startswith(sio.PAD_PREFIX):
+            raise InputError(f"no stored tensor {name!r} in this file")
+        e = self._entries[name]
+        a, b = self._data_start + e.start, self._data_start + e.end
+        return self._plane_from(self._read_span(a, b), a, name)
+
+    def globals(self) -> dict[str, np.ndarray]:
+        """The file-level planes (``global.*``), read and verified once."""
+        if self._globals is None:
+            self._globals = {p: self.read_plane(n) for p, n in self._m.globals.items()}
+        return self._globals
+
+    def token_ids(self) -> torch.Tensor | None:
+        if "meta.token_ids" not in self._m.storage:
+            return None
+        return torch.from_numpy(self.read_plane("meta.token_ids").copy())
+
+    def positions(self) -> torch.Tensor | None:
+        if "meta.positions" not in self._m.storage:
+            return None
+        return torch.from_numpy(self.read_plane("meta.positions").copy())
+
+    # ------------------------------------------------------------------ decoding
+    def _decode_chunk(self, lm: mf.LayerManifest, ti: mf.TensorInfo, c: mf.ChunkInfo,
+                      planes: dict[str, np.ndarray], device: str) -> torch.Tensor:
+        from ..codec import EncodedTensor, TensorContext
+
+        shape = (c.tokens, ti.shape[1], ti.shape[2])
+        ctx = TensorContext(layer=lm.index, role=ti.role, shape=shape, dtype=self.dtype,
+                            layer_kind=lm.kind, globals=self.globals())
+        enc = EncodedTensor(planes=planes, params=c.params)
+        where = f"layers.{lm.index}.{ti.role}" + (f" chunk {c.start // self._m.tokens_per_chunk}" if self._m.chunked else "")
+        try:
             if device == "cpu":
-                t = file_codec.decode_tensor(enc, ctx)
+                t = self.codec.decode_tensor(enc, ctx)
             else:
                 from ..gpu import decode_tensor_device
 
-                t = decode_tensor_device(file_codec, enc, ctx, device)
-            if tuple(t.shape) != ctx.shape:
-                raise FormatError(
-                    f"layers.{i}.{role}: decoded shape {list(t.shape)} != declared {list(ctx.shape)}"
-                )
-            layer[role] = t
-        layers.append(layer)
-        infos.append(LayerInfo(kind=lm.get("kind", "full"), window=int(lm.get("window", 0))))
-    tok = f.get("meta.token_ids") if "meta.token_ids" in f.names() else None
-    pos = f.get("meta.positions") if "meta.positions" in f.names() else None
-    rope = dict(m.get("rope", {}))
-    applied = bool(rope.pop("applied", True))
-    return KVCache(
-        layers=layers,
-        layer_info=infos,
-        token_ids=torch.from_numpy(tok.copy()) if tok is not None else None,
-        positions=torch.from_numpy(pos.copy()) if pos is not None else None,
-        model=ModelIdentity.from_dict(m.get("model")),
-        rope_applied=applied,
-        rope=rope,
-    )
+                t = decode_tensor_device(self.codec, enc, ctx, device)
+        except KVCodecError:
+            raise
+        except Exception as e:  # noqa: BLE001 - hostile input must only ever raise our errors
+            raise FormatError(
+                f"{where}: codec {self.codec.codec_id!r} failed to decode: {type(e).__name__}: {str(e)[:200]}"
+            ) from None
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != self.dtype:
+            got = f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise FormatError(f"{where}: codec returned {got}, expected {list(shape)} {self.dtype}")
+        return t
+
+    def read_layer(self, i: int, chunks: Sequence[int] | range | None = None, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """Decode layer ``i`` (optionally only some chunks, concatenated along tokens).
+
+        Reads only that layer's bytes (plus the file-level planes once), verifying every CRC-32
+        before decoding.
+        """
+        lm = self._layer(i)
+        roles = list(lm.tensors.values())
+        n_chunks = len(roles[0].chunks)
+        sel = list(range(n_chunks)) if chunks is None else list(chunks)
+        for j in sel:
+            if type(j) is not int or not 0 <= j < n_chunks:
+                raise InputError(f"chunk {j!r} out of range: layer {i} has {n_chunks} chunks")
+        whole = chunks is None or sel == list(range(n_chunks))
+        if whole:
+            start, end = self.layer_span(i)
+            buf = self._read_span(start, end)
+            self._check_pads(buf, start, start, end)
+        out: dict[str, torch.Tensor] = {}
+        for ti in roles:
+            parts = []
+            for j in sel:
+                c = ti.chunks[j]
+                if whole:
+                    planes = {p: self._plane_from(buf, start, n) for p, n in c.planes.items()}
+                else:
+                    planes = {p: self.read_plane(n) for p, n in c.planes.items()}
+                parts.append(self._decode_chunk(lm, ti, c, planes, device))
+            if len(parts) == 1:
+                out[ti.role] = parts[0]
+            elif parts:
+                out[ti.role] = torch.cat(parts, dim=0)
+            else:
+                out[ti.role] = torch.empty((0, ti.shape[1], ti.shape[2]), dtype=self.dtype,
+                                           device=device if device != "cpu" else None)
+        return out
+
+    def read_layers(self, layers: Iterable[int] | None = None, device: str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
+        """Decode layers one at a time (default: all), yielding each layer's tensor dict."""
+        for i in range(self.num_layers) if layers is None else layers:
+            yield self.read_layer(i, device=device)
+
+    def read_cache(self, device: str = "cpu") -> KVCache:
+        """Decode the whole file into a :class:`KVCache`, one layer at a time."""
+        m = self.manifest
+        self.check_padding()
+        layers = list(self.read_layers(device=device))
+        rope = m["rope"]
+        return KVCache(
+            layers=layers,
+            layer_info=[self.layer_info(i) for i in range(self.num_layers)],
+            token_ids=self.token_ids(),
+            positions=self.positions(),
+            model=ModelIdentity.from_dict(m["model"]),
+            rope_applied=bool(rope["applied"]),
+            rope=dict(rope["params"]),
+        )
+
+    def verify(self, decode: bool = True) -> dict[str, Any]:
+        """Check every CRC-32 and the padding; with ``decode``, also decode every layer and check
+        that the values are finite. Returns a summary; raises a :class:`KVCodecError` on failure."""
+        self.check_padding()
+        for n in self.tensor_names():
+            if not self._is_layer_plane(n):
+                self.read_plane(n)
+        for i in range(self.num_layers):
+            if decode:
+                for role, t in self.read_layer(i).items():
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        raise FormatError(f"layers.{i}.{role} decodes to NaN or Inf values")
+            else:
+                start, end = self.layer_span(i)
+                buf = self._read_span(start, end)
+                self._check_pads(buf, start, start, end)
+                for ti in self._layer(i).tensors.values():
+                    for c in ti.chunks:
+                        for n in c.planes.values():
+                            self._plane_from(buf, start, n)
+        return {"ok": True, "tensors": len(self.tensor_names()), "layers": self.num_layers,
+                "bytes": self.file_size, "decoded": decode}
+
+    def _is_layer_plane(self, n: str) -> bool:
+        return n.startswith("layers.")
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        self._src.close()
+
+    def __enter__(self) -> "KVCReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _checksum_error(msg: str) -> Exception:
+    from ..errors import ChecksumError
+
+    return ChecksumError(msg)
+
+
+def open_kvc(src: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO) -> KVCReader:
+    """Open a KVC file (path, bytes, or seekable binary file object) for lazy, validated reading.
+
+    Raises:
+        TruncatedError, FormatError, VersionError, ChecksumError, UnknownCodecError: the file is
+        damaged, foreign, too new, or names a codec this installation lacks.
+    """
+    return KVCReader(sio.as_source(src))
+
+
+def read_cache(
+    data: bytes | str | os.PathLike[str] | BinaryIO, codec: "Codec | None" = None, device: str = "cpu"
+) -> KVCache:
+    """Decode a whole KVC file. If ``codec`` is given, the file must have been written by it."""
+    with open_kvc(data) as r:
+        if codec is not None and codec.codec_id != r.codec.codec_id:
+            raise FormatError(f"file was written by codec {r.codec.codec_id!r}, not {codec.codec_id!r}")
+        return r.read_cache(device=device)
+
