@@ -24,6 +24,7 @@ from .ans_ref import (
     ans_encode_reference,
     ans_encode_segments_reference,
 )
+from .stage import EntropyStage, StageLayout, ideal_bits, side_info_bits
 from .tables import (
     CODER_PRECISION,
     build_table,
@@ -36,6 +37,10 @@ from .tables import (
 
 __all__ = [
     "CODER_PRECISION",
+    "EntropyStage",
+    "StageLayout",
+    "ideal_bits",
+    "side_info_bits",
     "ans_decode",
     "ans_decode_reference",
     "ans_decode_segments",

@@ -1,0 +1,446 @@
+"""The entropy stage: code an integer symbol matrix as many independent ANS streams with an index.
+
+Usable after any integer quantizer (KIVI codes, delta codes, CacheGen bins): give it
+``symbols[R, N]`` (row = one distribution unit, usually a channel; column = token) and it returns
+named planes (formats/ANS.md §3): ``meta``, ``words``, ``offsets``, ``tables`` and, when tables are
+shared, ``row_table``. Streams are cut per token chunk (``chunk``) and per group of
+``rows_per_stream`` rows, so many decoders can run in parallel (one GPU thread per stream).
+
+Table modes (``tables``):
+
+- ``"row"``: one table per row (per distribution unit), the CacheGen choice.
+- ``"shared"``: one table for all rows.
+- ``"cluster"``: ``n_tables`` tables shared by rows with similar distributions (KL k-means on the
+  row histograms), plus one byte per row naming its table — small side information.
+
+``scope`` is ``"all"`` (one table set for the whole matrix) or ``"chunk"`` (a new set per token
+chunk, as LMCache ships a CDF per chunk). Tables may also be *external*: fitted once per file
+(:meth:`EntropyStage.fit_tables`, stored by the codec in ``encode_globals``) and passed to both
+:meth:`EntropyStage.encode` and :meth:`EntropyStage.decode`.
+
+Example:
+    >>> import numpy as np
+    >>> from kvcodec.entropy import EntropyStage
+    >>> x = np.random.default_rng(0).integers(0, 4, size=(6, 100))
+    >>> st = EntropyStage(precision=10, chunk=64)
+    >>> planes = st.encode(x, alphabet=4)
+    >>> sorted(planes), planes["offsets"].shape
+    (['meta', 'offsets', 'tables', 'words'], (13,))
+    >>> bool((st.decode(planes) == x).all())
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, FormatError, InputError, StreamError
+from .ans import _AnsCoder, _need, constriction_model
+from .tables import MAX_PRECISION, build_tables, decode_tables, encode_tables
+
+ANS_STAGE_VERSION = 1
+_SCOPES = {"all": 0, "chunk": 1}
+_MODES = ("row", "shared", "cluster")
+FLAG_EXTERNAL_TABLES = 1
+FLAG_ROW_TABLE = 2
+
+
+class StageLayout:
+    """Geometry of a stage's streams, read from (and validated against) its ``meta`` plane.
+
+    Attributes mirror formats/ANS.md §3: ``R, N, C, G, P, A, K, scope, flags``, plus
+    ``n_chunks``, ``n_groups``, ``n_streams`` and ``n_sets``.
+    """
+
+    def __init__(self, meta: np.ndarray) -> None:
+        m = np.asarray(meta)
+        if m.dtype != np.uint32 or m.shape != (10,):
+            raise FormatError(f"ANS meta plane must be uint32[10], got {m.dtype}{list(m.shape)}")
+        v, self.R, self.N, self.C, self.G, self.P, self.A, self.K, self.scope, self.flags = (int(x) for x in m)
+        if v != ANS_STAGE_VERSION:
+            raise FormatError(f"ANS stage version {v} is not supported (this reader knows {ANS_STAGE_VERSION})")
+        if not 1 <= self.P <= MAX_PRECISION:
+            raise FormatError(f"ANS table precision {self.P} outside [1, 24]")
+        if not 2 <= self.A <= (1 << self.P):
+            raise FormatError(f"ANS alphabet {self.A} outside [2, 2**P]")
+        if self.C < 1 or self.G < 1 or self.K < 1 or self.scope not in (0, 1) or self.flags > 3:
+            raise FormatError(f"bad ANS meta {m.tolist()}")
+        self.n_chunks = -(-self.N // self.C)
+        self.n_groups = -(-self.R // self.G)
+        self.n_streams = self.n_chunks * self.n_groups
+        self.n_sets = 1 if self.scope == 0 else self.n_chunks
+        if not self.flags & FLAG_ROW_TABLE and self.K not in (1, self.R):
+            raise FormatError(f"without row_table the table count K={self.K} must be 1 or R={self.R}")
+
+    def stream(self, s: int) -> tuple[int, int, int, int]:
+        """``(row0, row1, t0, t1)`` of stream ``s`` (chunk-major order)."""
+        c, g = divmod(s, self.n_groups)
+        return g * self.G, min(self.R, (g + 1) * self.G), c * self.C, min(self.N, (c + 1) * self.C)
+
+    def symbol_counts(self) -> np.ndarray:
+        """Symbols per stream (implied by the geometry), ``int64 [S]``."""
+        out = np.empty(self.n_streams, dtype=np.int64)
+        for s in range(self.n_streams):
+            r0, r1, t0, t1 = self.stream(s)
+            out[s] = (r1 - r0) * (t1 - t0)
+        return out
+
+
+class EntropyStage:
+    """Entropy stage with a JSON config; see the module docstring.
+
+    Args:
+        precision: table precision ``P`` (bits, 1..24). 12 costs < 0.1% over exact tables on
+            KV codes; 16 mirrors LMCache's 16-bit CDFs.
+        chunk: tokens per stream (``0`` = all tokens in one chunk).
+        rows_per_stream: rows (channels) per stream.
+        tables: ``"row"``, ``"shared"`` or ``"cluster"``.
+        n_tables: tables per set in ``"cluster"`` mode.
+        scope: ``"all"`` or ``"chunk"``.
+    """
+
+    defaults: dict[str, Any] = {
+        "precision": 12, "chunk": 4096, "rows_per_stream": 1, "tables": "row", "n_tables": 16, "scope": "all",
+    }
+
+    def __init__(self, **config: Any) -> None:
+        unknown = set(config) - set(self.defaults)
+        if unknown:
+            raise ConfigError(f"entropy stage has no parameter(s) {sorted(unknown)}; known: {sorted(self.defaults)}")
+        cfg = {**copy.deepcopy(self.defaults), **config}
+        for k in ("precision", "chunk", "rows_per_stream", "n_tables"):
+            if not isinstance(cfg[k], int) or isinstance(cfg[k], bool):
+                raise ConfigError(f"entropy stage: {k} must be an integer, got {cfg[k]!r}")
+        if not 1 <= cfg["precision"] <= MAX_PRECISION:
+            raise ConfigError(f"entropy stage: precision must be in [1, 24], got {cfg['precision']}")
+        if cfg["chunk"] < 0 or cfg["rows_per_stream"] < 1 or not 1 <= cfg["n_tables"] <= 65535:
+            raise ConfigError(f"entropy stage: bad chunk / rows_per_stream / n_tables in {cfg}")
+        if cfg["tables"] not in _MODES:
+            raise ConfigError(f"entropy stage: tables must be one of {_MODES}, got {cfg['tables']!r}")
+        if cfg["scope"] not in _SCOPES:
+            raise ConfigError(f"entropy stage: scope must be 'all' or 'chunk', got {cfg['scope']!r}")
+        self.config = cfg
+
+    def get_config(self) -> dict[str, Any]:
+        return dict(self.config)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "EntropyStage":
+        return cls(**config)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EntropyStage) and other.config == self.config
+
+    def __repr__(self) -> str:
+        return f"EntropyStage(**{json.dumps(self.config, sort_keys=True)})"
+
+    # ------------------------------------------------------------------ tables
+    def fit_tables(self, symbols: np.ndarray, alphabet: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Fit one table set to ``symbols[R, N]``: returns ``(tables uint32 [K, A], row_table)``.
+
+        ``row_table`` is ``None`` for ``"row"``/``"shared"`` modes (identity / all zero), else
+        ``uint8``/``uint16 [R]``.
+        """
+        x = np.asarray(symbols)
+        r, n = x.shape
+        a = int(alphabet)
+        p = self.config["precision"]
+        flat = (np.arange(r, dtype=np.int64)[:, None] * a + x).ravel()
+        hist = np.bincount(flat, minlength=r * a).reshape(r, a)
+        mode = self.config["tables"]
+        if mode == "shared" or (mode == "cluster" and r <= 1):
+            return build_tables(hist.sum(axis=0, keepdims=True), p), None
+        if mode == "row" or r <= self.config["n_tables"]:  # as many tables as rows: no index needed
+            return build_tables(hist, p), None
+        return _cluster_tables(hist, self.config["n_tables"], p)
+
+    # ------------------------------------------------------------------ encode
+    def encode(
+        self,
+        symbols: np.ndarray,
+        alphabet: int | None = None,
+        tables: np.ndarray | None = None,
+        row_table: np.ndarray | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Code ``symbols[R, N]`` (integers in ``[0, alphabet)``); return the planes.
+
+        Args:
+            symbols: 2-D integer array, row = distribution unit, column = token.
+            alphabet: alphabet size ``A`` (default ``max(2, max + 1)``).
+            tables: external tables ``uint32 [K, A]`` of this stage's precision (stored by the
+                caller, e.g. once per file); then ``row_table`` gives each row's table (or the
+                identity / all-zero rule of formats/ANS.md applies).
+            row_table: with external tables, the table index of each row ``[R]``.
+
+        Raises:
+            InputError: symbols not 2-D integers in range.
+        """
+        _need()
+        x = np.asarray(symbols)
+        if x.ndim != 2 or (x.size and x.dtype.kind not in "iu"):
+            raise InputError(f"entropy stage needs a 2-D integer symbol array, got {x.dtype}{list(x.shape)}")
+        r, n = x.shape
+        lo, hi = (int(x.min()), int(x.max())) if x.size else (0, 0)
+        a = max(2, hi + 1) if alphabet is None else int(alphabet)
+        p = self.config["precision"]
+        if lo < 0 or hi >= a or a < 2 or a > (1 << p):
+            raise InputError(f"symbols must lie in [0, {a}) with 2 <= A <= 2**{p}; got range [{lo}, {hi}]")
+        x = np.ascontiguousarray(x, dtype=np.int32)
+        cfg = self.config
+        c = cfg["chunk"] if cfg["chunk"] > 0 else max(1, n)
+        g = cfg["rows_per_stream"]
+        n_chunks, n_groups = -(-n // c), -(-r // g)
+        flags = 0
+        if tables is not None:
+            if cfg["scope"] != "all":
+                raise ConfigError("external tables need scope 'all'")
+            t = np.asarray(tables, dtype=np.uint32)
+            if t.ndim != 2 or t.shape[1] != a:
+                raise InputError(f"external tables must be [K, {a}], got {list(t.shape)}")
+            decode_tables(encode_tables(t, p), p)  # validates precision and sums
+            sets = [(t, None if row_table is None else np.asarray(row_table))]
+            flags |= FLAG_EXTERNAL_TABLES
+        elif cfg["scope"] == "all":
+            sets = [self.fit_tables(x, a)]
+        else:
+            sets = [self.fit_tables(x[:, i * c:(i + 1) * c], a) for i in range(n_chunks)]
+        if sets:
+            k = int(sets[0][0].shape[0])
+        else:  # no chunks (N = 0): the table count the mode would give
+            mode = cfg["tables"]
+            k = 1 if mode == "shared" or r <= 1 else (min(r, cfg["n_tables"]) if mode == "cluster" else r)
+            if mode == "cluster" and r > cfg["n_tables"]:
+                flags |= FLAG_ROW_TABLE
+        k = max(1, k)
+        rts = []
+        for tset, rt in sets:
+            if rt is not None:
+                rt = np.asarray(rt)
+                if rt.shape != (r,) or (rt.size and (int(rt.min()) < 0 or int(rt.max()) >= len(tset))):
+                    raise InputError(f"row_table must be [{r}] indices into {len(tset)} tables")
+                flags |= FLAG_ROW_TABLE
+            elif len(tset) not in (1, r):
+                raise InputError(f"{len(tset)} tables for {r} rows need a row_table")
+            rts.append(rt)
+        if flags & FLAG_ROW_TABLE:
+            rts = [np.arange(r) if (rt is None and k == r) else (np.zeros(r, np.int64) if rt is None else rt) for rt in rts]
+        # index of each (set, row) into the flat list of models
+        models = [[constriction_model(f) for f in tset] for tset, _ in sets]
+        words: list[np.ndarray] = []
+        offsets = np.zeros(n_chunks * n_groups + 1, dtype=np.int64)
+        s = 0
+        for ci in range(n_chunks):
+            t0, t1 = ci * c, min(n, (ci + 1) * c)
+            si = 0 if cfg["scope"] == "all" else ci
+            rt = rts[si]
+            ms = models[si]
+            for gi in range(n_groups):
+                coder = _AnsCoder()
+                for row in range(min(r, (gi + 1) * g) - 1, gi * g - 1, -1):
+                    tid = (row if len(ms) == r else 0) if rt is None else int(rt[row])
+                    coder.encode_reverse(x[row, t0:t1], ms[tid])
+                w = coder.get_compressed()
+                words.append(w)
+                s += 1
+                offsets[s] = offsets[s - 1] + len(w)
+        total = int(offsets[-1])
+        if total >= 1 << 32:
+            raise InputError("entropy stage output exceeds 2**32 words; use smaller tensors")
+        meta = np.array([ANS_STAGE_VERSION, r, n, c, g, p, a, k, _SCOPES[cfg["scope"]], flags], dtype=np.uint32)
+        planes = {
+            "meta": meta,
+            "words": np.concatenate(words).astype(np.uint32) if words else np.zeros(0, np.uint32),
+            "offsets": offsets.astype(np.uint32),
+        }
+        if not flags & FLAG_EXTERNAL_TABLES:
+            tab = np.stack([t for t, _ in sets]) if sets else np.ones((0, k, a), np.uint32)
+            planes["tables"] = encode_tables(tab, p)
+        if flags & FLAG_ROW_TABLE and not flags & FLAG_EXTERNAL_TABLES:
+            rtab = np.stack(rts) if rts else np.zeros((0, r), np.int64)
+            planes["row_table"] = rtab.astype(np.uint8 if k <= 256 else np.uint16)
+        return planes
+
+    # ------------------------------------------------------------------ decode
+    def decode(
+        self,
+        planes: dict[str, np.ndarray],
+        tables: np.ndarray | None = None,
+        row_table: np.ndarray | None = None,
+        method: str = "constriction",
+    ) -> np.ndarray:
+        """Decode the planes back to ``int32 [R, N]``.
+
+        Args:
+            planes: the planes from :meth:`encode` (read from a file: validated here).
+            tables, row_table: the external tables, if the stage was encoded with them.
+            method: ``"constriction"`` (fast path), ``"numpy"`` (vectorised across streams) or
+                ``"reference"`` (the pure-integer spec; slow).
+
+        Raises:
+            FormatError: planes missing or inconsistent. StreamError: a stream is corrupt or not
+            consumed exactly.
+        """
+        lay, words, offsets, tsets, rts = parse_planes(planes, tables, row_table)
+        if method == "reference":
+            return _decode_reference(lay, words, offsets, tsets, rts)
+        if method == "numpy":
+            from .ans_vec import decode_stage_numpy
+
+            return decode_stage_numpy(lay, words, offsets, tsets, rts)
+        if method != "constriction":
+            raise ConfigError(f"unknown decode method {method!r}")
+        _need()
+        out = np.zeros((lay.R, lay.N), dtype=np.int32)
+        models = [[constriction_model(f) for f in tset] for tset in tsets]
+        for s in range(lay.n_streams):
+            r0, r1, t0, t1 = lay.stream(s)
+            si = 0 if lay.scope == 0 else s // lay.n_groups
+            rt, ms = rts[si], models[si]
+            w = words[offsets[s]:offsets[s + 1]]
+            try:
+                coder = _AnsCoder(w)
+            except ValueError as e:
+                raise StreamError(f"ANS stream {s}: {e}") from None
+            for row in range(r0, r1):
+                out[row, t0:t1] = coder.decode(ms[int(rt[row])], t1 - t0)
+            if not coder.is_empty():
+                raise StreamError(f"ANS stream {s} not consumed exactly (corrupt or wrong index)")
+        return out
+
+
+def parse_planes(
+    planes: dict[str, np.ndarray], tables: np.ndarray | None = None, row_table: np.ndarray | None = None
+) -> tuple[StageLayout, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Validate stage planes; return ``(layout, words, offsets int64, tables uint32 [n_sets, K, A],
+    row_table int64 [n_sets, R])`` with the identity / zero rule already applied."""
+    for name in ("meta", "words", "offsets"):
+        if name not in planes:
+            raise FormatError(f"ANS stage plane {name!r} is missing")
+    lay = StageLayout(planes["meta"])
+    words, offsets = np.asarray(planes["words"]), np.asarray(planes["offsets"])
+    if words.dtype != np.uint32 or words.ndim != 1:
+        raise FormatError(f"ANS words must be uint32[W], got {words.dtype}{list(words.shape)}")
+    if offsets.dtype != np.uint32 or offsets.shape != (lay.n_streams + 1,):
+        raise FormatError(f"ANS offsets must be uint32[{lay.n_streams + 1}], got {offsets.dtype}{list(offsets.shape)}")
+    off = offsets.astype(np.int64)
+    if off[0] != 0 or off[-1] != len(words) or (np.diff(off) < 0).any():
+        raise FormatError("ANS offsets must start at 0, never decrease and end at len(words)")
+    if lay.flags & FLAG_EXTERNAL_TABLES:
+        if tables is None:
+            raise FormatError("this ANS stage uses external (file-level) tables, but none were given")
+        t = np.asarray(tables, dtype=np.uint32)[None]
+        rt_in = row_table
+    else:
+        if "tables" not in planes:
+            raise FormatError("ANS stage plane 'tables' is missing")
+        t = decode_tables(planes["tables"], lay.P)
+        rt_in = planes.get("row_table")
+    if t.shape != (lay.n_sets, lay.K, lay.A):
+        raise FormatError(f"ANS tables have shape {list(t.shape)}, expected {[lay.n_sets, lay.K, lay.A]}")
+    if lay.flags & FLAG_EXTERNAL_TABLES:
+        decode_tables(encode_tables(t, lay.P), lay.P)
+    if lay.flags & FLAG_ROW_TABLE:
+        if rt_in is None:
+            raise FormatError("ANS stage needs a row_table plane")
+        rt = np.asarray(rt_in)
+        if rt.ndim == 1:
+            rt = rt[None]
+        if rt.dtype.kind not in "ui" or rt.shape != (lay.n_sets, lay.R):
+            raise FormatError(f"ANS row_table must be [{lay.n_sets}, {lay.R}] integers, got {rt.dtype}{list(rt.shape)}")
+        rt = rt.astype(np.int64)
+        if rt.size and (int(rt.min()) < 0 or int(rt.max()) >= lay.K):
+            raise FormatError(f"ANS row_table has an index outside [0, {lay.K})")
+    else:
+        rt = np.broadcast_to(np.arange(lay.R) if lay.K == lay.R else np.zeros(lay.R, np.int64), (lay.n_sets, lay.R))
+    return lay, words, off, t, rt
+
+
+def _decode_reference(lay, words, offsets, tsets, rts) -> np.ndarray:
+    from .ans_ref import ans_decode_segments_reference
+
+    out = np.zeros((lay.R, lay.N), dtype=np.int32)
+    for s in range(lay.n_streams):
+        r0, r1, t0, t1 = lay.stream(s)
+        si = 0 if lay.scope == 0 else s // lay.n_groups
+        segs = [(tsets[si][int(rts[si][row])], t1 - t0) for row in range(r0, r1)]
+        try:
+            dec = ans_decode_segments_reference(words[offsets[s]:offsets[s + 1]], segs)
+        except StreamError as e:
+            raise StreamError(f"ANS stream {s}: {e}") from None
+        out[r0:r1, t0:t1] = dec.reshape(r1 - r0, t1 - t0)
+    return out
+
+
+def side_info_bits(planes: dict[str, np.ndarray], external_bits: int = 0) -> dict[str, int]:
+    """Bits of each plane of a stage: ``words`` (payload) and the side information
+    (``meta``, ``offsets``, ``tables``, ``row_table``); ``external_bits`` adds amortised file-level
+    tables. ``side`` sums the side information.
+
+    Example:
+        >>> st = EntropyStage(chunk=8)
+        >>> b = side_info_bits(st.encode(np.zeros((2, 16), np.int32), alphabet=4))
+        >>> b["offsets"], b["tables"], b["side"]
+        (160, 128, 608)
+    """
+    out = {k: 8 * int(np.asarray(planes[k]).nbytes) if k in planes else 0
+           for k in ("words", "meta", "offsets", "tables", "row_table")}
+    out["external"] = int(external_bits)
+    out["side"] = out["meta"] + out["offsets"] + out["tables"] + out["row_table"] + out["external"]
+    return out
+
+
+def ideal_bits(symbols: np.ndarray, planes: dict[str, np.ndarray], tables: np.ndarray | None = None,
+               row_table: np.ndarray | None = None) -> float:
+    """Empirical code length ``Σ (P − log2 f[s])`` of ``symbols`` under the coded tables: the
+    bound the ``words`` plane should be within ~1% of."""
+    lay, _, _, tsets, rts = parse_planes(planes, tables, row_table)
+    x = np.asarray(symbols, dtype=np.int64)
+    total = 0.0
+    for si in range(lay.n_sets):
+        t0, t1 = (0, lay.N) if lay.scope == 0 else (si * lay.C, min(lay.N, (si + 1) * lay.C))
+        logf = np.log2(tsets[si].astype(np.float64))  # [K, A]
+        rows = rts[si]
+        total += float((lay.P - logf[rows[:, None], x[:, t0:t1]]).sum())
+    return total
+
+
+def _cluster_tables(hist: np.ndarray, k: int, precision: int) -> tuple[np.ndarray, np.ndarray]:
+    """KL k-means of row histograms into ``k`` shared tables (deterministic).
+
+    Cost of coding row ``r`` with distribution ``q`` is ``-Σ h[r,a] log q[a]`` (its code length),
+    so assigning each row to the cheapest table and re-estimating tables from member histograms
+    never increases the total code length.
+    """
+    h = hist.astype(np.float64)
+    r, a = h.shape
+    # deterministic init: rows spread evenly over the order of their mean symbol and spread
+    mean = (h * np.arange(a)).sum(1) / np.maximum(h.sum(1), 1)
+    order = np.lexsort((np.arange(r), mean))
+    centers = h[order[np.linspace(0, r - 1, k).round().astype(int)]] + 0.5
+    assign = np.zeros(r, dtype=np.int64)
+    for _ in range(12):
+        q = centers / centers.sum(1, keepdims=True)
+        cost = -h @ np.log(q).T  # [r, k]
+        new = cost.argmin(1)
+        if _ and (new == assign).all():
+            break
+        assign = new
+        centers = np.stack([h[assign == j].sum(0) + 0.5 if (assign == j).any() else centers[j] for j in range(k)])
+    # empty clusters keep a table (from all rows) so every chunk's set has exactly k tables
+    th = np.stack([hist[assign == j].sum(0) if (assign == j).any() else hist.sum(0) for j in range(k)])
+    return build_tables(th, precision), assign.astype(np.uint8 if k <= 256 else np.uint16)
+
+
+def planes_nbits(planes: dict[str, np.ndarray]) -> int:
+    """Total bits of a dict of planes."""
+    return sum(8 * int(np.asarray(p).nbytes) for p in planes.values())
+
+
+def bits_per_symbol_bound(a: int) -> float:
+    """Fixed-width bits per symbol for an alphabet of ``a`` symbols (the packing baseline)."""
+    return float(max(1, math.ceil(math.log2(max(2, a)))))
