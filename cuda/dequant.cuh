@@ -1,0 +1,107 @@
+// dequant.cuh -- per-item FP8 and NVFP4 dequantization, shared by the kernels (dequant.cu) and
+// the host harness (host/harness.cpp) that checks them bit for bit against the CPU reference.
+//
+// Layouts (formats/SPEC.md, kvcodec/quant/):
+//   FP8:   codes uint8 [rows = T*H, D]; scale fp32 broadcast onto [T, H, D]; value = f32(code) * s
+//   NVFP4: codes uint8 [rows, Dp/2] (low nibble = even index), block_scale uint8 E4M3
+//          [rows, Dp/16], tensor_scale fp32 [1]; value = (e2m1 * f32(block_scale)) * tensor_scale,
+//          each product rounded in fp32; the first D of the Dp (padded) columns are kept.
+// Every value is rounded to the output dtype once, at the end (round to nearest even).
+#pragma once
+#include "kvc_common.cuh"
+#include "kvc_vec.cuh"
+
+namespace kvc {
+
+enum Fp8Format { FP8_E4M3 = 0, FP8_E5M2 = 1 };
+
+// Kernel parameters, passed by value; gpu.py mirrors this layout with ctypes.Structure.
+struct Fp8Params {
+  const uint8_t* codes;  // [rows, D]
+  const float* scale;    // broadcast scale, indexed as below
+  void* out;             // [rows, D] in the output dtype
+  int64_t rows;          // T * H
+  int64_t s_t, s_h, s_d; // scale strides (elements); 0 on broadcast axes
+  int32_t heads, dim;    // H, D
+  int32_t t_blk, h_blk, d_blk;  // scale coordinate along an axis = coordinate / blk
+  int32_t scale_const16;        // 1 if the scale is constant over each aligned run of 16 along D
+};
+
+template <int FMT>
+KVC_HD float fp8_to_f32(uint32_t b) {
+  return FMT == FP8_E4M3 ? e4m3_to_f32(b) : e5m2_to_f32(b);
+}
+
+KVC_HD int64_t fp8_scale_index(const Fp8Params& p, int64_t row, int64_t d) {
+  const int64_t t = row / p.heads, h = row - t * p.heads;
+  return (t / p.t_blk) * p.s_t + (h / p.h_blk) * p.s_h + (d / p.d_blk) * p.s_d;
+}
+
+// One element (the general path: any D, any scale layout).
+template <int FMT, int OUT>
+KVC_HD void fp8_item(const Fp8Params& p, int64_t i) {
+  const int64_t row = i / p.dim, d = i - row * p.dim;
+  const float s = loadf(p.scale + fp8_scale_index(p, row, d));
+  store_out<OUT>(p.out, (uint64_t)i, mul_rn(fp8_to_f32<FMT>(p.codes[i]), s));
+}
+
+// Sixteen elements d0..d0+15 of one row (the fast path: D % 16 == 0, 16-byte aligned planes).
+template <int FMT, int OUT>
+KVC_HD void fp8_item16(const Fp8Params& p, int64_t v) {
+  const int64_t i0 = v * 16;
+  const int64_t row = i0 / p.dim, d0 = i0 - row * p.dim;
+  const U32x4 c = load16(p.codes + i0);
+  uint32_t bits[16];
+  if (p.scale_const16) {
+    const float s = loadf(p.scale + fp8_scale_index(p, row, d0));
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      bits[j] = out_bits<OUT>(mul_rn(fp8_to_f32<FMT>((c.w[j >> 2] >> (8 * (j & 3))) & 0xFFu), s));
+  } else {
+    const int64_t base = fp8_scale_index(p, row, 0);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float s = loadf(p.scale + base + ((d0 + j) / p.d_blk) * p.s_d);
+      bits[j] = out_bits<OUT>(mul_rn(fp8_to_f32<FMT>((c.w[j >> 2] >> (8 * (j & 3))) & 0xFFu), s));
+    }
+  }
+  store16_out<OUT>(p.out, (uint64_t)i0, bits);
+}
+
+struct Nvfp4Params {
+  const uint8_t* codes;         // [rows, dim_padded / 2]
+  const uint8_t* block_scale;   // [rows, dim_padded / 16], E4M3
+  const float* tensor_scale;    // [1]
+  void* out;                    // [rows, dim]
+  int64_t rows;
+  int32_t dim, dim_padded;
+};
+
+KVC_HD float nvfp4_value(uint32_t code, float block_scale, float tensor_scale) {
+  return mul_rn(mul_rn(e2m1_to_f32(code), block_scale), tensor_scale);
+}
+
+// One 16-element block: item = row * (dim_padded / 16) + block.
+template <int OUT>
+KVC_HD void nvfp4_item(const Nvfp4Params& p, int64_t item) {
+  const int32_t nb = p.dim_padded >> 4;
+  const int64_t row = item / nb;
+  const int32_t b = (int32_t)(item - row * nb);
+  const uint64_t packed = load8(p.codes + row * (p.dim_padded >> 1) + b * 8);
+  const float bs = e4m3_to_f32(load1(p.block_scale + item));
+  const float ts = loadf(p.tensor_scale);
+  const int32_t d0 = b * 16;
+  if (p.dim == p.dim_padded) {
+    uint32_t bits[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      bits[j] = out_bits<OUT>(nvfp4_value((uint32_t)(packed >> (4 * j)) & 0xFu, bs, ts));
+    store16_out<OUT>(p.out, (uint64_t)(row * p.dim + d0), bits);
+  } else {
+    for (int j = 0; j < 16 && d0 + j < p.dim; ++j)
+      store_out<OUT>(p.out, (uint64_t)(row * p.dim + d0 + j),
+                     nvfp4_value((uint32_t)(packed >> (4 * j)) & 0xFu, bs, ts));
+  }
+}
+
+}  // namespace kvc

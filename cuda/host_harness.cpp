@@ -1,0 +1,63 @@
+// host_harness.cpp -- runs the kernels' per-item device code on the CPU.
+//
+// The kernels in this folder are thin loops around __host__ __device__ functions (dequant.cuh,
+// intq.cuh, ans.cuh). This file compiles those same functions with the host compiler, so
+// tests/test_cuda_compile.py can check them bit for bit against kvcodec's CPU reference
+// decoders on a machine without a GPU:
+//   g++ -std=c++17 -O2 -ffp-contract=off -shared -fPIC host_harness.cpp -o harness.so
+// What it cannot check: the PTX conversions (cvt.rn.f16/bf16.f32, replaced here by software
+// twins that the test also checks against torch) and the grid mapping of the kernels.
+#include "dequant.cuh"
+
+extern "C" {
+
+// Sizes of the parameter structs, to check gpu.py's ctypes mirrors.
+int64_t kvc_sizeof(int which) {
+  switch (which) {
+    case 0: return (int64_t)sizeof(kvc::Fp8Params);
+    case 1: return (int64_t)sizeof(kvc::Nvfp4Params);
+    default: return -1;
+  }
+}
+
+void kvc_fp8_host(const kvc::Fp8Params* p, int fmt, int out, int vec16, int64_t n) {
+#define KVC_RUN(F, O)                                                        \
+  for (int64_t i = 0; i < n; ++i) {                                          \
+    if (vec16) kvc::fp8_item16<F, O>(*p, i); else kvc::fp8_item<F, O>(*p, i); \
+  }
+  if (fmt == 0) {
+    if (out == 0) { KVC_RUN(kvc::FP8_E4M3, kvc::OUT_F32) }
+    else if (out == 1) { KVC_RUN(kvc::FP8_E4M3, kvc::OUT_F16) }
+    else { KVC_RUN(kvc::FP8_E4M3, kvc::OUT_BF16) }
+  } else {
+    if (out == 0) { KVC_RUN(kvc::FP8_E5M2, kvc::OUT_F32) }
+    else if (out == 1) { KVC_RUN(kvc::FP8_E5M2, kvc::OUT_F16) }
+    else { KVC_RUN(kvc::FP8_E5M2, kvc::OUT_BF16) }
+  }
+#undef KVC_RUN
+}
+
+void kvc_nvfp4_host(const kvc::Nvfp4Params* p, int out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (out == 0) kvc::nvfp4_item<kvc::OUT_F32>(*p, i);
+    else if (out == 1) kvc::nvfp4_item<kvc::OUT_F16>(*p, i);
+    else kvc::nvfp4_item<kvc::OUT_BF16>(*p, i);
+  }
+}
+
+// Element-wise conversions, for exhaustive checks against torch.
+void kvc_convert_host(int which, const uint32_t* in, uint32_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    switch (which) {
+      case 0: out[i] = kvc::f32_bits(kvc::e4m3_to_f32(in[i])); break;
+      case 1: out[i] = kvc::f32_bits(kvc::e5m2_to_f32(in[i])); break;
+      case 2: out[i] = kvc::f32_bits(kvc::e2m1_to_f32(in[i])); break;
+      case 3: out[i] = kvc::f32_to_f16_soft(kvc::bits_f32(in[i])); break;
+      case 4: out[i] = kvc::f32_to_bf16_soft(kvc::bits_f32(in[i])); break;
+      case 5: out[i] = kvc::f32_bits(kvc::f16_bits_to_f32(in[i])); break;
+      default: out[i] = 0; break;
+    }
+  }
+}
+
+}  // extern "C"

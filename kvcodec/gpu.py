@@ -1,0 +1,534 @@
+"""GPU decoding: CUDA kernels from ``cuda/`` compiled at run time with NVRTC and launched on
+torch's current stream.
+
+The kernels are plain CUDA C++ (no torch headers). This module
+
+* finds their sources: ``kvcodec/_cuda`` inside an installed wheel first, then the source
+  checkout's top-level ``cuda/`` folder;
+* compiles each program with NVRTC (``cuda.bindings``, the ``[cuda]`` extra) straight to a cubin
+  for the device's architecture, and caches the cubin on disk keyed by the sources' hash, the
+  architecture, the compile options and the NVRTC version;
+* loads the cubin with the driver API into torch's primary context and launches kernels on
+  ``torch.cuda.current_stream().cuda_stream`` with raw pointers of torch tensors;
+* implements :func:`decode_tensor_device`, which the container calls for ``device != "cpu"``.
+
+Every kernel reproduces its codec's CPU reference decode bit for bit (tests/test_cuda_kernels.py).
+
+Example:
+    >>> import kvcodec, torch
+    >>> cache = kvcodec.KVCache.from_tensors([(torch.randn(8, 2, 16), torch.randn(8, 2, 16))])
+    >>> blob = kvcodec.get_codec("fp16").encode(cache)
+    >>> try:
+    ...     out = kvcodec.decode(blob, device="cuda")   # GPU kernels, same values as "cpu"
+    ... except kvcodec.errors.DeviceError as e:          # no GPU or no [cuda] extra here
+    ...     out = kvcodec.decode(blob)
+    >>> out.num_tokens
+    8
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import torch
+
+from .errors import DeviceError, FormatError
+
+if TYPE_CHECKING:
+    from .codec import Codec, EncodedTensor, TensorContext
+
+#: Kernel programs (one NVRTC compilation each) in the cuda/ folder.
+PROGRAMS = ("dequant.cu",)
+
+#: NVRTC options shared by run time and the CI compile test. Bit-exactness with the CPU
+#: reference needs IEEE single precision everywhere: no FMA contraction (torch rounds after each
+#: multiply and add), no flush of subnormals to zero, correctly rounded division.
+NVRTC_OPTIONS = ("--std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
+
+_HINT = (
+    "decode with device='cpu' (the reference decoder), or install the GPU extra: "
+    "pip install 'kvcodec[cuda]' (cuda-bindings, nvidia-cuda-nvrtc) on a machine with an NVIDIA GPU"
+)
+
+_OUT_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_THREADS = 256
+
+
+# ---------------------------------------------------------------------------- sources
+def cuda_source_dir() -> Path:
+    """The folder holding the kernel sources.
+
+    An installed wheel carries them as ``kvcodec/_cuda`` (pyproject force-include); a source
+    checkout has them in the top-level ``cuda/`` folder. The packaged copy wins.
+
+    Raises:
+        DeviceError: neither folder holds the kernel sources.
+    """
+    here = Path(__file__).resolve().parent
+    for cand in (here / "_cuda", here.parent / "cuda"):
+        if (cand / PROGRAMS[0]).is_file():
+            return cand
+    raise DeviceError(
+        f"CUDA kernel sources not found in {here / '_cuda'} nor {here.parent / 'cuda'}; "
+        "reinstall kvcodec from a wheel or a full source checkout"
+    )
+
+
+def _read_sources(program: str) -> tuple[str, dict[str, str]]:
+    """The program's text and every header of the folder (NVRTC gets them in memory, so the
+    cache key covers exactly what was compiled)."""
+    d = cuda_source_dir()
+    path = d / program
+    if not path.is_file():
+        raise DeviceError(f"kernel program {program!r} not found in {d}")
+    headers = {p.name: p.read_text(encoding="utf-8") for p in sorted(d.glob("*.cuh"))}
+    return path.read_text(encoding="utf-8"), headers
+
+
+# ---------------------------------------------------------------------------- bindings
+def _bindings() -> tuple[Any, Any]:
+    try:
+        from cuda.bindings import driver, nvrtc  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise DeviceError(f"CUDA Python bindings are not installed ({e}); {_HINT}") from None
+    return driver, nvrtc
+
+
+def _nvrtc_check(nvrtc: Any, res: Any, what: str, prog: Any = None) -> Any:
+    err = res[0] if isinstance(res, tuple) else res
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        log = ""
+        if prog is not None:
+            _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+            buf = b" " * n
+            nvrtc.nvrtcGetProgramLog(prog, buf)
+            log = buf.decode(errors="replace").rstrip("\x00 ")
+        raise DeviceError(f"NVRTC {what} failed: {err}\n{log}".rstrip())
+    return _unwrap(res)
+
+
+def _unwrap(res: Any) -> Any:
+    """The value(s) after the error code of a cuda.bindings result tuple."""
+    if not isinstance(res, tuple) or len(res) == 1:
+        return None
+    return res[1] if len(res) == 2 else res[1:]
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """NVRTC's (major, minor) version.
+
+    Raises:
+        DeviceError: the ``[cuda]`` extra is missing.
+    """
+    _, nvrtc = _bindings()
+    try:
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception as e:  # noqa: BLE001 - a missing libnvrtc surfaces as a loader error
+        raise DeviceError(f"NVRTC is not usable ({e}); {_HINT}") from None
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise DeviceError(f"nvrtcVersion failed: {err}")
+    return int(major), int(minor)
+
+
+def supported_archs() -> list[int]:
+    """The real architectures (for example 80, 90) this NVRTC can compile cubins for."""
+    _, nvrtc = _bindings()
+    return [int(a) for a in _nvrtc_check(nvrtc, nvrtc.nvrtcGetSupportedArchs(), "GetSupportedArchs")]
+
+
+def _cache_dir() -> Path | None:
+    env = os.environ.get("KVCODEC_CUBIN_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvcodec" / "cubin"
+
+
+def cubin_cache_key(program: str, arch: int) -> str:
+    """Cache file name of one compiled program: sources hash + arch + options + NVRTC version."""
+    src, headers = _read_sources(program)
+    h = hashlib.sha256()
+    for part in (program, src, *(f"{k}\0{v}" for k, v in sorted(headers.items())), *NVRTC_OPTIONS):
+        h.update(part.encode("utf-8"))
+        h.update(b"\0")
+    major, minor = nvrtc_version()
+    return f"{Path(program).stem}-{h.hexdigest()[:20]}-sm{arch}-nvrtc{major}.{minor}.cubin"
+
+
+def compile_cubin(program: str, arch: int, use_cache: bool = True) -> bytes:
+    """Compile one kernel program in ``cuda/`` to a cubin for ``sm_{arch}`` with NVRTC.
+
+    Needs no GPU (CI calls it). Cubins are cached on disk (``$KVCODEC_CUBIN_CACHE`` or
+    ``~/.cache/kvcodec/cubin``); an unwritable cache folder only disables caching.
+
+    Example:
+        >>> cubin = compile_cubin("dequant.cu", 90)   # doctest: +SKIP
+        >>> cubin[:4] == b"\\x7fELF"                   # doctest: +SKIP
+        True
+
+    Raises:
+        DeviceError: no bindings, or the program does not compile (the NVRTC log is attached).
+    """
+    _, nvrtc = _bindings()
+    cdir = _cache_dir() if use_cache else None
+    key = cubin_cache_key(program, arch)
+    if cdir is not None:
+        cached = cdir / key
+        try:
+            data = cached.read_bytes()
+            if data[:4] == b"\x7fELF":
+                return data
+        except OSError:
+            pass
+    src, headers = _read_sources(program)
+    names = list(headers)
+    res = nvrtc.nvrtcCreateProgram(
+        src.encode(), program.encode(), len(names),
+        [headers[n].encode() for n in names], [n.encode() for n in names],
+    )
+    prog = _nvrtc_check(nvrtc, res, "CreateProgram")
+    try:
+        opts = [f"--gpu-architecture=sm_{arch}".encode(), *(o.encode() for o in NVRTC_OPTIONS)]
+        _nvrtc_check(nvrtc, nvrtc.nvrtcCompileProgram(prog, len(opts), opts), f"compile of {program}", prog)
+        size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "GetCUBINSize")
+        buf = b" " * int(size)
+        _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, buf), "GetCUBIN")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    if cdir is not None:
+        try:
+            cdir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cdir, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(buf)
+            os.replace(tmp, cdir / key)  # atomic: a concurrent reader sees all or nothing
+        except OSError:
+            pass
+    return buf
+
+
+# ---------------------------------------------------------------------------- device side
+def _device_index(device: str | torch.device) -> int:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise DeviceError(f"bad device {device!r}: {e}") from None
+    if dev.type != "cuda":
+        raise DeviceError(f"GPU decode needs a 'cuda' device, got {device!r}; {_HINT}")
+    try:
+        ok = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - a broken driver means no GPU
+        ok = False
+    if not ok:
+        raise DeviceError(f"no CUDA device is available to torch (asked for {device!r}); {_HINT}")
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx >= torch.cuda.device_count():
+        raise DeviceError(f"{device!r}: only {torch.cuda.device_count()} CUDA device(s) present")
+    return idx
+
+
+class _DeviceModules:
+    """Loaded modules of one device: primary context, cubins, kernel handles."""
+
+    def __init__(self, index: int) -> None:
+        driver, _ = _bindings()
+        self.driver = driver
+        self.index = index
+        try:
+            self._check(driver.cuInit(0), "cuInit")
+        except DeviceError:
+            raise
+        except Exception as e:  # noqa: BLE001 - no libcuda: the bindings raise their own error
+            raise DeviceError(f"the CUDA driver library is not usable ({e}); {_HINT}") from None
+        self.cu_device = self._check(driver.cuDeviceGet(index), "cuDeviceGet")
+        # torch's runtime uses the primary context; retaining it gives us the same context.
+        torch.cuda.init()
+        self.ctx = self._check(driver.cuDevicePrimaryCtxRetain(self.cu_device), "cuDevicePrimaryCtxRetain")
+        major, minor = torch.cuda.get_device_capability(index)
+        self.arch = _pick_arch(10 * major + minor)
+        self.sm_count = torch.cuda.get_device_properties(index).multi_processor_count
+        self.modules: dict[str, Any] = {}
+        self.functions: dict[tuple[str, str], Any] = {}
+
+    def _check(self, res: Any, what: str) -> Any:
+        err = res[0] if isinstance(res, tuple) else res
+        if int(err) != 0:
+            _, name = self.driver.cuGetErrorName(err)
+            raise DeviceError(f"CUDA driver call {what} failed: {name.decode() if name else err}")
+        return _unwrap(res)
+
+    def function(self, program: str, kernel: str) -> Any:
+        key = (program, kernel)
+        fn = self.functions.get(key)
+        if fn is None:
+            with self:
+                mod = self.modules.get(program)
+                if mod is None:
+                    cubin = compile_cubin(program, self.arch)
+                    mod = self._check(self.driver.cuModuleLoadData(cubin), f"cuModuleLoadData({program})")
+                    self.modules[program] = mod
+                fn = self._check(self.driver.cuModuleGetFunction(mod, kernel.encode()), f"cuModuleGetFunction({kernel})")
+            self.functions[key] = fn
+        return fn
+
+    def __enter__(self) -> "_DeviceModules":
+        self._check(self.driver.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.driver.cuCtxPopCurrent()
+
+    def launch(self, program: str, kernel: str, grid: int, args: list[Any], block: int = _THREADS, smem: int = 0) -> None:
+        """Launch ``kernel`` on torch's current stream of this device; ``args`` are ctypes values
+        (structs or scalars) in the kernel's parameter order."""
+        if grid <= 0:
+            return
+        if grid > 2**31 - 1:
+            raise DeviceError(f"{kernel}: grid of {grid} blocks is too large")
+        fn = self.function(program, kernel)
+        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        stream = torch.cuda.current_stream(self.index).cuda_stream
+        with self:
+            self._check(
+                self.driver.cuLaunchKernel(
+                    fn, grid, 1, 1, block, 1, 1, smem, self.driver.CUstream(stream),
+                    ctypes.addressof(ptrs), 0,
+                ),
+                f"cuLaunchKernel({kernel})",
+            )
+
+
+def _pick_arch(arch: int) -> int:
+    """The device's arch if NVRTC can build a cubin for it, else the newest supported arch of
+    the same major version at or below it (a cubin runs on later minors of its major)."""
+    archs = supported_archs()
+    if arch in archs:
+        return arch
+    same = [a for a in archs if a // 10 == arch // 10 and a <= arch]
+    if same:
+        return max(same)
+    raise DeviceError(f"this NVRTC cannot compile for sm_{arch} (supports {archs}); update nvidia-cuda-nvrtc")
+
+
+_DEVICES: dict[int, _DeviceModules] = {}
+_LOCK = threading.Lock()
+
+
+def device_modules(device: str | torch.device = "cuda") -> _DeviceModules:
+    """The (cached) kernel loader of one device.
+
+    Raises:
+        DeviceError: no GPU, no bindings, or no driver; the message says what to do.
+    """
+    idx = _device_index(device)
+    with _LOCK:
+        mods = _DEVICES.get(idx)
+        if mods is None:
+            mods = _DEVICES[idx] = _DeviceModules(idx)
+    return mods
+
+
+# ---------------------------------------------------------------------------- helpers
+def _plane(enc: "EncodedTensor", ctx: "TensorContext", name: str, dtype: Any, size: int | None = None) -> np.ndarray:
+    a = enc.planes.get(name)
+    if a is None:
+        raise FormatError(f"layers.{ctx.layer}.{ctx.role}: plane {name!r} is missing")
+    if a.dtype != np.dtype(dtype):
+        raise FormatError(f"layers.{ctx.layer}.{ctx.role}: plane {name!r} is {a.dtype}, expected {np.dtype(dtype)}")
+    if size is not None and a.size != size:
+        raise FormatError(f"layers.{ctx.layer}.{ctx.role}: plane {name!r} has {a.size} values, expected {size}")
+    return a
+
+
+def to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """Copy a numpy plane to the device (read-only planes are copied first: torch refuses to
+    wrap them without a warning)."""
+    if not a.flags.writeable or not a.flags.c_contiguous:
+        a = np.array(a, copy=True, order="C")
+    return torch.from_numpy(a).to(dev)
+
+
+def _grid(n: int, threads: int = _THREADS) -> int:
+    return (n + threads - 1) // threads
+
+
+def _out_name(dtype: torch.dtype) -> str:
+    try:
+        return _OUT_NAMES[dtype]
+    except KeyError:
+        raise DeviceError(f"GPU decode does not produce {dtype}") from None
+
+
+# ---------------------------------------------------------------------------- dispatch
+GpuDecoder = Callable[["Codec", "EncodedTensor", "TensorContext", torch.device], torch.Tensor]
+_GPU_DECODERS: dict[str, GpuDecoder] = {}
+
+
+def register_gpu_decoder(codec_id: str) -> Callable[[GpuDecoder], GpuDecoder]:
+    """Decorator: register the GPU decode function of a codec id."""
+
+    def deco(fn: GpuDecoder) -> GpuDecoder:
+        _GPU_DECODERS[codec_id] = fn
+        return fn
+
+    return deco
+
+
+def gpu_codec_ids() -> list[str]:
+    """Codec ids that decode on the GPU."""
+    return sorted(_GPU_DECODERS)
+
+
+def decode_tensor_device(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", device: str | torch.device) -> torch.Tensor:
+    """Decode one tensor on a CUDA device; the result equals ``codec.decode_tensor`` bit for bit.
+
+    Args:
+        codec: the file's codec.
+        enc: its coded planes (numpy) and params.
+        ctx: the tensor's context (shape, output dtype, globals).
+        device: a CUDA device (``"cuda"``, ``"cuda:1"``, ``torch.device``).
+
+    Returns:
+        A ``ctx.shape`` tensor of ``ctx.dtype`` on ``device``.
+
+    Raises:
+        DeviceError: no GPU, no bindings, or no GPU decoder for this codec (message has a hint).
+        FormatError: the planes do not match the declared shape.
+    """
+    fn = _GPU_DECODERS.get(codec.codec_id)
+    if fn is None:
+        raise DeviceError(
+            f"codec {codec.codec_id!r} has no GPU decoder (GPU codecs: {', '.join(gpu_codec_ids())}); "
+            "decode it with device='cpu'"
+        )
+    idx = _device_index(device)
+    return fn(codec, enc, ctx, torch.device("cuda", idx))
+
+
+# ---------------------------------------------------------------------------- kernel launches
+# Each launch is described by a `Launch`: the program, kernel name, item count and the ctypes
+# arguments. The same description runs on the GPU (`run_launch`) or, in the CPU tests, through
+# the host build of the very same per-item code (cuda/host_harness.cpp).
+class Launch:
+    """One kernel launch: ``program``/``kernel``, ``items`` (one per thread) and ctypes ``args``."""
+
+    def __init__(self, program: str, kernel: str, items: int, args: list[Any], keep: list[Any] | None = None,
+                 block: int = _THREADS, smem: int = 0, grid: int | None = None) -> None:
+        self.program, self.kernel, self.items, self.args = program, kernel, int(items), args
+        self.keep = keep or []  # tensors whose memory the raw pointers refer to
+        self.block, self.smem = block, smem
+        self.grid = _grid(self.items, block) if grid is None else grid
+
+    def __repr__(self) -> str:
+        return f"Launch({self.kernel}, items={self.items}, grid={self.grid})"
+
+
+def run_launch(mods: _DeviceModules, launch: Launch) -> None:
+    """Launch on torch's current stream of the device of ``mods``."""
+    mods.launch(launch.program, launch.kernel, launch.grid, launch.args, block=launch.block, smem=launch.smem)
+
+
+class Fp8Params(ctypes.Structure):
+    """Mirror of ``kvc::Fp8Params`` (cuda/dequant.cuh)."""
+
+    _fields_ = [
+        ("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("rows", ctypes.c_int64), ("s_t", ctypes.c_int64), ("s_h", ctypes.c_int64), ("s_d", ctypes.c_int64),
+        ("heads", ctypes.c_int32), ("dim", ctypes.c_int32),
+        ("t_blk", ctypes.c_int32), ("h_blk", ctypes.c_int32), ("d_blk", ctypes.c_int32),
+        ("scale_const16", ctypes.c_int32),
+    ]
+
+
+class Nvfp4Params(ctypes.Structure):
+    """Mirror of ``kvc::Nvfp4Params`` (cuda/dequant.cuh)."""
+
+    _fields_ = [
+        ("codes", ctypes.c_void_p), ("block_scale", ctypes.c_void_p), ("tensor_scale", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("rows", ctypes.c_int64), ("dim", ctypes.c_int32), ("dim_padded", ctypes.c_int32),
+    ]
+
+
+def scale_layout(scale_shape: tuple[int, ...], shape: tuple[int, int, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Strides and block sizes that map a ``[T, H, D]`` coordinate onto a scale plane.
+
+    The scale plane is broadcast onto ``shape`` after left-padding its shape with ones; an axis
+    of size ``S < N`` (``S > 1``) holds one scale per block of ``ceil(N / S)`` coordinates.
+    Returns ``((s_t, s_h, s_d), (t_blk, h_blk, d_blk))`` in elements.
+
+    Raises:
+        FormatError: the scale plane does not fit the tensor.
+    """
+    sshape = (1,) * (3 - len(scale_shape)) + tuple(int(s) for s in scale_shape)
+    if len(sshape) != 3:
+        raise FormatError(f"scale plane of shape {list(scale_shape)} does not broadcast onto {list(shape)}")
+    contiguous = (sshape[1] * sshape[2], sshape[2], 1)
+    strides, blks = [], []
+    for s, n, c in zip(sshape, shape, contiguous):
+        if s == 1:
+            strides.append(0)
+            blks.append(1)
+            continue
+        blk = -(-n // s) if n else 1
+        if s > n or -(-n // blk) != s:
+            raise FormatError(f"scale plane of shape {list(scale_shape)} does not fit a tensor of shape {list(shape)}")
+        strides.append(c)
+        blks.append(blk)
+    return (strides[0], strides[1], strides[2]), (blks[0], blks[1], blks[2])
+
+
+def fp8_launch(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmt: str) -> Launch:
+    """FP8 dequantization ``out = (f32(codes) * scale).to(out.dtype)``.
+
+    Args:
+        codes: uint8 ``[T, H, D]`` FP8 bit patterns (contiguous).
+        scale: float32 plane broadcast onto ``[T, H, D]`` (see :func:`scale_layout`).
+        out: ``[T, H, D]`` float32/float16/bfloat16 output (contiguous).
+        fmt: ``"e4m3"`` or ``"e5m2"``.
+    """
+    t, h, d = out.shape
+    (s_t, s_h, s_d), (t_blk, h_blk, d_blk) = scale_layout(tuple(scale.shape), (t, h, d))
+    const16 = int(d % 16 == 0 and (s_d == 0 or d_blk % 16 == 0))
+    vec = d % 16 == 0 and codes.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
+    p = Fp8Params(codes.data_ptr(), scale.data_ptr(), out.data_ptr(), t * h, s_t, s_h, s_d, h, d,
+                  t_blk, h_blk, d_blk, const16)
+    n = t * h * d // 16 if vec else t * h * d
+    name = f"fp8_{fmt}_{_out_name(out.dtype)}" + ("_v16" if vec else "")
+    return Launch("dequant.cu", name, n, [p, ctypes.c_int64(n)], keep=[codes, scale, out])
+
+
+def nvfp4_launch(codes: torch.Tensor, block_scale: torch.Tensor, tensor_scale: torch.Tensor, out: torch.Tensor) -> Launch:
+    """NVFP4 dequantization ``out = ((e2m1 * block_scale) * tensor_scale).to(out.dtype)``.
+
+    Args:
+        codes: uint8 ``[T, H, Dp/2]`` (low nibble = even index).
+        block_scale: uint8 E4M3 ``[T, H, Dp/16]``.
+        tensor_scale: float32 ``[1]``.
+        out: ``[T, H, D]`` output, ``D <= Dp``.
+    """
+    t, h, d = out.shape
+    dp = codes.shape[-1] * 2
+    if dp % 16 or not (d <= dp < d + 16) or block_scale.numel() != t * h * (dp // 16) or codes.numel() != t * h * dp // 2:
+        raise FormatError(f"NVFP4 planes ({list(codes.shape)}, {list(block_scale.shape)}) do not fit {list(out.shape)}")
+    if tensor_scale.numel() != 1:
+        raise FormatError("NVFP4 tensor_scale must hold one value")
+    p = Nvfp4Params(codes.data_ptr(), block_scale.data_ptr(), tensor_scale.data_ptr(), out.data_ptr(), t * h, d, dp)
+    n = t * h * (dp // 16)
+    return Launch("dequant.cu", f"nvfp4_{_out_name(out.dtype)}", n, [p, ctypes.c_int64(n)],
+                  keep=[codes, block_scale, tensor_scale, out])
+
+
+def kernel_names(program: str) -> list[str]:
+    """Every ``extern "C"`` kernel a program must define (the compile tests check them all)."""
+    outs = ("f32", "f16", "bf16")
+    if program == "dequant.cu":
+        fp8 = [f"fp8_{f}_{o}{v}" for f in ("e4m3", "e5m2") for o in outs for v in ("", "_v16")]
+        return fp8 + [f"nvfp4_{o}" for o in outs]
+    raise DeviceError(f"unknown kernel program {program!r}")

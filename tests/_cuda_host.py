@@ -1,0 +1,63 @@
+"""Host build of the kernels' per-item device code (cuda/host_harness.cpp), for CPU tests.
+
+The kernels are thin loops over ``__host__ __device__`` functions; compiling those same functions
+with g++ lets the CPU tests check the exact code the GPU runs against the CPU reference decoders.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvcodec import gpu
+
+_OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def build_harness(tmpdir: Path) -> ctypes.CDLL | None:
+    """Compile cuda/host_harness.cpp into a shared library; None without a C++ compiler."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        return None
+    src = gpu.cuda_source_dir() / "host_harness.cpp"
+    so = tmpdir / "kvc_harness.so"
+    cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", "-Werror",
+           "-shared", "-fPIC", str(src), "-o", str(so)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise AssertionError(f"host harness failed to compile:\n{' '.join(cmd)}\n{res.stderr}")
+    lib = ctypes.CDLL(str(so))
+    for name in ("kvc_fp8_host", "kvc_nvfp4_host", "kvc_convert_host"):
+        getattr(lib, name).restype = None
+    lib.kvc_sizeof.restype = ctypes.c_int64
+    lib.kvc_sizeof.argtypes = [ctypes.c_int]
+    return lib
+
+
+def run_on_host(lib: ctypes.CDLL, launch: gpu.Launch) -> None:
+    """Run a kernel launch description (built from CPU tensors) through the host build."""
+    k = launch.kernel
+    p = ctypes.byref(launch.args[0])
+    n = ctypes.c_int64(launch.items)
+    if k.startswith("fp8_"):
+        _, fmt, out, *vec = k.split("_")
+        lib.kvc_fp8_host(p, ctypes.c_int(0 if fmt == "e4m3" else 1), ctypes.c_int(["f32", "f16", "bf16"].index(out)),
+                         ctypes.c_int(1 if vec else 0), n)
+    elif k.startswith("nvfp4_"):
+        lib.kvc_nvfp4_host(p, ctypes.c_int(["f32", "f16", "bf16"].index(k.split("_")[1])), n)
+    else:
+        raise AssertionError(f"no host runner for kernel {k}")
+
+
+def convert(lib: ctypes.CDLL, which: int, values: np.ndarray) -> np.ndarray:
+    """Run one of the element conversions of kvc_common.cuh over uint32 inputs."""
+    a = np.ascontiguousarray(values, dtype=np.uint32)
+    out = np.empty_like(a)
+    lib.kvc_convert_host(ctypes.c_int(which), a.ctypes.data_as(ctypes.c_void_p),
+                         out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(a.size))
+    return out

@@ -1,0 +1,270 @@
+"""CI checks of the CUDA kernels that need no GPU.
+
+* Every program in cuda/ compiles with nvcc for sm_90 and sm_80, and ``ptxas -v`` reports no
+  register spills and shared memory within the per-block limit.
+* Every program compiles through NVRTC to a cubin, the very path kvcodec.gpu takes at run time.
+* The kernels' per-item device code, compiled for the host (cuda/host_harness.cpp), reproduces
+  the CPU reference decoders bit for bit. (What runs only on a GPU -- the PTX conversions and the
+  grid mapping -- is checked by tests/test_cuda_kernels.py on a GPU.)
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from kvcodec import gpu
+from kvcodec.errors import DeviceError, FormatError
+
+from _cuda_host import build_harness, convert, run_on_host
+
+ARCHS = (90, 80)
+#: Static shared memory a block may use without opting in (both sm_80 and sm_90).
+SMEM_LIMIT = 48 * 1024
+
+
+def _have_nvrtc() -> bool:
+    try:
+        gpu.nvrtc_version()
+        return True
+    except DeviceError:
+        return False
+
+
+def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
+    """Per-kernel resource use from ``nvcc -Xptxas -v`` output."""
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)' for '(sm_\d+)'", line)
+        if m:
+            current = m.group(1)
+            out[current] = {"spill_stores": -1, "spill_loads": -1, "smem": 0, "registers": -1}
+            continue
+        if current is None:
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            out[current]["spill_stores"] = int(m.group(1))
+            out[current]["spill_loads"] = int(m.group(2))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            out[current]["registers"] = int(m.group(1))
+        m = re.search(r"(\d+) bytes smem", line)
+        if m:
+            out[current]["smem"] = int(m.group(1))
+    return out
+
+
+def test_parse_ptxas_reads_spills_and_smem():
+    log = (
+        "ptxas info    : Compiling entry function 'k1' for 'sm_90'\n"
+        "ptxas info    : Function properties for k1\n"
+        "    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n"
+        "ptxas info    : Used 40 registers, used 1 barriers, 4096 bytes smem, 400 bytes cmem[0]\n"
+    )
+    assert parse_ptxas(log) == {"k1": {"spill_stores": 4, "spill_loads": 12, "smem": 4096, "registers": 40}}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("program", gpu.PROGRAMS)
+def test_nvcc_compiles_without_spills(program, arch, tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH: the nvcc/ptxas check was not run")
+    src = gpu.cuda_source_dir() / program
+    cmd = [nvcc, "-cubin", f"-arch=sm_{arch}", "-std=c++17", "--fmad=false", "-Xptxas", "-v",
+           str(src), "-o", str(tmp_path / "k.cubin")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr}"
+    info = parse_ptxas(res.stdout + res.stderr)
+    missing = set(gpu.kernel_names(program)) - set(info)
+    assert not missing, f"kernels not compiled: {sorted(missing)}"
+    for name, r in info.items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{name} sm_{arch} spills: {r}"
+        assert r["registers"] > 0, f"{name}: no register report"
+        assert r["smem"] <= SMEM_LIMIT, f"{name} sm_{arch} uses {r['smem']} bytes of static shared memory"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("program", gpu.PROGRAMS)
+def test_nvrtc_compiles_to_cubin(program, arch):
+    if not _have_nvrtc():
+        pytest.skip("cuda-bindings/NVRTC ([cuda] extra) not installed: NVRTC check not run")
+    cubin = gpu.compile_cubin(program, arch, use_cache=False)
+    assert cubin[:4] == b"\x7fELF"
+    for name in gpu.kernel_names(program):
+        assert name.encode() + b"\x00" in cubin, f"{name} not in the {program} cubin"
+
+
+def test_cubin_cache_is_keyed_and_reused(tmp_path, monkeypatch):
+    if not _have_nvrtc():
+        pytest.skip("cuda-bindings/NVRTC ([cuda] extra) not installed")
+    monkeypatch.setenv("KVCODEC_CUBIN_CACHE", str(tmp_path))
+    key = gpu.cubin_cache_key("dequant.cu", 90)
+    assert "sm90" in key and "nvrtc" in key and key != gpu.cubin_cache_key("dequant.cu", 80)
+    first = gpu.compile_cubin("dequant.cu", 90)
+    assert (tmp_path / key).read_bytes() == first
+    # A cached cubin is used as is (planted marker proves no recompilation happened).
+    (tmp_path / key).write_bytes(b"\x7fELF-cached")
+    assert gpu.compile_cubin("dequant.cu", 90) == b"\x7fELF-cached"
+
+
+def test_sources_found_and_errors_are_clear(monkeypatch):
+    assert (gpu.cuda_source_dir() / "dequant.cu").is_file()
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="device='cpu'"):
+            gpu.device_modules("cuda")
+    with pytest.raises(DeviceError, match="'cuda' device"):
+        gpu.device_modules("cpu")
+
+
+def test_unsupported_codec_raises_device_error():
+    import kvcodec
+    from kvcodec.codec import EncodedTensor, TensorContext
+
+    class NoGpu(kvcodec.codec.Codec):
+        codec_id = "test-no-gpu"
+
+        def encode_tensor(self, x, ctx):  # pragma: no cover - never called
+            raise NotImplementedError
+
+        def decode_tensor(self, enc, ctx):  # pragma: no cover - never called
+            raise NotImplementedError
+
+    ctx = TensorContext(layer=0, role="k", shape=(1, 1, 1), dtype=torch.float16)
+    with pytest.raises(DeviceError, match="no GPU decoder"):
+        gpu.decode_tensor_device(NoGpu(), EncodedTensor({}), ctx, "cuda")
+
+
+# ---------------------------------------------------------------------------- host harness
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    lib = build_harness(tmp_path_factory.mktemp("harness"))
+    if lib is None:
+        pytest.skip("no C++ compiler: host build of the kernel code not checked")
+    return lib
+
+
+def test_param_structs_match_ctypes(harness):
+    assert harness.kvc_sizeof(0) == ctypes_sizeof(gpu.Fp8Params)
+    assert harness.kvc_sizeof(1) == ctypes_sizeof(gpu.Nvfp4Params)
+
+
+def ctypes_sizeof(t):
+    import ctypes
+
+    return ctypes.sizeof(t)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[x.dtype])
+
+
+@pytest.mark.parametrize("which,dtype", [(0, torch.float8_e4m3fn), (1, torch.float8_e5m2)])
+def test_fp8_to_f32_all_codes_match_torch(harness, which, dtype):
+    codes = np.arange(256, dtype=np.uint32)
+    got = convert(harness, which, codes).view(np.float32)
+    want = torch.from_numpy(codes.astype(np.uint8)).view(dtype).float().numpy()
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def test_e2m1_table(harness):
+    got = convert(harness, 2, np.arange(16, dtype=np.uint32)).view(np.float32)
+    mags = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    want = np.array(mags + [-float(m) for m in mags], dtype=np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # 0x8 is -0
+
+
+def _edge_f32() -> np.ndarray:
+    g = np.random.default_rng(7)
+    special = np.array([0, 0x80000000, 1, 0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x477FE000, 0x477FF000,
+                        0x477FEFFF, 0x47800000, 0x33000000, 0x33000001, 0x337FFFFF, 0x38800000, 0x387FFFFF,
+                        0x38000000, 0x3F800000, 0x3F801000, 0x3F803000, 0x3F808000, 0x3F818000],
+                       dtype=np.uint32)
+    rand = g.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)
+    # values around fp16's range and subnormals, where rounding is subtle
+    near = (g.integers(0x32000000, 0x47900000, size=200_000, dtype=np.uint64).astype(np.uint32)
+            | (g.integers(0, 2, size=200_000, dtype=np.uint64).astype(np.uint32) << 31))
+    a = np.concatenate([special, special | 0x80000000, rand, near])
+    return a[~np.isnan(a.view(np.float32))]
+
+
+@pytest.mark.parametrize("which,dtype", [(3, torch.float16), (4, torch.bfloat16)])
+def test_f32_to_half_rounding_matches_torch(harness, which, dtype):
+    a = _edge_f32()
+    got = convert(harness, which, a).astype(np.uint16)
+    want = torch.from_numpy(a.view(np.float32)).to(dtype).view(torch.int16).numpy().view(np.uint16)
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, f"{bad.size} mismatches, first input 0x{a[bad[0]]:08x}: {got[bad[0]]:04x} != {want[bad[0]]:04x}"
+
+
+def test_f16_to_f32_all_codes(harness):
+    codes = np.arange(65536, dtype=np.uint32)
+    got = convert(harness, 5, codes).view(np.float32)
+    want = torch.from_numpy(codes.astype(np.uint16).view(np.int16)).view(torch.float16).float().numpy()
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def fp8_expected(codes: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 decode formula: exact fp8 -> fp32, one fp32 multiply, one rounding cast."""
+    t, h, d = codes.shape
+    (_, _, _), (tb, hb, db) = gpu.scale_layout(tuple(scale.shape), (t, h, d))
+    s = scale.reshape((1,) * (3 - scale.dim()) + tuple(scale.shape))
+    s = s.repeat_interleave(tb, 0)[:t] if s.shape[0] > 1 else s
+    s = s.repeat_interleave(hb, 1)[:, :h] if s.shape[1] > 1 else s
+    s = s.repeat_interleave(db, 2)[:, :, :d] if s.shape[2] > 1 else s
+    f8 = codes.view(torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2).float()
+    return (f8 * s).to(dtype)
+
+
+FP8_CASES = [
+    ((5, 3, 32), (1,)),              # per tensor
+    ((5, 3, 32), (1, 3, 1)),         # per head
+    ((5, 3, 32), (1, 3, 32)),        # per channel
+    ((5, 3, 32), (5, 1, 1)),         # per token
+    ((5, 3, 32), (5, 3, 2)),         # blocks of 16 along D
+    ((5, 3, 32), (5, 3, 4)),         # blocks of 8 along D (not constant over 16)
+    ((7, 2, 24), (1, 2, 24)),        # D not a multiple of 16: scalar path
+    ((7, 2, 24), (7, 2, 3)),         # padded blocks of 8 along an odd D
+    ((3, 1, 5), (2, 1, 1)),          # blocks of 2 tokens, odd everything
+    ((1, 1, 16), (1,)),              # T = 1
+    ((0, 2, 16), (1,)),              # T = 0
+]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,sshape", FP8_CASES)
+def test_fp8_host_matches_formula(harness, fmt, dtype, shape, sshape):
+    g = torch.Generator().manual_seed(sum(shape) + len(sshape))
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    nan = (codes & 0x7F) == 0x7F if fmt == "e4m3" else (codes & 0x7F) > 0x7C
+    codes[nan] = 0  # no NaN codes: NaN payloads differ between CPU and GPU arithmetic
+    scale = torch.rand(sshape, generator=g) * 4 + 1e-3
+    out = torch.full(shape, 7, dtype=dtype)
+    launch = gpu.fp8_launch(codes, scale, out, fmt)
+    assert launch.kernel.endswith("_v16") == (shape[2] % 16 == 0)
+    run_on_host(harness, launch)
+    want = fp8_expected(codes, scale, fmt, dtype)
+    assert torch.equal(_bits(out), _bits(want))
+
+
+def test_scale_layout_rejects_misfits():
+    with pytest.raises(FormatError):
+        gpu.scale_layout((4, 1, 1), (3, 2, 8))
+    with pytest.raises(FormatError):
+        gpu.scale_layout((1, 1, 5), (3, 2, 8))  # no block size gives exactly 5 blocks over 8
+    with pytest.raises(FormatError):
+        gpu.scale_layout((2, 1, 1, 1), (3, 2, 8))
+    assert gpu.scale_layout((1, 1, 3), (3, 2, 8)) == ((0, 0, 1), (1, 1, 3))  # padded last block
+    assert gpu.scale_layout((1, 2, 8), (3, 2, 8)) == ((0, 8, 1), (1, 1, 1))
