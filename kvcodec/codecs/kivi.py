@@ -33,7 +33,9 @@ Plane layout of one ``[T, H, D]`` tensor (pinned; the CUDA kernels read exactly 
 Tensor params in the manifest: ``{"axis": "channel"|"token", "bits": b, "group": g, "recent": Tr}``.
 
 Decode: ``x = float32(code) * float32(scale) + float32(zero)`` (product rounded, then sum
-rounded; no fused multiply-add), cast to the source dtype; then the ``recent`` tokens appended.
+rounded; no fused multiply-add), clamped to the source dtype's finite range (``+-65504`` for
+float16, ``+-finfo(bfloat16).max`` for bfloat16; none for float32), cast to the source dtype
+(RNE); then the ``recent`` tokens appended.
 
 Example:
     >>> import torch, kvcodec

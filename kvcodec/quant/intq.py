@@ -19,7 +19,10 @@ Encode, per group, in float32: ``mn, mx`` = group min and max;
 Quantizing against the *rounded* fp16 scale and zero keeps encode and decode consistent.
 
 Decode: ``x = float32(code) * s + z`` in float32 — one product, then one sum, each rounded
-separately (no fused multiply-add) — then cast to the source dtype.
+separately (no fused multiply-add) — then clamped to the source dtype's finite range
+(``+-65504`` for float16, ``+-finfo(bfloat16).max`` for bfloat16, no clamp for float32) and cast
+to the source dtype (RNE). The clamp matters only next to the source's max: an fp16 scale rounded
+up can place the top level just past 65504, which would otherwise become inf.
 
 Error bound (tested): ``|x - decode| <= s/2 + s * 2**bits * 2**-10 + |z| * 2**-10`` (+ float32
 rounding): half a step, plus the fp16 rounding of scale and zero.
@@ -158,7 +161,8 @@ def intq_quantize_reference(
 
 
 def intq_dequantize_reference(q: IntQTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Decode: ``float32(code) * scale + zero`` (multiply, then add), cast to ``dtype``.
+    """Decode: ``float32(code) * scale + zero`` (multiply, then add), clamped to ``dtype``'s
+    finite range, cast to ``dtype``.
 
     Example:
         >>> import torch
@@ -169,7 +173,11 @@ def intq_dequantize_reference(q: IntQTensor, dtype: torch.dtype = torch.float32)
     shape = tuple(q.codes.shape)
     s = expand_params(q.scale.float(), shape, q.axis, q.group)
     z = expand_params(q.zero.float(), shape, q.axis, q.group)
-    return (q.codes.float() * s + z).to(dtype)
+    x = q.codes.float() * s + z
+    if dtype != torch.float32:
+        fmax = torch.finfo(dtype).max
+        x = torch.clamp(x, -fmax, fmax)
+    return x.to(dtype)
 
 
 __all__ = [
