@@ -444,3 +444,14 @@ def planes_nbits(planes: dict[str, np.ndarray]) -> int:
 def bits_per_symbol_bound(a: int) -> float:
     """Fixed-width bits per symbol for an alphabet of ``a`` symbols (the packing baseline)."""
     return float(max(1, math.ceil(math.log2(max(2, a)))))
+
+
+def add_prefix(planes: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """Rename stage planes for a codec's plane namespace (container plane names allow
+    ``[A-Za-z0-9_]``, so prefixes look like ``"ans_"``)."""
+    return {prefix + k: v for k, v in planes.items()}
+
+
+def take_prefix(planes: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """The stage planes stored under ``prefix`` (inverse of :func:`add_prefix`)."""
+    return {k[len(prefix):]: v for k, v in planes.items() if k.startswith(prefix)}

@@ -1,0 +1,297 @@
+"""CacheGen codecs: ``cachegen`` (the SIGCOMM'24 paper's design) and ``cachegen-lmcache`` (the
+public LMCache implementation's behaviour), both entropy-coded with :class:`~kvcodec.entropy.EntropyStage`.
+
+Symmetric per-token quantization with ``L`` levels (``L`` odd, ``M = (L - 1) / 2``), shared by
+both: for one token ``t`` (all heads and channels together),
+``scale16 = fp16(absmax_t / M)``, ``s = float32(scale16)``,
+``code = clamp(round_half_even(x / s), -M, M) + M`` (``code = M`` where ``s == 0``), decode
+``x = float32(code - M) * s``. Codes of a ``[T, H, D]`` tensor are entropy coded as rows = the
+``H * D`` channels (one distribution per (layer, channel)) over the tokens.
+
+``cachegen`` (paper, §5): tokens in groups of ``group`` (10); the first token of a group (the
+anchor) is quantized alone with ``anchor_levels`` (255, i.e. 8 bits); every other token is coded as
+its delta from the *decoded* anchor, quantized per token with the levels of its layer group:
+layers are split in thirds (``levels[0]`` for the first third, ...), fewer levels for later layers.
+Each (layer, K/V, channel) has its own table for the deltas; anchors use ``anchor_tables`` shared
+tables per tensor. The per-layer levels are computed once from the cache's layer count and
+**recorded in the file** (global plane ``cachegen_levels``, int32 ``[L, 2]`` = levels of K and V);
+the decoder reads them, it never recomputes them.
+
+``cachegen-lmcache`` (what LMCache ships): no anchors/deltas; every token quantized with
+absmax over all heads; bins by layer: K layers ``< k_early_layers`` (10) use ``early_bins`` (32),
+V layers ``< v_early_layers`` (2) use ``early_bins``, all others ``late_bins`` (16); ``bins`` bins
+are ``bins - 1`` levels (``M = bins/2 - 1``) and the alphabet has ``bins`` symbols (LMCache's CDF
+covers all bins). A fresh 16-bit table per (layer, channel) is fitted and shipped for every
+256-token chunk (``chunk``), and every (layer, channel, chunk) is its own stream. The bins per layer
+are recorded in the global plane ``cachegen_bins`` (int32 ``[L, 2]``).
+
+Planes of one tensor (``cachegen``): ``scale`` float16 ``[T]`` (anchor scale for anchor tokens,
+delta scale otherwise), ``anc_*`` the anchors' entropy stage (rows = channels, columns = anchor
+tokens), ``ans_*`` the deltas' stage (columns = non-anchor tokens in order). ``cachegen-lmcache``:
+``scale`` float16 ``[T]`` and ``ans_*`` (formats/ANS.md §3). Tensor params: ``{"levels": L}`` or
+``{"bins": b}``, checked against the global plane.
+
+Example:
+    >>> import torch, kvcodec
+    >>> cache = kvcodec.KVCache.from_tensors([(torch.randn(30, 2, 16), torch.randn(30, 2, 16))] * 3)
+    >>> for name in ("cachegen", "cachegen-lmcache"):
+    ...     out = kvcodec.decode(kvcodec.get_codec(name).encode(cache))
+    ...     print(name, (out.layers[0]["v"] - cache.layers[0]["v"]).abs().max().item() < 0.6)
+    cachegen True
+    cachegen-lmcache True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..cache import KVCache
+from ..codec import Codec, EncodedTensor, TensorContext, register_codec, register_preset
+from ..entropy.stage import EntropyStage, add_prefix, take_prefix
+from ..errors import ConfigError, FormatError, InputError
+
+
+# ---------------------------------------------------------------------- shared arithmetic
+def symmetric_token_quantize(x: torch.Tensor, levels: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric quantization of ``x[T, C]`` (float32) with ``levels`` (odd; per token
+    or one int). Returns ``(codes int32 [T, C] in [0, levels), scale float16 [T])``.
+
+    Example:
+        >>> c, s = symmetric_token_quantize(torch.tensor([[1.0, -2.0, 0.5]]), 5)
+        >>> c.tolist(), s.tolist()
+        [[3, 0, 3]], [1.0]]
+    """
+    lv = torch.as_tensor(levels, dtype=torch.int64).expand(x.shape[0]) if x.shape[0] else torch.zeros(0, dtype=torch.int64)
+    m = ((lv - 1) // 2).to(torch.float32)
+    amax = x.abs().amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0])
+    scale16 = (amax / m).to(torch.float16)
+    if not bool(torch.isfinite(scale16).all()):
+        raise InputError("per-token scale exceeds float16 range (|x| too large)")
+    s = scale16.float()[:, None]
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.where(s > 0, torch.round(x / safe), torch.zeros_like(x))
+    q = torch.minimum(torch.maximum(q, -m[:, None]), m[:, None])
+    return (q + m[:, None]).to(torch.int32), scale16
+
+
+def symmetric_token_dequantize(codes: torch.Tensor, scale16: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
+    """``float32(code - M) * float32(scale)`` per token; ``codes[T, C]``, ``scale16[T]``."""
+    lv = torch.as_tensor(levels, dtype=torch.int64).expand(codes.shape[0]) if codes.shape[0] else torch.zeros(0, dtype=torch.int64)
+    m = (lv - 1) // 2
+    return (codes.to(torch.int64) - m[:, None]).to(torch.float32) * scale16.float()[:, None]
+
+
+def _stage_params(p: dict[str, Any]) -> dict[str, Any]:
+    return {"precision": p["precision"], "chunk": p["chunk"], "tables": p["tables"], "n_tables": p["n_tables"]}
+
+
+def _check_stage_params(codec: Codec) -> None:
+    try:
+        EntropyStage(**_stage_params(codec.params))
+    except ConfigError as e:
+        raise ConfigError(f"codec {codec.codec_id!r}: {e}") from None
+
+
+def _rows(codes: torch.Tensor) -> np.ndarray:
+    """``[T, C]`` codes -> ``[C, T]`` rows (one row per channel: its own distribution)."""
+    return np.ascontiguousarray(codes.numpy().T)
+
+
+def _global_plane(ctx: TensorContext, name: str, where: str) -> np.ndarray:
+    g = ctx.globals.get(name)
+    if g is None:
+        raise FormatError(f"{where}: global plane {name!r} (recorded quantization bins) is missing")
+    g = np.asarray(g)
+    if g.dtype != np.int32 or g.ndim != 2 or g.shape[1] != 2 or ctx.layer >= g.shape[0]:
+        raise FormatError(f"{where}: global plane {name!r} must be int32 [layers, 2], got {g.dtype}{list(g.shape)}")
+    return g
+
+
+def _role_col(role: str) -> int:
+    return 1 if role == "v" else 0  # MLA latent 'kv' follows the K rule
+
+
+def _scale_plane(enc: EncodedTensor, where: str, t: int) -> torch.Tensor:
+    s = enc.planes.get("scale")
+    if s is None or s.dtype != np.float16 or s.shape != (t,):
+        raise FormatError(f"{where}: plane 'scale' must be float16 [{t}]")
+    st = torch.from_numpy(np.array(s, copy=True))
+    if not bool(torch.isfinite(st).all()) or bool((st < 0).any()):
+        raise FormatError(f"{where}: 'scale' must be finite and >= 0")
+    return st
+
+
+def _decode_rows(planes: dict[str, np.ndarray], prefix: str, rows: int, n: int, alphabet: int, where: str) -> torch.Tensor:
+    sub = take_prefix(planes, prefix)
+    if "meta" in sub:
+        m = np.asarray(sub["meta"])
+        if m.shape == (10,) and (int(m[1]) != rows or int(m[2]) != n or int(m[6]) != alphabet):
+            raise FormatError(f"{where}: {prefix}stage is [{int(m[1])}, {int(m[2])}] over {int(m[6])} symbols, "
+                              f"expected [{rows}, {n}] over {alphabet}")
+    x = EntropyStage().decode(sub)
+    return torch.from_numpy(np.ascontiguousarray(x.T))
+
+
+# ---------------------------------------------------------------------- cachegen (paper)
+@register_codec
+class CacheGenCodec(Codec):
+    """CacheGen as in the paper: anchors + deltas in token groups, layer-group bins, per
+    (layer, channel) tables, ANS. See the module docstring for the exact arithmetic and planes.
+
+    Example:
+        >>> import kvcodec
+        >>> kvcodec.get_codec("cachegen").params["levels"]
+        [31, 15, 15]
+    """
+
+    codec_id = "cachegen"
+    defaults = {
+        "group": 10, "anchor_levels": 255, "levels": [31, 15, 15],
+        "precision": 12, "chunk": 4096, "tables": "row", "n_tables": 16, "anchor_tables": 8,
+    }
+
+    def check_params(self) -> None:
+        p = self.params
+        if p["group"] < 1:
+            raise ConfigError(f"cachegen group must be >= 1, got {p['group']}")
+        lv = p["levels"]
+        if not (isinstance(lv, list) and lv and all(isinstance(v, int) and not isinstance(v, bool) for v in lv)):
+            raise ConfigError(f"cachegen levels must be a non-empty list of ints, got {lv!r}")
+        for v in [*lv, p["anchor_levels"]]:
+            if v < 3 or v % 2 == 0 or v > 4095:
+                raise ConfigError(f"cachegen levels must be odd in [3, 4095], got {v}")
+        if not 1 <= p["anchor_tables"] <= 256:
+            raise ConfigError(f"cachegen anchor_tables must be in [1, 256], got {p['anchor_tables']}")
+        _check_stage_params(self)
+        if max([*lv, p["anchor_levels"]]) > (1 << p["precision"]):
+            raise ConfigError("cachegen: table precision too small for the number of levels")
+
+    @property
+    def nominal_bits(self) -> float:
+        return 2.5
+
+    def layer_levels(self, num_layers: int) -> np.ndarray:
+        """Levels of each layer (same for K and V): ``levels[j]`` for the j-th equal layer group."""
+        lv = self.params["levels"]
+        g = len(lv)
+        out = np.array([[lv[min(g - 1, i * g // max(1, num_layers))]] * 2 for i in range(num_layers)], dtype=np.int32)
+        return out.reshape(num_layers, 2)
+
+    def encode_globals(self, cache: KVCache) -> dict[str, np.ndarray]:
+        return {"cachegen_levels": self.layer_levels(cache.num_layers)}
+
+    def encode_tensor(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
+        p = self.params
+        where = f"layers.{ctx.layer}.{ctx.role}"
+        levels = int(_global_plane(ctx, "cachegen_levels", where)[ctx.layer, _role_col(ctx.role)])
+        t, h, d = x.shape
+        xf = x.float().reshape(t, h * d)
+        g = p["group"]
+        is_anchor = torch.arange(t) % g == 0
+        anc_codes, anc_scale = symmetric_token_quantize(xf[is_anchor], p["anchor_levels"])
+        anc_hat = symmetric_token_dequantize(anc_codes, anc_scale, p["anchor_levels"])
+        ref = anc_hat[torch.arange(t)[~is_anchor] // g]  # each delta token's decoded anchor
+        dl_codes, dl_scale = symmetric_token_quantize(xf[~is_anchor] - ref, levels)
+        scale = torch.zeros(t, dtype=torch.float16)
+        scale[is_anchor], scale[~is_anchor] = anc_scale, dl_scale
+        st = EntropyStage(**_stage_params(p))
+        sa = EntropyStage(**{**_stage_params(p), "tables": "cluster", "n_tables": p["anchor_tables"]})
+        planes = {"scale": scale.numpy()}
+        planes.update(add_prefix(sa.encode(_rows(anc_codes), alphabet=p["anchor_levels"]), "anc_"))
+        planes.update(add_prefix(st.encode(_rows(dl_codes), alphabet=levels), "ans_"))
+        return EncodedTensor(planes, {"levels": levels, "group": g, "anchor_levels": p["anchor_levels"]})
+
+    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
+        where = f"layers.{ctx.layer}.{ctx.role}"
+        rec = int(_global_plane(ctx, "cachegen_levels", where)[ctx.layer, _role_col(ctx.role)])
+        pr = enc.params
+        g, la = pr.get("group"), pr.get("anchor_levels")
+        if pr.get("levels") != rec or not isinstance(g, int) or g < 1 or not isinstance(la, int) or la < 3 or la % 2 == 0:
+            raise FormatError(f"{where}: cachegen params {pr!r} disagree with the recorded levels {rec}")
+        t, h, d = ctx.shape
+        scale = _scale_plane(enc, where, t)
+        is_anchor = torch.arange(t) % g == 0
+        na = int(is_anchor.sum())
+        anc = _decode_rows(enc.planes, "anc_", h * d, na, la, where)
+        dl = _decode_rows(enc.planes, "ans_", h * d, t - na, rec, where)
+        anc_hat = symmetric_token_dequantize(anc, scale[is_anchor], la)
+        out = torch.empty(t, h * d, dtype=torch.float32)
+        out[is_anchor] = anc_hat
+        out[~is_anchor] = anc_hat[torch.arange(t)[~is_anchor] // g] + symmetric_token_dequantize(dl, scale[~is_anchor], rec)
+        return out.reshape(t, h, d).to(ctx.dtype)
+
+
+# ---------------------------------------------------------------------- cachegen-lmcache
+@register_codec
+class CacheGenLMCacheCodec(Codec):
+    """CacheGen as the public LMCache implementation behaves (per-token absmax over all heads, no
+    delta, a 16-bit table per (layer, channel) shipped in every 256-token chunk).
+
+    Example:
+        >>> import kvcodec
+        >>> c = kvcodec.get_codec("cachegen-lmcache")
+        >>> c.layer_bins(12)[:, 0].tolist()
+        [32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 16, 16]
+    """
+
+    codec_id = "cachegen-lmcache"
+    defaults = {
+        "early_bins": 32, "late_bins": 16, "k_early_layers": 10, "v_early_layers": 2,
+        "precision": 16, "chunk": 256, "tables": "row", "n_tables": 16,
+    }
+
+    def check_params(self) -> None:
+        p = self.params
+        for k in ("early_bins", "late_bins"):
+            if p[k] < 4 or p[k] % 2 or p[k] > (1 << p["precision"]):
+                raise ConfigError(f"cachegen-lmcache {k} must be even, >= 4 and <= 2**precision, got {p[k]}")
+        if p["k_early_layers"] < 0 or p["v_early_layers"] < 0:
+            raise ConfigError("cachegen-lmcache early layer counts must be >= 0")
+        _check_stage_params(self)
+
+    @property
+    def nominal_bits(self) -> float:
+        return 5.0
+
+    def layer_bins(self, num_layers: int) -> np.ndarray:
+        """Bins of each layer as int32 ``[L, 2]`` (K, V)."""
+        p = self.params
+        k = [p["early_bins"] if i < p["k_early_layers"] else p["late_bins"] for i in range(num_layers)]
+        v = [p["early_bins"] if i < p["v_early_layers"] else p["late_bins"] for i in range(num_layers)]
+        return np.array([k, v], dtype=np.int32).T.reshape(num_layers, 2)
+
+    def encode_globals(self, cache: KVCache) -> dict[str, np.ndarray]:
+        return {"cachegen_bins": self.layer_bins(cache.num_layers)}
+
+    def _stage(self) -> EntropyStage:
+        return EntropyStage(**_stage_params(self.params), scope="chunk")
+
+    def encode_tensor(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
+        where = f"layers.{ctx.layer}.{ctx.role}"
+        bins = int(_global_plane(ctx, "cachegen_bins", where)[ctx.layer, _role_col(ctx.role)])
+        t, h, d = x.shape
+        codes, scale = symmetric_token_quantize(x.float().reshape(t, h * d), bins - 1)
+        planes = {"scale": scale.numpy()}
+        planes.update(add_prefix(self._stage().encode(_rows(codes), alphabet=bins), "ans_"))
+        return EncodedTensor(planes, {"bins": bins})
+
+    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
+        where = f"layers.{ctx.layer}.{ctx.role}"
+        rec = int(_global_plane(ctx, "cachegen_bins", where)[ctx.layer, _role_col(ctx.role)])
+        if enc.params.get("bins") != rec or rec < 4 or rec % 2:
+            raise FormatError(f"{where}: cachegen-lmcache params {enc.params!r} disagree with recorded bins {rec}")
+        t, h, d = ctx.shape
+        scale = _scale_plane(enc, where, t)
+        codes = _decode_rows(enc.planes, "ans_", h * d, t, rec, where)
+        if codes.numel() and int(codes.max()) > rec - 2:
+            raise FormatError(f"{where}: code {int(codes.max())} outside the {rec - 1} levels")
+        return symmetric_token_dequantize(codes, scale, rec - 1).reshape(t, h, d).to(ctx.dtype)
+
+
+register_preset("cachegen", {"id": "cachegen"},
+                "CacheGen (paper): anchor+delta in groups of 10, layer-group bins 31/15/15, per-channel ANS tables")
+register_preset("cachegen-lmcache", {"id": "cachegen-lmcache"},
+                "CacheGen as LMCache ships it: per-token absmax, bins 32/16, 16-bit tables per channel per 256-token chunk")
