@@ -404,6 +404,12 @@ class KVCReader:
         return sum(self._entries[n].nbytes for t in self._layer(i).tensors.values() for c in t.chunks
                    for n in c.planes.values())
 
+    def read_plane_nbytes(self, name: str) -> int:
+        """Stored size in bytes of one tensor (from the validated header; nothing is read)."""
+        if name not in self._entries:
+            raise InputError(f"no stored tensor {name!r} in this file")
+        return self._entries[name].nbytes
+
     def layer_info(self, i: int) -> LayerInfo:
         lm = self._layer(i)
         return LayerInfo(kind=lm.kind, window=lm.window)

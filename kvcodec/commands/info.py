@@ -1,0 +1,93 @@
+"""``kvcodec info FILE [--json]``: the manifest, sizes, bits per element and a per-layer table.
+
+Only the header is read and validated (format, version, manifest checksum, layout); tensor data
+is not read. Use ``kvcodec verify`` to check every checksum and decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from . import format_table, print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="show a KVC file's manifest, sizes and per-layer bits/element")
+    p.add_argument("file", help="KVC file")
+    p.add_argument("--json", action="store_true", help="print JSON to stdout")
+    p.set_defaults(func=run)
+
+
+def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The summary ``kvcodec info`` prints, as a JSON-able dict.
+
+    Example:
+        >>> import os, tempfile, torch, kvcodec
+        >>> c = kvcodec.KVCache.from_tensors([(torch.ones(4, 2, 8), torch.ones(4, 2, 8))])
+        >>> p = os.path.join(tempfile.mkdtemp(), "c.kvc")
+        >>> _ = kvcodec.get_codec("fp16").encode(c, path=p)
+        >>> d = describe(p)
+        >>> d["codec"], d["layers"][0]["bits_per_element"], d["layers"][0]["k"]
+        ({'id': 'fp16'}, 16.0, [4, 2, 8])
+    """
+    from ..format import open_kvc
+
+    with open_kvc(path) as r:
+        m = r.manifest
+        n = r.num_elements
+        layers = []
+        for i, lm in enumerate(m["layers"]):
+            numel = sum(t["shape"][0] * t["shape"][1] * t["shape"][2] for t in lm["tensors"].values())
+            nb = r.layer_nbytes(i)
+            row: dict[str, Any] = {"layer": i, "kind": lm["kind"], "window": lm["window"], "kv_heads": lm["kv_heads"]}
+            for role, t in lm["tensors"].items():
+                row[role] = t["shape"]
+            row.update(bytes=nb, bits_per_element=round(8 * nb / numel, 4) if numel else 0.0)
+            layers.append(row)
+        other = sum(r.read_plane_nbytes(x) for x in r.tensor_names() if not x.startswith("layers."))
+        return {
+            "file": os.fspath(path),
+            "format": f"{r.metadata['format']} {r.version[0]}.{r.version[1]}",
+            "producer": m["producer"],
+            "model": m["model"],
+            "codec": m["codec"],
+            "source_dtype": m["source_dtype"],
+            "rope": m["rope"],
+            "num_layers": r.num_layers,
+            "num_tokens": r.num_tokens,
+            "tokens_per_chunk": r.tokens_per_chunk,
+            "has_token_ids": m["has_token_ids"],
+            "num_elements": n,
+            "file_bytes": r.file_size,
+            "header_bytes": 8 + r.header_len,
+            "global_and_meta_bytes": other,
+            "bits_per_element": round(8 * r.file_size / n, 4) if n else 0.0,
+            "ratio_vs_fp16": round(2 * n / r.file_size, 4),
+            "required_features": m["required_features"],
+            "layers": layers,
+        }
+
+
+def run(args: argparse.Namespace) -> int:
+    d = describe(args.file)
+    if args.json:
+        print_json(d)
+        return 0
+    model = d["model"]["model_id"] or "(unknown model)"
+    print(f"{d['file']}: KVC {d['format'].split()[-1]}, written by {d['producer'].get('name')} {d['producer'].get('version')}")
+    print(f"  model      {model} rev={d['model']['revision'] or '-'} tokenizer={d['model']['tokenizer'] or '-'}")
+    print(f"  codec      {d['codec']}")
+    print(f"  cache      {d['num_layers']} layers x {d['num_tokens']} tokens, {d['source_dtype']}, "
+          f"RoPE {'applied' if d['rope']['applied'] else 'not applied'}"
+          + (f", {d['tokens_per_chunk']} tokens/chunk" if d["tokens_per_chunk"] else ""))
+    print(f"  size       {d['file_bytes']} bytes (header {d['header_bytes']}), {d['bits_per_element']} bits/element, "
+          f"{d['ratio_vs_fp16']}x smaller than fp16")
+    rows = []
+    for L in d["layers"]:
+        shapes = " ".join(f"{r}={'x'.join(map(str, L[r]))}" for r in ("k", "v", "kv") if r in L)
+        rows.append({"layer": L["layer"], "kind": L["kind"] + (f"({L['window']})" if L["window"] else ""),
+                     "tensors": shapes, "bytes": L["bytes"], "bits/elem": L["bits_per_element"]})
+    print(format_table(rows, ["layer", "kind", "tensors", "bytes", "bits/elem"]))
+    return 0
