@@ -180,6 +180,9 @@ def test_writes_are_atomic_and_leave_no_temporary_files(tmp_path):
         kvf.write_file(_FailingCodec(), cache, tmp_path / "c.kvc")
     assert (tmp_path / "c.kvc").read_bytes() == good
     assert sorted(os.listdir(tmp_path)) == ["c.kvc"]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (tmp_path / "c.kvc").stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
 
 
 def test_writer_rejects_bad_plane_names_dtypes_and_params():

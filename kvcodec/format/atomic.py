@@ -18,6 +18,7 @@ def atomic_write_chunks(path: str | os.PathLike[str], chunks: Iterable[bytes | m
     fd, tmp = tempfile.mkstemp(prefix=".kvc-", suffix=".tmp", dir=d)
     n = 0
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
         with os.fdopen(fd, "wb") as f:
             for c in chunks:
                 f.write(c)
@@ -40,6 +41,12 @@ def atomic_write_chunks(path: str | os.PathLike[str], chunks: Iterable[bytes | m
     except OSError:
         pass
     return n
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> int:
