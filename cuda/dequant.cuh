@@ -32,24 +32,27 @@ KVC_HD float fp8_to_f32(uint32_t b) {
   return FMT == FP8_E4M3 ? e4m3_to_f32(b) : e5m2_to_f32(b);
 }
 
-KVC_HD int64_t fp8_scale_index(const Fp8Params& p, int64_t row, int64_t d) {
-  const int64_t t = row / p.heads, h = row - t * p.heads;
-  return (t / p.t_blk) * p.s_t + (h / p.h_blk) * p.s_h + (d / p.d_blk) * p.s_d;
+// Index math is 32-bit unsigned: gpu.py only launches tensors of fewer than 2^31 elements
+// (64-bit division would be a called subroutine, costly and spilling registers).
+KVC_HD uint32_t fp8_scale_index(const Fp8Params& p, uint32_t row, uint32_t d) {
+  const uint32_t t = row / (uint32_t)p.heads, h = row - t * (uint32_t)p.heads;
+  return (t / (uint32_t)p.t_blk) * (uint32_t)p.s_t + (h / (uint32_t)p.h_blk) * (uint32_t)p.s_h +
+         (d / (uint32_t)p.d_blk) * (uint32_t)p.s_d;
 }
 
 // One element (the general path: any D, any scale layout).
 template <int FMT, int OUT>
-KVC_HD void fp8_item(const Fp8Params& p, int64_t i) {
-  const int64_t row = i / p.dim, d = i - row * p.dim;
+KVC_HD void fp8_item(const Fp8Params& p, uint32_t i) {
+  const uint32_t row = i / (uint32_t)p.dim, d = i - row * (uint32_t)p.dim;
   const float s = loadf(p.scale + fp8_scale_index(p, row, d));
   store_out<OUT>(p.out, (uint64_t)i, mul_rn(fp8_to_f32<FMT>(p.codes[i]), s));
 }
 
 // Sixteen elements d0..d0+15 of one row (the fast path: D % 16 == 0, 16-byte aligned planes).
 template <int FMT, int OUT>
-KVC_HD void fp8_item16(const Fp8Params& p, int64_t v) {
-  const int64_t i0 = v * 16;
-  const int64_t row = i0 / p.dim, d0 = i0 - row * p.dim;
+KVC_HD void fp8_item16(const Fp8Params& p, uint32_t v) {
+  const uint32_t i0 = v * 16;
+  const uint32_t row = i0 / (uint32_t)p.dim, d0 = i0 - row * (uint32_t)p.dim;
   const U32x4 c = load16(p.codes + i0);
   uint32_t bits[16];
   if (p.scale_const16) {
@@ -58,10 +61,10 @@ KVC_HD void fp8_item16(const Fp8Params& p, int64_t v) {
     for (int j = 0; j < 16; ++j)
       bits[j] = out_bits<OUT>(mul_rn(fp8_to_f32<FMT>((c.w[j >> 2] >> (8 * (j & 3))) & 0xFFu), s));
   } else {
-    const int64_t base = fp8_scale_index(p, row, 0);
+    const uint32_t base = fp8_scale_index(p, row, 0);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const float s = loadf(p.scale + base + ((d0 + j) / p.d_blk) * p.s_d);
+      const float s = loadf(p.scale + base + ((d0 + j) / (uint32_t)p.d_blk) * (uint32_t)p.s_d);
       bits[j] = out_bits<OUT>(mul_rn(fp8_to_f32<FMT>((c.w[j >> 2] >> (8 * (j & 3))) & 0xFFu), s));
     }
   }
@@ -83,14 +86,14 @@ KVC_HD float nvfp4_value(uint32_t code, float block_scale, float tensor_scale) {
 
 // One 16-element block: item = row * (dim_padded / 16) + block.
 template <int OUT>
-KVC_HD void nvfp4_item(const Nvfp4Params& p, int64_t item) {
-  const int32_t nb = p.dim_padded >> 4;
-  const int64_t row = item / nb;
-  const int32_t b = (int32_t)(item - row * nb);
-  const uint64_t packed = load8(p.codes + row * (p.dim_padded >> 1) + b * 8);
+KVC_HD void nvfp4_item(const Nvfp4Params& p, uint32_t item) {
+  const uint32_t nb = (uint32_t)p.dim_padded >> 4;
+  const uint32_t row = item / nb;
+  const uint32_t b = item - row * nb;
+  const uint64_t packed = load8(p.codes + (uint64_t)row * (p.dim_padded >> 1) + b * 8);
   const float bs = e4m3_to_f32(load1(p.block_scale + item));
   const float ts = loadf(p.tensor_scale);
-  const int32_t d0 = b * 16;
+  const uint32_t d0 = b * 16;
   if (p.dim == p.dim_padded) {
     uint32_t bits[16];
 #pragma unroll
@@ -98,7 +101,7 @@ KVC_HD void nvfp4_item(const Nvfp4Params& p, int64_t item) {
       bits[j] = out_bits<OUT>(nvfp4_value((uint32_t)(packed >> (4 * j)) & 0xFu, bs, ts));
     store16_out<OUT>(p.out, (uint64_t)(row * p.dim + d0), bits);
   } else {
-    for (int j = 0; j < 16 && d0 + j < p.dim; ++j)
+    for (uint32_t j = 0; j < 16 && d0 + j < (uint32_t)p.dim; ++j)
       store_out<OUT>(p.out, (uint64_t)(row * p.dim + d0 + j),
                      nvfp4_value((uint32_t)(packed >> (4 * j)) & 0xFu, bs, ts));
   }

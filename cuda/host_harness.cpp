@@ -8,6 +8,16 @@
 // What it cannot check: the PTX conversions (cvt.rn.f16/bf16.f32, replaced here by software
 // twins that the test also checks against torch) and the grid mapping of the kernels.
 #include "dequant.cuh"
+#include "intq.cuh"
+
+template <int B>
+static void intq_vec_host(const kvc::IntqParams* p, int out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (out == 0) kvc::intq_item16<B, kvc::OUT_F32>(*p, (uint32_t)i);
+    else if (out == 1) kvc::intq_item16<B, kvc::OUT_F16>(*p, (uint32_t)i);
+    else kvc::intq_item16<B, kvc::OUT_BF16>(*p, (uint32_t)i);
+  }
+}
 
 extern "C" {
 
@@ -16,6 +26,7 @@ int64_t kvc_sizeof(int which) {
   switch (which) {
     case 0: return (int64_t)sizeof(kvc::Fp8Params);
     case 1: return (int64_t)sizeof(kvc::Nvfp4Params);
+    case 2: return (int64_t)sizeof(kvc::IntqParams);
     default: return -1;
   }
 }
@@ -42,6 +53,27 @@ void kvc_nvfp4_host(const kvc::Nvfp4Params* p, int out, int64_t n) {
     if (out == 0) kvc::nvfp4_item<kvc::OUT_F32>(*p, i);
     else if (out == 1) kvc::nvfp4_item<kvc::OUT_F16>(*p, i);
     else kvc::nvfp4_item<kvc::OUT_BF16>(*p, i);
+  }
+}
+
+void kvc_intq_host(const kvc::IntqParams* p, int out, int vec16, int64_t n) {
+  if (!vec16) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (out == 0) kvc::intq_item<kvc::OUT_F32>(*p, (uint32_t)i);
+      else if (out == 1) kvc::intq_item<kvc::OUT_F16>(*p, (uint32_t)i);
+      else kvc::intq_item<kvc::OUT_BF16>(*p, (uint32_t)i);
+    }
+    return;
+  }
+  switch (p->bits) {
+    case 1: intq_vec_host<1>(p, out, n); break;
+    case 2: intq_vec_host<2>(p, out, n); break;
+    case 3: intq_vec_host<3>(p, out, n); break;
+    case 4: intq_vec_host<4>(p, out, n); break;
+    case 5: intq_vec_host<5>(p, out, n); break;
+    case 6: intq_vec_host<6>(p, out, n); break;
+    case 7: intq_vec_host<7>(p, out, n); break;
+    default: intq_vec_host<8>(p, out, n); break;
   }
 }
 

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .codec import Codec, EncodedTensor, TensorContext
 
 #: Kernel programs (one NVRTC compilation each) in the cuda/ folder.
-PROGRAMS = ("dequant.cu",)
+PROGRAMS = ("dequant.cu", "intq.cu")
 
 #: NVRTC options shared by run time and the CI compile test. Bit-exactness with the CPU
 #: reference needs IEEE single precision everywhere: no FMA contraction (torch rounds after each
@@ -59,6 +59,8 @@ _HINT = (
 
 _OUT_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _THREADS = 256
+#: The kernels index a tensor with 32-bit arithmetic (64-bit division is a slow called routine).
+MAX_ELEMENTS = 2**31 - 1
 
 
 # ---------------------------------------------------------------------------- sources
@@ -484,7 +486,17 @@ def scale_layout(scale_shape: tuple[int, ...], shape: tuple[int, int, int]) -> t
     return (strides[0], strides[1], strides[2]), (blks[0], blks[1], blks[2])
 
 
-def fp8_launch(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmt: str) -> Launch:
+def _check_size(shape: tuple[int, ...]) -> None:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    if n > MAX_ELEMENTS:
+        raise DeviceError(f"tensor of shape {list(shape)} has more than 2**31 - 1 elements; "
+                          "the GPU kernels index 32-bit: split it, or decode with device='cpu'")
+
+
+def fp8_launch(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmt: str,
+               d_block: int | None = None) -> Launch:
     """FP8 dequantization ``out = (f32(codes) * scale).to(out.dtype)``.
 
     Args:
@@ -492,9 +504,16 @@ def fp8_launch(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmt:
         scale: float32 plane broadcast onto ``[T, H, D]`` (see :func:`scale_layout`).
         out: ``[T, H, D]`` float32/float16/bfloat16 output (contiguous).
         fmt: ``"e4m3"`` or ``"e5m2"``.
+        d_block: block length along D when the scale has one value per block of ``d_block``
+            channels (the last block may be shorter); by default ``ceil(D / scale.shape[-1])``.
     """
     t, h, d = out.shape
+    _check_size(out.shape)
     (s_t, s_h, s_d), (t_blk, h_blk, d_blk) = scale_layout(tuple(scale.shape), (t, h, d))
+    if d_block is not None and s_d:
+        if -(-d // d_block) != scale.shape[-1]:
+            raise FormatError(f"scale plane {list(scale.shape)} does not hold one value per {d_block} channels of {d}")
+        d_blk = d_block
     const16 = int(d % 16 == 0 and (s_d == 0 or d_blk % 16 == 0))
     vec = d % 16 == 0 and codes.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
     p = Fp8Params(codes.data_ptr(), scale.data_ptr(), out.data_ptr(), t * h, s_t, s_h, s_d, h, d,
@@ -514,6 +533,7 @@ def nvfp4_launch(codes: torch.Tensor, block_scale: torch.Tensor, tensor_scale: t
         out: ``[T, H, D]`` output, ``D <= Dp``.
     """
     t, h, d = out.shape
+    _check_size(codes.shape)
     dp = codes.shape[-1] * 2
     if dp % 16 or not (d <= dp < d + 16) or block_scale.numel() != t * h * (dp // 16) or codes.numel() != t * h * dp // 2:
         raise FormatError(f"NVFP4 planes ({list(codes.shape)}, {list(block_scale.shape)}) do not fit {list(out.shape)}")
@@ -531,4 +551,155 @@ def kernel_names(program: str) -> list[str]:
     if program == "dequant.cu":
         fp8 = [f"fp8_{f}_{o}{v}" for f in ("e4m3", "e5m2") for o in outs for v in ("", "_v16")]
         return fp8 + [f"nvfp4_{o}" for o in outs]
+    if program == "intq.cu":
+        return [f"intq_{o}" for o in outs] + [f"intq_b{b}_{o}_v16" for b in range(1, 9) for o in outs]
     raise DeviceError(f"unknown kernel program {program!r}")
+
+
+class IntqParams(ctypes.Structure):
+    """Mirror of ``kvc::IntqParams`` (cuda/intq.cuh)."""
+
+    _fields_ = [
+        ("packed", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("n", ctypes.c_int64), ("heads", ctypes.c_int32), ("dim", ctypes.c_int32), ("group", ctypes.c_int32),
+        ("axis", ctypes.c_int32), ("bits", ctypes.c_int32), ("pad_", ctypes.c_int32),
+    ]
+
+
+def intq_launch(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor,
+                bits: int, axis: str, group: int) -> Launch:
+    """KIVI-style dequantization ``out = (f32(code) * f32(scale) + f32(zero)).to(out.dtype)``.
+
+    Args:
+        packed: uint8 LSB-first bit stream of the ``[Tq, H, D]`` codes.
+        scale, zero: float16 planes (``[ceil(Tq/g), H, D]`` for axis ``"channel"``,
+            ``[Tq, H, ceil(D/g)]`` for ``"token"``).
+        out: ``[Tq, H, D]`` output (contiguous; may be the first ``Tq`` tokens of a larger tensor).
+        bits, axis, group: the tensor's params.
+    """
+    tq, h, d = out.shape
+    _check_size(out.shape)
+    n = tq * h * d
+    if packed.numel() != (n * bits + 7) // 8:
+        raise FormatError(f"packed codes hold {packed.numel()} bytes; {n} codes of {bits} bits need {(n * bits + 7) // 8}")
+    ps = (-(-tq // group), h, d) if axis == "channel" else (tq, h, -(-d // group))
+    if scale.numel() != ps[0] * ps[1] * ps[2] or zero.numel() != scale.numel():
+        raise FormatError(f"scale/zero planes do not have shape {list(ps)}")
+    vec = d % 16 == 0 and packed.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0 and scale.data_ptr() % 16 == 0 \
+        and zero.data_ptr() % 16 == 0
+    p = IntqParams(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), n, h, d, group,
+                   0 if axis == "channel" else 1, bits, 0)
+    items = n // 16 if vec else n
+    name = f"intq_b{bits}_{_out_name(out.dtype)}_v16" if vec else f"intq_{_out_name(out.dtype)}"
+    return Launch("intq.cu", name, items, [p, ctypes.c_int64(items)], keep=[packed, scale, zero, out])
+
+
+# ---------------------------------------------------------------------------- codec decoders
+def _where(ctx: "TensorContext") -> str:
+    return f"layers.{ctx.layer}.{ctx.role}"
+
+
+#: Tests install a runner that executes launches built from CPU tensors through the host build
+#: of the kernel code (tests/_cuda_host.py), so every decoder below is checked without a GPU.
+_HOST_RUNNER: Callable[[Launch], None] | None = None
+
+
+def _decode_launch(dev: torch.device, launch: Launch) -> None:
+    if dev.type == "cpu" and _HOST_RUNNER is not None:
+        _HOST_RUNNER(launch)
+        return
+    run_launch(device_modules(dev), launch)
+
+
+@register_gpu_decoder("raw")
+def _gpu_raw(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
+    # bits only: the CPU decode is already a copy, so the GPU path is the upload itself
+    return codec.decode_tensor(enc, ctx).to(dev)
+
+
+@register_gpu_decoder("fp16")
+def _gpu_fp16(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
+    a = _plane(enc, ctx, "bits", np.int16, ctx.numel)
+    # the cast fp16 -> source dtype is exact (fp32) or RNE (bf16) on both devices
+    return to_device(a, dev).view(torch.float16).reshape(ctx.shape).to(ctx.dtype)
+
+
+@register_gpu_decoder("fp8")
+def _gpu_fp8(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
+    from .quant.fp8 import FP8_FORMATS, GRANULARITIES, scale_shape
+
+    fmt, g, block = enc.params.get("format"), enc.params.get("granularity"), enc.params.get("block")
+    if fmt not in FP8_FORMATS or g not in GRANULARITIES or not isinstance(block, int) or block < 1:
+        raise FormatError(f"{_where(ctx)}: bad fp8 params {enc.params!r}")
+    sshape = scale_shape(ctx.shape, g, block)
+    codes = _plane(enc, ctx, "codes", np.uint8, ctx.numel)
+    scale = _plane(enc, ctx, "scale", np.float32, sshape[0] * sshape[1] * sshape[2])
+    if scale.size and not bool((np.isfinite(scale) & (scale > 0)).all()):
+        raise FormatError(f"{_where(ctx)}: fp8 scales must be positive and finite")
+    out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
+    if out.numel():
+        c = to_device(codes.reshape(ctx.shape), dev)
+        s = to_device(scale.reshape(sshape), dev)
+        _decode_launch(dev, fp8_launch(c, s, out, fmt, d_block=block if g == "block" else None))
+    return out
+
+
+@register_gpu_decoder("nvfp4")
+def _gpu_nvfp4(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
+    t, h, d = ctx.shape
+    pad = enc.params.get("pad")
+    if not isinstance(pad, int) or isinstance(pad, bool) or pad != (-d) % 16:
+        raise FormatError(f"{_where(ctx)}: nvfp4 pad {pad!r} does not match head_dim {d}")
+    dp = d + pad
+    codes = _plane(enc, ctx, "codes", np.uint8, t * h * dp // 2)
+    bs = _plane(enc, ctx, "block_scale", np.uint8, t * h * dp // 16)
+    ts = _plane(enc, ctx, "tensor_scale", np.float32, 1)
+    if not (bool(np.isfinite(ts).all()) and float(ts.reshape(-1)[0]) > 0):
+        raise FormatError(f"{_where(ctx)}: nvfp4 tensor_scale must be positive")
+    if bs.size and bool((((bs & 0x7F) == 0x7F) | ((bs & 0x80) != 0)).any()):
+        raise FormatError(f"{_where(ctx)}: nvfp4 block scale is NaN or negative")
+    out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
+    if out.numel():
+        launch = nvfp4_launch(to_device(codes.reshape(t, h, dp // 2), dev), to_device(bs.reshape(t, h, dp // 16), dev),
+                              to_device(ts.reshape(1), dev), out)
+        _decode_launch(dev, launch)
+    return out
+
+
+_BITS_VIEW = {torch.float32: np.int32, torch.float16: np.int16, torch.bfloat16: np.int16}
+
+
+@register_gpu_decoder("kivi")
+def _gpu_kivi(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
+    from .quant.intq import AXES, intq_param_shape
+
+    p = enc.params
+    t, h, d = ctx.shape
+    ok = p.get("axis") in AXES and all(isinstance(p.get(k), int) and not isinstance(p.get(k), bool)
+                                       for k in ("bits", "group", "recent"))
+    if not ok or not 1 <= p["bits"] <= 8 or p["group"] < 1 or not 0 <= p["recent"] <= t:
+        raise FormatError(f"{_where(ctx)}: bad kivi params {p!r}")
+    bits, group, tr, axis = p["bits"], p["group"], p["recent"], p["axis"]
+    tq = t - tr
+    n = tq * h * d
+    packed = _plane(enc, ctx, "codes", np.uint8, (n * bits + 7) // 8)
+    ps = intq_param_shape((tq, h, d), axis, group)
+    scale = _plane(enc, ctx, "scale", np.float16, ps[0] * ps[1] * ps[2])
+    zero = _plane(enc, ctx, "zero", np.float16, ps[0] * ps[1] * ps[2])
+    if scale.size and not bool((np.isfinite(scale) & np.isfinite(zero)).all()):
+        raise FormatError(f"{_where(ctx)}: kivi scale/zero must be finite")
+    if n and bits < 8 and (n * bits) % 8:
+        last = int(packed.reshape(-1)[-1])
+        if last >> ((n * bits) % 8):
+            raise FormatError("non-zero padding bits after the last packed code")
+    out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
+    if n:
+        launch = intq_launch(to_device(packed.reshape(-1), dev), to_device(scale.view(np.int16), dev),
+                             to_device(zero.view(np.int16), dev), out[:tq], bits, axis, group)
+        _decode_launch(dev, launch)
+    if tr:
+        recent = _plane(enc, ctx, "recent", _BITS_VIEW[ctx.dtype], tr * h * d)
+        out[tq:] = to_device(recent.reshape(tr, h, d), dev).view(ctx.dtype)
+    elif "recent" in enc.planes:
+        raise FormatError(f"{_where(ctx)}: unexpected plane 'recent' (params say 0 recent tokens)")
+    return out
