@@ -9,6 +9,8 @@
 // twins that the test also checks against torch) and the grid mapping of the kernels.
 #include "dequant.cuh"
 #include "intq.cuh"
+#include "ans.cuh"
+#include <vector>
 
 template <int B>
 static void intq_vec_host(const kvc::IntqParams* p, int out, int64_t n) {
@@ -27,6 +29,7 @@ int64_t kvc_sizeof(int which) {
     case 0: return (int64_t)sizeof(kvc::Fp8Params);
     case 1: return (int64_t)sizeof(kvc::Nvfp4Params);
     case 2: return (int64_t)sizeof(kvc::IntqParams);
+    case 3: return (int64_t)sizeof(kvc::AnsParams);
     default: return -1;
   }
 }
@@ -74,6 +77,27 @@ void kvc_intq_host(const kvc::IntqParams* p, int out, int vec16, int64_t n) {
     case 6: intq_vec_host<6>(p, out, n); break;
     case 7: intq_vec_host<7>(p, out, n); break;
     default: intq_vec_host<8>(p, out, n); break;
+  }
+}
+
+// Decode every stream of an ANS stage; smem != 0 uses a per-stream table copy like the _smem
+// kernels do with shared memory.
+void kvc_ans_host(const kvc::AnsParams* p, int sink, int out, int smem) {
+  std::vector<uint32_t> tab((size_t)p->A + 1);
+  uint32_t* t = smem ? tab.data() : nullptr;
+  for (uint32_t s = 0; s < (uint32_t)p->n_streams; ++s) {
+    int32_t r;
+    if (sink == kvc::SINK_SYMBOLS) r = kvc::ans_decode_stream<kvc::SINK_SYMBOLS, kvc::OUT_F32>(*p, s, t);
+    else if (sink == kvc::SINK_KIVI) {
+      if (out == 0) r = kvc::ans_decode_stream<kvc::SINK_KIVI, kvc::OUT_F32>(*p, s, t);
+      else if (out == 1) r = kvc::ans_decode_stream<kvc::SINK_KIVI, kvc::OUT_F16>(*p, s, t);
+      else r = kvc::ans_decode_stream<kvc::SINK_KIVI, kvc::OUT_BF16>(*p, s, t);
+    } else {
+      if (out == 0) r = kvc::ans_decode_stream<kvc::SINK_TOKSYM, kvc::OUT_F32>(*p, s, t);
+      else if (out == 1) r = kvc::ans_decode_stream<kvc::SINK_TOKSYM, kvc::OUT_F16>(*p, s, t);
+      else r = kvc::ans_decode_stream<kvc::SINK_TOKSYM, kvc::OUT_BF16>(*p, s, t);
+    }
+    p->status[s] = r;
   }
 }
 

@@ -7,7 +7,7 @@
 //   scale, zero: float16; axis "channel" (K): [ceil(Tq/g), H, D], token t uses row t/g;
 //                axis "token" (V): [Tq, H, ceil(D/g)], channel d uses column d/g.
 //   value = fp32(code) * fp32(scale) + fp32(zero): product rounded, then sum rounded (no FMA),
-//   then one round-to-nearest-even cast to the output dtype.
+//   clamped to the output dtype's finite range, then one round-to-nearest-even cast.
 #pragma once
 #include "kvc_common.cuh"
 #include "kvc_vec.cuh"
@@ -47,8 +47,18 @@ KVC_HD uint32_t intq_param_index(const IntqParams& p, uint32_t row /* t*H + h */
   return row * ng + d / group;
 }
 
+// The reference clamps to the output dtype's finite range before the cast (an fp16 cache's top
+// level can land just above 65504 after the fp16 rounding of scale and zero): saturate, not inf.
+template <int OUT>
+KVC_HD float clamp_out(float v) {
+  if (OUT == OUT_F32) return v;
+  const float fmax = OUT == OUT_F16 ? 65504.0f : bits_f32(0x7F7F0000u);  // bf16 max
+  return v > fmax ? fmax : (v < -fmax ? -fmax : v);  // NaN passes through, as torch.clamp
+}
+
+template <int OUT>
 KVC_HD float intq_value(uint32_t code, uint16_t s, uint16_t z) {
-  return add_rn(mul_rn((float)code, half_to_f32(s)), half_to_f32(z));
+  return clamp_out<OUT>(add_rn(mul_rn((float)code, half_to_f32(s)), half_to_f32(z)));
 }
 
 // Code i of an LSB-first stream of `bits`-bit codes (never reads past the code's last byte).
@@ -66,7 +76,7 @@ template <int OUT>
 KVC_HD void intq_item(const IntqParams& p, uint32_t i) {
   const uint32_t row = i / (uint32_t)p.dim, d = i - row * (uint32_t)p.dim;
   const uint32_t k = intq_param_index(p, row, d);
-  store_out<OUT>(p.out, (uint64_t)i, intq_value(intq_code(p.packed, i, p.bits), load2(p.scale + k), load2(p.zero + k)));
+  store_out<OUT>(p.out, (uint64_t)i, intq_value<OUT>(intq_code(p.packed, i, p.bits), load2(p.scale + k), load2(p.zero + k)));
 }
 
 // The 2*BITS bytes holding codes 16v .. 16v+15, as a 128-bit little-endian value (lo, hi).
@@ -122,18 +132,18 @@ KVC_HD void intq_item16(const IntqParams& p, uint32_t v) {
       const uint32_t sw = j < 8 ? s0.w[j >> 1] : s1.w[(j - 8) >> 1];
       const uint32_t zw = j < 8 ? z0.w[j >> 1] : z1.w[(j - 8) >> 1];
       const uint16_t s = (uint16_t)(sw >> (16 * (j & 1))), z = (uint16_t)(zw >> (16 * (j & 1)));
-      bits[j] = out_bits<OUT>(intq_value(intq_extract<BITS>(lo, hi, j), s, z));
+      bits[j] = out_bits<OUT>(intq_value<OUT>(intq_extract<BITS>(lo, hi, j), s, z));
     }
   } else if (p.group % 16 == 0) {
     const uint32_t k = intq_param_index(p, row, d0);
     const uint16_t s = load2(p.scale + k), z = load2(p.zero + k);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) bits[j] = out_bits<OUT>(intq_value(intq_extract<BITS>(lo, hi, j), s, z));
+    for (int j = 0; j < 16; ++j) bits[j] = out_bits<OUT>(intq_value<OUT>(intq_extract<BITS>(lo, hi, j), s, z));
   } else {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const uint32_t k = intq_param_index(p, row, d0 + j);
-      bits[j] = out_bits<OUT>(intq_value(intq_extract<BITS>(lo, hi, j), load2(p.scale + k), load2(p.zero + k)));
+      bits[j] = out_bits<OUT>(intq_value<OUT>(intq_extract<BITS>(lo, hi, j), load2(p.scale + k), load2(p.zero + k)));
     }
   }
   store16_out<OUT>(p.out, (uint64_t)i0, bits);

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .codec import Codec, EncodedTensor, TensorContext
 
 #: Kernel programs (one NVRTC compilation each) in the cuda/ folder.
-PROGRAMS = ("dequant.cu", "intq.cu")
+PROGRAMS = ("dequant.cu", "intq.cu", "ans.cu")
 
 #: NVRTC options shared by run time and the CI compile test. Bit-exactness with the CPU
 #: reference needs IEEE single precision everywhere: no FMA contraction (torch rounds after each
@@ -553,6 +553,9 @@ def kernel_names(program: str) -> list[str]:
         return fp8 + [f"nvfp4_{o}" for o in outs]
     if program == "intq.cu":
         return [f"intq_{o}" for o in outs] + [f"intq_b{b}_{o}_v16" for b in range(1, 9) for o in outs]
+    if program == "ans.cu":
+        base = ["ans_symbols"] + [f"ans_{k}_{o}" for k in ("kivi", "toksym") for o in outs]
+        return base + [b + "_smem" for b in base]
     raise DeviceError(f"unknown kernel program {program!r}")
 
 
@@ -703,3 +706,236 @@ def _gpu_kivi(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: t
     elif "recent" in enc.planes:
         raise FormatError(f"{_where(ctx)}: unexpected plane 'recent' (params say 0 recent tokens)")
     return out
+
+
+# ---------------------------------------------------------------------------- ANS stages
+ANS_THREADS = 128
+#: Shared memory a block may use without opting in; the _smem kernels need blockDim*(A+1)*4.
+_SMEM_DEFAULT_LIMIT = 48 * 1024
+SINK_SYMBOLS, SINK_KIVI, SINK_TOKSYM = 0, 1, 2
+_ANS_STATUS = {1: "ends in a zero word", 2: "not consumed exactly (corrupt or wrong index)",
+               3: "decodes to a code outside the quantizer's range"}
+
+
+class AnsParams(ctypes.Structure):
+    """Mirror of ``kvc::AnsParams`` (cuda/ans.cuh)."""
+
+    _fields_ = [
+        ("words", ctypes.c_void_p), ("offsets", ctypes.c_void_p), ("cdf", ctypes.c_void_p),
+        ("table_of", ctypes.c_void_p), ("status", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p), ("base", ctypes.c_void_p),
+        *[(n, ctypes.c_int32) for n in ("R", "N", "C", "G", "A", "n_groups", "n_streams", "scope",
+                                        "heads", "dim", "group", "axis", "mid", "max_code",
+                                        "tmul", "tdiv", "tadd", "out_is_t", "base_group")],
+    ]
+
+
+class DeviceStage:
+    """An entropy stage (formats/ANS.md §3) validated on the host and uploaded to a device.
+
+    Validation is :func:`kvcodec.entropy.stage.parse_planes`, the CPU decoder's own, so both
+    devices accept and reject the same planes. Tables become cumulative frequencies at
+    precision 24 (``cdf [n_sets * K, A + 1]``) and ``table_of [n_sets, R]`` indexes them.
+    """
+
+    def __init__(self, planes: dict[str, np.ndarray], dev: torch.device, tables: np.ndarray | None = None,
+                 row_table: np.ndarray | None = None) -> None:
+        from .entropy.stage import parse_planes
+
+        lay, words, off, tsets, rts = parse_planes(planes, tables, row_table)
+        self.layout = lay
+        f = tsets.astype(np.uint64) << np.uint64(24 - lay.P)  # [n_sets, K, A] at precision 24
+        cdf = np.zeros((lay.n_sets * lay.K, lay.A + 1), dtype=np.uint32)
+        if cdf.size:
+            cdf[:, 1:] = np.cumsum(f.reshape(-1, lay.A), axis=1).astype(np.uint32)
+        sets = np.arange(lay.n_sets, dtype=np.int64)[:, None] * lay.K
+        table_of = (sets + np.asarray(rts, dtype=np.int64)).astype(np.int32)
+        if lay.n_streams >= 2**31 or words.size >= 2**32:
+            raise DeviceError("entropy stage too large for the GPU decoder")
+        self.words = to_device(np.ascontiguousarray(words, dtype=np.uint32), dev)
+        self.offsets = to_device(off.astype(np.uint32), dev)
+        self.cdf = to_device(cdf, dev)
+        self.table_of = to_device(np.ascontiguousarray(table_of), dev)
+        self.status = torch.zeros(max(1, lay.n_streams), dtype=torch.int32, device=dev)
+
+    def launch(self, sink: int, out: torch.Tensor, out_dtype: torch.dtype | None = None, *,
+               scale: torch.Tensor | None = None, zero: torch.Tensor | None = None, base: torch.Tensor | None = None,
+               heads: int = 0, dim: int = 0, group: int = 1, axis: int = 0, mid: int = 0, max_code: int | None = None,
+               tmul: int = 1, tdiv: int = 0, tadd: int = 0, out_is_t: int = 1, base_group: int = 1) -> Launch:
+        """The launch that decodes every stream into ``out`` through ``sink``."""
+        lay = self.layout
+        ptr = (lambda t: t.data_ptr() if t is not None else 0)
+        p = AnsParams(self.words.data_ptr(), self.offsets.data_ptr(), self.cdf.data_ptr(), self.table_of.data_ptr(),
+                      self.status.data_ptr(), out.data_ptr(), ptr(scale), ptr(zero), ptr(base),
+                      lay.R, lay.N, lay.C, lay.G, lay.A, lay.n_groups, lay.n_streams, lay.scope,
+                      heads, dim, group, axis, mid, lay.A - 1 if max_code is None else max_code,
+                      tmul, tdiv, tadd, out_is_t, base_group)
+        smem = ANS_THREADS * (lay.A + 1) * 4
+        use_smem = smem <= _SMEM_DEFAULT_LIMIT
+        if sink == SINK_SYMBOLS:
+            name = "ans_symbols"
+        else:
+            name = f"ans_{'kivi' if sink == SINK_KIVI else 'toksym'}_{_out_name(out_dtype or out.dtype)}"
+        keep = [self.words, self.offsets, self.cdf, self.table_of, self.status, out, scale, zero, base]
+        return Launch("ans.cu", name + ("_smem" if use_smem else ""), lay.n_streams, [p], keep=keep,
+                      block=ANS_THREADS, smem=smem if use_smem else 0)
+
+    def check(self, where: str) -> None:
+        """Raise :class:`~kvcodec.errors.StreamError` if any stream failed (synchronises)."""
+        from .errors import StreamError
+
+        if self.layout.n_streams == 0:
+            return
+        st = self.status[: self.layout.n_streams]
+        bad = torch.nonzero(st).flatten()
+        if bad.numel():
+            i = int(bad[0])
+            code = int(st[i])
+            raise StreamError(f"{where}: ANS stream {i} {_ANS_STATUS.get(code, f'failed ({code})')}")
+
+
+def _stage_planes(enc: "EncodedTensor", prefix: str, rows: int, n: int, alphabet: int, where: str) -> dict[str, np.ndarray]:
+    """A stage's planes under ``prefix``, with the shape checks the CPU codecs make."""
+    from .entropy.stage import take_prefix
+
+    sub = take_prefix(enc.planes, prefix)
+    m = np.asarray(sub.get("meta", np.zeros(0)))
+    if m.shape == (10,) and (int(m[1]) != rows or int(m[2]) != n or int(m[6]) != alphabet):
+        raise FormatError(f"{where}: {prefix}stage is [{int(m[1])}, {int(m[2])}] over {int(m[6])} symbols, "
+                          f"expected [{rows}, {n}] over {alphabet}")
+    return sub
+
+
+def _run_stage(dev: torch.device, stage: DeviceStage, launch: Launch, where: str) -> None:
+    if stage.layout.n_streams:
+        _decode_launch(dev, launch)
+    stage.check(where)
+
+
+def _stage_symbols(dev: torch.device, stage: DeviceStage, where: str) -> torch.Tensor:
+    """Decode a stage to ``int32 [R, N]`` symbols on the device."""
+    lay = stage.layout
+    out = torch.zeros((lay.R, lay.N), dtype=torch.int32, device=dev)
+    _run_stage(dev, stage, stage.launch(SINK_SYMBOLS, out), where)
+    return out
+
+
+@register_gpu_decoder("kivi-ans")
+def _gpu_kivi_ans(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
+    from .quant.intq import AXES, intq_param_shape
+
+    where = _where(ctx)
+    pr = enc.params
+    ok = pr.get("axis") in AXES and all(isinstance(pr.get(k), int) and not isinstance(pr.get(k), bool)
+                                        for k in ("bits", "group", "delta"))
+    if not ok or not 1 <= pr["bits"] <= 8 or pr["group"] < 1 or pr["delta"] < 0:
+        raise FormatError(f"{where}: bad kivi-ans params {pr!r}")
+    bits, group, axis, dl = pr["bits"], pr["group"], pr["axis"], pr["delta"]
+    t, h, d = ctx.shape
+    c = h * d
+    _check_size(ctx.shape)
+    ps = intq_param_shape((t, h, d), axis, group)
+    scale = _plane(enc, ctx, "scale", np.float16, ps[0] * ps[1] * ps[2])
+    zero = _plane(enc, ctx, "zero", np.float16, ps[0] * ps[1] * ps[2])
+    if dl:
+        is_anchor = np.arange(t) % dl == 0
+        na = int(is_anchor.sum())
+        anc_st = DeviceStage(_stage_planes(enc, "anc_", c, na, 1 << bits, where), dev)
+        dif_st = DeviceStage(_stage_planes(enc, "ans_", c, t - na, (1 << (bits + 1)) - 1, where), dev)
+    else:
+        st = DeviceStage(_stage_planes(enc, "ans_", c, t, max(2, 1 << bits), where), dev)
+    if scale.size and not bool((np.isfinite(scale) & np.isfinite(zero)).all()):
+        raise FormatError(f"{where}: kivi-ans scale/zero must be finite")
+    s_dev = to_device(scale.view(np.int16).reshape(-1), dev)
+    z_dev = to_device(zero.view(np.int16).reshape(-1), dev)
+    out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
+    if not dl:
+        # one pass: ANS decode fused with the kivi dequantization, straight into [T, H, D]
+        launch = st.launch(SINK_KIVI, out, scale=s_dev, zero=z_dev, heads=h, dim=d, group=group,
+                           axis=0 if axis == "channel" else 1)
+        _run_stage(dev, st, launch, where)
+        return out
+    # delta: anchors and differences are separate stages; rebuild the codes with exact integer
+    # ops on the device, then dequantize them as 8-bit "packed" codes (one byte per code).
+    anc = _stage_symbols(dev, anc_st, where)
+    dif = _stage_symbols(dev, dif_st, where)
+    rows = torch.zeros((c, t), dtype=torch.int32, device=dev)
+    ia = torch.from_numpy(is_anchor).to(dev)
+    rows[:, ia] = anc
+    nona = torch.from_numpy(np.nonzero(~is_anchor)[0]).to(dev)
+    if nona.numel():
+        rows[:, nona] = dif - ((1 << bits) - 1) + rows[:, (nona // dl) * dl]
+    if rows.numel() and bool(((rows < 0) | (rows >= (1 << bits))).any()):
+        raise FormatError(f"{where}: decoded codes outside [0, 2**{bits})")
+    codes = rows.t().contiguous().to(torch.uint8).reshape(-1)
+    if out.numel():
+        _decode_launch(dev, intq_launch(codes, s_dev, z_dev, out, 8, axis, group))
+    return out
+
+
+def _cachegen_scale(enc: "EncodedTensor", where: str, t: int) -> np.ndarray:
+    s = enc.planes.get("scale")
+    if s is None or s.dtype != np.float16 or s.shape != (t,):
+        raise FormatError(f"{where}: plane 'scale' must be float16 [{t}]")
+    if not bool(np.isfinite(s).all()) or bool((s < 0).any()):
+        raise FormatError(f"{where}: 'scale' must be finite and >= 0")
+    return s
+
+
+def _recorded(ctx: "TensorContext", name: str, where: str) -> int:
+    g = ctx.globals.get(name)
+    if g is None:
+        raise FormatError(f"{where}: global plane {name!r} (recorded quantization bins) is missing")
+    g = np.asarray(g)
+    if g.dtype != np.int32 or g.ndim != 2 or g.shape[1] != 2 or ctx.layer >= g.shape[0]:
+        raise FormatError(f"{where}: global plane {name!r} must be int32 [layers, 2], got {g.dtype}{list(g.shape)}")
+    return int(g[ctx.layer, 1 if ctx.role == "v" else 0])
+
+
+@register_gpu_decoder("cachegen-lmcache")
+def _gpu_cachegen_lmcache(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
+    where = _where(ctx)
+    rec = _recorded(ctx, "cachegen_bins", where)
+    if enc.params.get("bins") != rec or rec < 4 or rec % 2:
+        raise FormatError(f"{where}: cachegen-lmcache params {enc.params!r} disagree with recorded bins {rec}")
+    t, h, d = ctx.shape
+    _check_size(ctx.shape)
+    scale = _cachegen_scale(enc, where, t)
+    st = DeviceStage(_stage_planes(enc, "ans_", h * d, t, rec, where), dev)
+    out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
+    levels = rec - 1
+    launch = st.launch(SINK_TOKSYM, out, scale=to_device(scale.view(np.int16), dev), mid=(levels - 1) // 2,
+                       max_code=rec - 2)
+    _run_stage(dev, st, launch, where)
+    return out
+
+
+@register_gpu_decoder("cachegen")
+def _gpu_cachegen(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
+    where = _where(ctx)
+    rec = _recorded(ctx, "cachegen_levels", where)
+    pr = enc.params
+    g, la = pr.get("group"), pr.get("anchor_levels")
+    if pr.get("levels") != rec or not isinstance(g, int) or g < 1 or not isinstance(la, int) or la < 3 or la % 2 == 0:
+        raise FormatError(f"{where}: cachegen params {pr!r} disagree with the recorded levels {rec}")
+    t, h, d = ctx.shape
+    c = h * d
+    _check_size(ctx.shape)
+    scale = _cachegen_scale(enc, where, t)
+    na = (t + g - 1) // g
+    anc_st = DeviceStage(_stage_planes(enc, "anc_", c, na, la, where), dev)
+    dl_st = DeviceStage(_stage_planes(enc, "ans_", c, t - na, rec, where), dev)
+    s_dev = to_device(scale.view(np.int16), dev)
+    # anchors: fp32 values (code - Ma) * scale[j * g], kept for the deltas
+    anc_hat = torch.empty((na, c), dtype=torch.float32, device=dev)
+    _run_stage(dev, anc_st, anc_st.launch(SINK_TOKSYM, anc_hat, scale=s_dev, mid=(la - 1) // 2, tmul=g, out_is_t=0),
+               where)
+    out = torch.empty((t, c), dtype=ctx.dtype, device=dev)
+    if na:
+        out[0::g] = anc_hat.to(ctx.dtype)  # the same RNE cast as the reference's final .to(dtype)
+    if t - na:
+        # delta column j is token j + j // (g-1) + 1; value = anchor + (code - M) * scale[t]
+        launch = dl_st.launch(SINK_TOKSYM, out, out_dtype=ctx.dtype, scale=s_dev, base=anc_hat, mid=(rec - 1) // 2,
+                              tmul=1, tdiv=g - 1, tadd=1, out_is_t=1, base_group=g)
+        _run_stage(dev, dl_st, launch, where)
+    return out.reshape(ctx.shape)

@@ -32,7 +32,7 @@ def build_harness(tmpdir: Path) -> ctypes.CDLL | None:
     if res.returncode != 0:
         raise AssertionError(f"host harness failed to compile:\n{' '.join(cmd)}\n{res.stderr}")
     lib = ctypes.CDLL(str(so))
-    for name in ("kvc_fp8_host", "kvc_nvfp4_host", "kvc_intq_host", "kvc_convert_host"):
+    for name in ("kvc_fp8_host", "kvc_nvfp4_host", "kvc_intq_host", "kvc_ans_host", "kvc_convert_host"):
         getattr(lib, name).restype = None
     lib.kvc_sizeof.restype = ctypes.c_int64
     lib.kvc_sizeof.argtypes = [ctypes.c_int]
@@ -50,6 +50,11 @@ def run_on_host(lib: ctypes.CDLL, launch: gpu.Launch) -> None:
                          ctypes.c_int(1 if vec else 0), n)
     elif k.startswith("nvfp4_"):
         lib.kvc_nvfp4_host(p, ctypes.c_int(["f32", "f16", "bf16"].index(k.split("_")[1])), n)
+    elif k.startswith("ans_"):
+        parts = k.split("_")
+        sink = {"symbols": 0, "kivi": 1, "toksym": 2}[parts[1]]
+        out = ["f32", "f16", "bf16"].index(parts[2]) if sink else 0
+        lib.kvc_ans_host(p, ctypes.c_int(sink), ctypes.c_int(out), ctypes.c_int(1 if k.endswith("_smem") else 0))
     elif k.startswith("intq_"):
         out = [o for o in ("f32", "f16", "bf16") if f"_{o}" in k][0]
         lib.kvc_intq_host(p, ctypes.c_int(["f32", "f16", "bf16"].index(out)), ctypes.c_int(1 if k.endswith("_v16") else 0), n)

@@ -154,6 +154,8 @@ def harness(tmp_path_factory):
 def test_param_structs_match_ctypes(harness):
     assert harness.kvc_sizeof(0) == ctypes_sizeof(gpu.Fp8Params)
     assert harness.kvc_sizeof(1) == ctypes_sizeof(gpu.Nvfp4Params)
+    assert harness.kvc_sizeof(2) == ctypes_sizeof(gpu.IntqParams)
+    assert harness.kvc_sizeof(3) == ctypes_sizeof(gpu.AnsParams)
 
 
 def ctypes_sizeof(t):
@@ -278,10 +280,13 @@ def host_runner(harness, monkeypatch):
     return harness
 
 
-def _decode_both(codec, x: torch.Tensor, role: str = "k"):
+def _decode_both(codec, x: torch.Tensor, role: str = "k", layer: int = 0, layers: int = 3):
+    from kvcodec import KVCache
     from kvcodec.codec import TensorContext
 
-    ctx = TensorContext(layer=0, role=role, shape=tuple(x.shape), dtype=x.dtype)
+    cache = KVCache.from_tensors([(x, x)] * layers)
+    globals_ = codec.encode_globals(cache)
+    ctx = TensorContext(layer=layer, role=role, shape=tuple(x.shape), dtype=x.dtype, globals=globals_)
     enc = codec.encode_tensor(x, ctx)
     want = codec.decode_tensor(enc, ctx)
     got = gpu._GPU_DECODERS[codec.codec_id](codec, enc, ctx, torch.device("cpu"))
@@ -305,6 +310,10 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
     {"id": "nvfp4"},
     {"id": "kivi", "bits": 4}, {"id": "kivi", "bits": 2, "group": 16}, {"id": "kivi", "bits": 3, "group": 5},
     {"id": "kivi", "bits": 8, "residual": 4}, {"id": "kivi", "bits": 1, "group": 64}, {"id": "kivi", "bits": 5},
+    {"id": "kivi-ans", "bits": 4}, {"id": "kivi-ans", "bits": 2, "chunk": 8, "group": 5},
+    {"id": "kivi-ans", "bits": 4, "delta": 8, "chunk": 16}, {"id": "kivi-ans", "bits": 3, "tables": "cluster", "n_tables": 3},
+    {"id": "cachegen-lmcache", "chunk": 8}, {"id": "cachegen"}, {"id": "cachegen", "group": 1},
+    {"id": "cachegen", "group": 4, "chunk": 5, "anchor_levels": 31},
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
@@ -317,3 +326,57 @@ def test_gpu_decoder_host_build_matches_reference(host_runner, config, dtype, sh
         got, want = _decode_both(codec, x, role)
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(_bits(got), _bits(want)), f"{config} {role} {dtype} {shape}"
+
+
+# ---------------------------------------------------------------------------- ANS stages
+def _random_stage(seed, r, n, a, **cfg):
+    from kvcodec.entropy import EntropyStage
+
+    g = np.random.default_rng(seed)
+    p = g.dirichlet(np.ones(a) * 0.3)
+    x = g.choice(a, size=(r, n), p=p).astype(np.int32)
+    st = EntropyStage(**cfg)
+    return x, st, st.encode(x, alphabet=a)
+
+
+@pytest.mark.parametrize("r,n,a,cfg", [
+    (5, 300, 16, {"chunk": 64}),                                      # smem tables, several chunks
+    (7, 97, 2, {"chunk": 10, "rows_per_stream": 3, "precision": 1}),   # smallest alphabet/precision
+    (4, 200, 300, {"chunk": 50, "precision": 16}),                      # big alphabet: global tables
+    (9, 130, 12, {"chunk": 32, "tables": "cluster", "n_tables": 3}),    # row_table
+    (3, 100, 8, {"chunk": 16, "scope": "chunk", "precision": 24}),      # a table set per chunk, P=24
+    (6, 0, 4, {"chunk": 16}),                                           # no tokens
+    (1, 1, 3, {}),                                                      # one symbol
+])
+def test_ans_stage_host_build_matches_reference(harness, r, n, a, cfg):
+    x, st, planes = _random_stage(r * 1000 + n, r, n, a, **cfg)
+    ref = st.decode(planes, method="reference")
+    assert np.array_equal(ref, x)
+    stage = gpu.DeviceStage(planes, torch.device("cpu"))
+    out = torch.full((r, n), -1, dtype=torch.int32)
+    launch = stage.launch(gpu.SINK_SYMBOLS, out)
+    assert launch.kernel.endswith("_smem") == (gpu.ANS_THREADS * (a + 1) * 4 <= 48 * 1024)
+    if stage.layout.n_streams:
+        run_on_host(harness, launch)
+    stage.check("test")
+    assert np.array_equal(out.numpy(), x)
+
+
+def test_ans_stage_host_build_rejects_corrupt_streams(harness):
+    from kvcodec.errors import StreamError
+
+    x, st, planes = _random_stage(5, 4, 200, 8, chunk=50)
+    for mutate in ("flip", "zero_last"):
+        bad = dict(planes)
+        w = planes["words"].copy()
+        if mutate == "flip":
+            w[len(w) // 2] ^= 0x00010000
+        else:
+            w[int(planes["offsets"][1]) - 1] = 0
+        bad["words"] = w
+        with pytest.raises(StreamError):
+            st.decode(bad, method="reference")
+        stage = gpu.DeviceStage(bad, torch.device("cpu"))
+        run_on_host(harness, stage.launch(gpu.SINK_SYMBOLS, torch.zeros((4, 200), dtype=torch.int32)))
+        with pytest.raises(StreamError):
+            stage.check("test")

@@ -1,0 +1,35 @@
+// ans.cu -- ANS stage decode kernels: one thread per stream, fused with dequantization.
+//
+// ABI (cuda/README.md): one kvc::AnsParams by value; 1-D grid of 128-thread blocks, thread = stream.
+//   ans_symbols[_smem]                  int32 symbols X[R, N] (no dequantization)
+//   ans_kivi_{f32,f16,bf16}[_smem]      kivi-ans: dequantized [T, H, D] output
+//   ans_toksym_{f32,f16,bf16}[_smem]    cachegen(-lmcache): per-token symmetric dequantization
+// The _smem variants copy each row's cumulative table (A + 1 words) into the thread's slot of
+// dynamic shared memory (blockDim * (A + 1) * 4 bytes) before decoding the row; the others read
+// it from global memory (through L1) when the tables are too large for shared memory.
+#include "ans.cuh"
+
+template <int SINK, int OUT, bool SMEM>
+__device__ __forceinline__ void ans_kernel_body(const kvc::AnsParams& p) {
+  extern __shared__ uint32_t kvc_ans_smem[];
+  const uint32_t s = blockIdx.x * blockDim.x + threadIdx.x;
+  if (s >= (uint32_t)p.n_streams) return;
+  uint32_t* tab = SMEM ? kvc_ans_smem + threadIdx.x * (uint32_t)(p.A + 1) : nullptr;
+  p.status[s] = kvc::ans_decode_stream<SINK, OUT>(p, s, tab);
+}
+
+#define KVC_ANS_KERNEL(NAME, SINK, OUT)                                                          \
+  extern "C" __global__ void __launch_bounds__(128) NAME(const kvc::AnsParams p) {             \
+    ans_kernel_body<SINK, OUT, false>(p);                                                       \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(128) NAME##_smem(const kvc::AnsParams p) {      \
+    ans_kernel_body<SINK, OUT, true>(p);                                                        \
+  }
+
+KVC_ANS_KERNEL(ans_symbols, kvc::SINK_SYMBOLS, kvc::OUT_F32)
+KVC_ANS_KERNEL(ans_kivi_f32, kvc::SINK_KIVI, kvc::OUT_F32)
+KVC_ANS_KERNEL(ans_kivi_f16, kvc::SINK_KIVI, kvc::OUT_F16)
+KVC_ANS_KERNEL(ans_kivi_bf16, kvc::SINK_KIVI, kvc::OUT_BF16)
+KVC_ANS_KERNEL(ans_toksym_f32, kvc::SINK_TOKSYM, kvc::OUT_F32)
+KVC_ANS_KERNEL(ans_toksym_f16, kvc::SINK_TOKSYM, kvc::OUT_F16)
+KVC_ANS_KERNEL(ans_toksym_bf16, kvc::SINK_TOKSYM, kvc::OUT_BF16)
