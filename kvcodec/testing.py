@@ -23,7 +23,7 @@ Example:
     (448.0, 126)
     >>> ties, codes = rounding_ties("e2m1")
     >>> ties[:3].tolist(), codes[:3].tolist()
-    [[0.25, 0.75, 1.25], [0, 2, 2]]
+    ([0.25, 0.75, 1.25], [0, 2, 2])
 """
 
 from __future__ import annotations
