@@ -132,7 +132,8 @@ def _decode_rows(planes: dict[str, np.ndarray], prefix: str, rows: int, n: int, 
             raise FormatError(f"{where}: {prefix}stage is [{int(m[1])}, {int(m[2])}] over {int(m[6])} symbols, "
                               f"expected [{rows}, {n}] over {alphabet}")
     x = EntropyStage().decode(sub)
-    return torch.from_numpy(np.ascontiguousarray(x.T))
+    # narrow before transposing (alphabets here are < 2**15): the strided copy moves 2 bytes per code
+    return torch.from_numpy(np.ascontiguousarray(x.astype(np.int16).T))
 
 
 # ---------------------------------------------------------------------- cachegen (paper)

@@ -131,10 +131,11 @@ class KIVIANSCodec(Codec):
             rows[:, is_anchor] = anc
             rows[:, ~is_anchor] = diff.astype(np.int64) - ((1 << bits) - 1) + rows[:, (np.arange(t)[~is_anchor] // dl) * dl]
         else:
-            rows = _decode_stage(enc.planes, "ans_", c, t, max(2, 1 << bits), where).astype(np.int64)
+            rows = _decode_stage(enc.planes, "ans_", c, t, max(2, 1 << bits), where)
         if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= 1 << bits):
             raise FormatError(f"{where}: decoded codes outside [0, 2**{bits})")
-        codes = torch.from_numpy(np.ascontiguousarray(rows.T).astype(np.uint8)).reshape(t, h, d)
+        # narrow before transposing: the strided copy moves 1 byte per code, not 4 or 8
+        codes = torch.from_numpy(np.ascontiguousarray(rows.astype(np.uint8).T)).reshape(t, h, d)
         ps = intq_param_shape((t, h, d), axis, group)
         scale = plane_as_tensor(enc, ctx, "scale", np.float16, ps)
         zero = plane_as_tensor(enc, ctx, "zero", np.float16, ps)

@@ -47,6 +47,22 @@ def constriction_model(freqs: np.ndarray):
     return _Categorical(g, perfect=False)
 
 
+def constriction_models(tables: np.ndarray) -> list:
+    """Models for every row of a ``[K, A]`` table array (validated together: one numpy pass)."""
+    _need()
+    t = np.asarray(tables)
+    if t.ndim != 2 or t.shape[0] == 0:
+        return [constriction_model(f) for f in t.reshape(-1, t.shape[-1] if t.ndim else 1)] if t.size else []
+    coder_table(t[0])  # validates dtype / first table's precision
+    sums = t.astype(np.uint64).sum(axis=1)
+    p = int(sums[0]).bit_length() - 1
+    if (t < 1).any() or not (sums == (1 << p)).all():
+        return [constriction_model(f) for f in t]  # raises the precise error
+    g = (t.astype(np.int64) << (24 - p)) - 1
+    g = g.astype(np.float64)
+    return [_Categorical(row, perfect=False) for row in g]
+
+
 def _check_symbols(s: np.ndarray, a: int) -> np.ndarray:
     s = np.asarray(s)
     if s.size and (s.dtype.kind not in "iu" or int(s.min()) < 0 or int(s.max()) >= a):

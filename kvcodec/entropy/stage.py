@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, FormatError, InputError, StreamError
-from .ans import _AnsCoder, _need, constriction_model
+from .ans import _AnsCoder, _need, constriction_models
 from .tables import MAX_PRECISION, build_tables, decode_tables, encode_tables
 
 ANS_STAGE_VERSION = 1
@@ -230,7 +230,7 @@ class EntropyStage:
         if flags & FLAG_ROW_TABLE:
             rts = [np.arange(r) if (rt is None and k == r) else (np.zeros(r, np.int64) if rt is None else rt) for rt in rts]
         # index of each (set, row) into the flat list of models
-        models = [[constriction_model(f) for f in tset] for tset, _ in sets]
+        models = [constriction_models(tset) for tset, _ in sets]
         words: list[np.ndarray] = []
         offsets = np.zeros(n_chunks * n_groups + 1, dtype=np.int64)
         s = 0
@@ -296,7 +296,7 @@ class EntropyStage:
             raise ConfigError(f"unknown decode method {method!r}")
         _need()
         out = np.zeros((lay.R, lay.N), dtype=np.int32)
-        models = [[constriction_model(f) for f in tset] for tset in tsets]
+        models = [constriction_models(tset) for tset in tsets]
         for s in range(lay.n_streams):
             r0, r1, t0, t1 = lay.stream(s)
             si = 0 if lay.scope == 0 else s // lay.n_groups
