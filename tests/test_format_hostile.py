@@ -370,3 +370,45 @@ def test_fuzz_random_bytes_raise_only_our_errors(tail, n):
 
 
 _CHUNKED = kvcodec.get_codec("fp16").encode(make_cache(layers=2, tokens=5, heads=1, dim=4), tokens_per_chunk=2)
+
+
+_PRESET_FILES: dict = {}
+
+
+def _preset_file(name, chunk):
+    key = (name, chunk)
+    if key not in _PRESET_FILES:
+        _PRESET_FILES[key] = kvcodec.get_codec(name).encode(make_cache(layers=2, tokens=20, heads=2, dim=32),
+                                                           tokens_per_chunk=chunk)
+    return _PRESET_FILES[key]
+
+
+_WEIRD = st.one_of(st.integers(-(2**33), 2**33), st.sampled_from([0, 1, 2**31, 2**62, -1]), st.floats(allow_nan=False),
+                   st.text(max_size=4), st.none(), st.booleans(), st.lists(st.integers(-3, 300), max_size=4),
+                   st.dictionaries(st.text(max_size=3), st.integers(0, 9), max_size=2))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fuzz_resigned_codec_params_reach_every_codec_and_raise_only_our_errors(data):
+    """Mutated codec configs and chunk params behind a valid manifest CRC go all the way into each
+    registered codec's decoder; whatever it does wrong must surface as a KVCodecError."""
+    name = data.draw(st.sampled_from(kvcodec.list_codecs()))
+    blob = _preset_file(name, data.draw(st.sampled_from([0, 8])))
+
+    def change(m):
+        if data.draw(st.booleans()) and len(m["codec"]) > 1:
+            k = data.draw(st.sampled_from(sorted(set(m["codec"]) - {"id"})))
+            m["codec"][k] = data.draw(_WEIRD)
+        else:
+            layer = m["layers"][data.draw(st.integers(0, len(m["layers"]) - 1))]
+            t = layer["tensors"][data.draw(st.sampled_from(sorted(layer["tensors"])))]
+            c = t["chunks"][data.draw(st.integers(0, len(t["chunks"]) - 1))]
+            keys = sorted(c["params"]) or ["bits"]
+            c["params"][data.draw(st.sampled_from(keys))] = data.draw(_WEIRD)
+
+    try:
+        with kvf.open(rewrite(blob, manifest=change)) as r:
+            r.read_cache()
+    except KVCodecError:
+        pass
