@@ -168,3 +168,23 @@ def _restrict(sub, lay, rows):
         if "row_table" in sub:
             out["row_table"] = sub["row_table"][:, r0:r1]
     return out
+
+
+def test_codec_rejects_forged_stage_shape_and_corrupt_words():
+    cache = make_cache(layers=1, tokens=40, heads=2, dim=16)
+    for name in ("cachegen-lmcache", "kivi-4-ans"):
+        c = kvcodec.get_codec(name)
+        ctx = _ctx(c, cache, 0, "v")
+        enc = c.encode_tensor(cache.layers[0]["v"], ctx)
+        forged = dict(enc.planes)
+        forged["ans_meta"] = enc.planes["ans_meta"].copy()
+        forged["ans_meta"][2] = 2**31  # claims 2**31 tokens: refused before any allocation
+        with pytest.raises(FormatError, match="expected"):
+            c.decode_tensor(type(enc)(forged, enc.params), ctx)
+        bad = dict(enc.planes)
+        bad["ans_words"] = enc.planes["ans_words"].copy()
+        bad["ans_words"][-1] = 0
+        from kvcodec.errors import StreamError
+
+        with pytest.raises(StreamError, match="layers.0.v"):
+            c.decode_tensor(type(enc)(bad, enc.params), ctx)

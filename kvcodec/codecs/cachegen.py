@@ -125,13 +125,10 @@ def _scale_plane(enc: EncodedTensor, where: str, t: int) -> torch.Tensor:
 
 
 def _decode_rows(planes: dict[str, np.ndarray], prefix: str, rows: int, n: int, alphabet: int, where: str) -> torch.Tensor:
-    sub = take_prefix(planes, prefix)
-    if "meta" in sub:
-        m = np.asarray(sub["meta"])
-        if m.shape == (10,) and (int(m[1]) != rows or int(m[2]) != n or int(m[6]) != alphabet):
-            raise FormatError(f"{where}: {prefix}stage is [{int(m[1])}, {int(m[2])}] over {int(m[6])} symbols, "
-                              f"expected [{rows}, {n}] over {alphabet}")
-    x = EntropyStage().decode(sub)
+    try:
+        x = EntropyStage().decode(take_prefix(planes, prefix), expected=(rows, n, alphabet))
+    except FormatError as e:
+        raise type(e)(f"{where}: {prefix}stage: {e}") from None
     # narrow before transposing (alphabets here are < 2**15): the strided copy moves 2 bytes per code
     return torch.from_numpy(np.ascontiguousarray(x.astype(np.int16).T))
 

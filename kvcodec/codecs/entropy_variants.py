@@ -50,12 +50,10 @@ def _stage_params(p):
 
 
 def _decode_stage(planes, prefix, rows, n, alphabet, where) -> np.ndarray:
-    sub = take_prefix(planes, prefix)
-    m = np.asarray(sub.get("meta", np.zeros(0)))
-    if m.shape == (10,) and (int(m[1]) != rows or int(m[2]) != n or int(m[6]) != alphabet):
-        raise FormatError(f"{where}: {prefix}stage is [{int(m[1])}, {int(m[2])}] over {int(m[6])} symbols, "
-                          f"expected [{rows}, {n}] over {alphabet}")
-    return EntropyStage().decode(sub)
+    try:
+        return EntropyStage().decode(take_prefix(planes, prefix), expected=(rows, n, alphabet))
+    except FormatError as e:
+        raise type(e)(f"{where}: {prefix}stage: {e}") from None
 
 
 @register_codec

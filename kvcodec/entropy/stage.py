@@ -272,6 +272,7 @@ class EntropyStage:
         tables: np.ndarray | None = None,
         row_table: np.ndarray | None = None,
         method: str = "constriction",
+        expected: tuple[int, int, int] | None = None,
     ) -> np.ndarray:
         """Decode the planes back to ``int32 [R, N]``.
 
@@ -280,11 +281,21 @@ class EntropyStage:
             tables, row_table: the external tables, if the stage was encoded with them.
             method: ``"constriction"`` (fast path), ``"numpy"`` (vectorised across streams) or
                 ``"reference"`` (the pure-integer spec; slow).
+            expected: ``(R, N, A)`` the caller knows from elsewhere (the manifest's tensor
+                shape): checked before anything is allocated, so a forged ``meta`` cannot make
+                the decoder allocate ``R * N`` symbols it was never meant to.
 
         Raises:
             FormatError: planes missing or inconsistent. StreamError: a stream is corrupt or not
             consumed exactly.
         """
+        if expected is not None:
+            if "meta" not in planes:
+                raise FormatError("ANS stage plane 'meta' is missing")
+            lay = StageLayout(planes["meta"])
+            if (lay.R, lay.N, lay.A) != tuple(int(v) for v in expected):
+                raise FormatError(f"ANS stage is [{lay.R}, {lay.N}] over {lay.A} symbols, expected "
+                                  f"[{expected[0]}, {expected[1]}] over {expected[2]}")
         lay, words, offsets, tsets, rts = parse_planes(planes, tables, row_table)
         if method == "reference":
             return _decode_reference(lay, words, offsets, tsets, rts)
