@@ -45,8 +45,8 @@ ABLATION = [
 ]
 PRESETS = ["kvc-transparent", "kvc-near", "kvc-aggressive"]
 SWEEP = [
-    {"id": "kvc", "k_step": s, "v_step": round(s * 1.5, 3), "k_gamma": 1.0, "rho": 0.35}
-    for s in (0.15, 0.3, 0.6, 1.2, 2.0)
+    {"id": "kvc", "k_step": s, "v_step": round(s * 2.0, 3), "k_gamma": 1.0, "rho": 0.35}
+    for s in (0.2, 0.35, 0.7, 1.4, 2.2)
 ]
 
 

@@ -301,9 +301,9 @@ def _checked_codes(sc: np.ndarray, where: str) -> np.ndarray:
 
 
 register_preset("kvc", {"id": "kvc"}, "kvc transform codec, default settings")
-register_preset("kvc-transparent", {"id": "kvc", "k_step": 0.2, "v_step": 0.2},
+register_preset("kvc-transparent", {"id": "kvc", "k_step": 0.25, "v_step": 0.5, "k_gamma": 1.0},
                 "kvc at about FP8 quality (target mean KL <= 0.002)")
-register_preset("kvc-near", {"id": "kvc", "k_step": 0.4, "v_step": 0.4},
+register_preset("kvc-near", {"id": "kvc", "k_step": 0.45, "v_step": 0.9, "k_gamma": 1.0},
                 "kvc near-lossless (target mean KL <= 0.01)")
-register_preset("kvc-aggressive", {"id": "kvc", "k_step": 1.0, "v_step": 1.0, "rho": 0.35},
+register_preset("kvc-aggressive", {"id": "kvc", "k_step": 1.0, "v_step": 2.0, "k_gamma": 1.0, "rho": 0.35},
                 "kvc aggressive (target mean KL <= 0.05)")
