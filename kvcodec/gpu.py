@@ -274,7 +274,9 @@ class _DeviceModules:
                 mod = self.modules.get(program)
                 if mod is None:
                     cubin = compile_cubin(program, self.arch)
-                    mod = self._check(self.driver.cuModuleLoadData(cubin), f"cuModuleLoadData({program})")
+                    # pass the image by address (the documented cuda-bindings idiom for void*)
+                    image = np.frombuffer(cubin, dtype=np.uint8).copy()
+                    mod = self._check(self.driver.cuModuleLoadData(image.ctypes.data), f"cuModuleLoadData({program})")
                     self.modules[program] = mod
                 fn = self._check(self.driver.cuModuleGetFunction(mod, kernel.encode()), f"cuModuleGetFunction({kernel})")
             self.functions[key] = fn
