@@ -10,8 +10,11 @@ the checksum) with mutated codec parameters, chunk params, shapes and counts.
 Usage:
     python eval/fuzz_format.py --seconds 600            # about 10 minutes
     python eval/fuzz_format.py --iterations 2000 --seed 7
+    python eval/fuzz_format.py --replay CASE_SEED         # re-run one case a report listed
 
-Each case runs under a wall-clock alarm (--case-timeout, default 20 s) and its Python allocations
+Each case runs under a CPU-time alarm (--case-timeout, default 20 CPU seconds; CPU time so that a
+process starved on a shared machine is not mistaken for a hang; a failing case is re-run once to
+check that it reproduces) and its Python allocations
 are capped by checking tracemalloc's peak (--max-alloc-mb, default 512). Results (counts by outcome
 and by mutation, slowest cases, every failure with its seed) are printed as a table and written to
 eval/results/fuzz_format.json and .md with the exact command, machine and date.
@@ -168,7 +171,7 @@ def mutate(blob: bytes, other: bytes, rng: random.Random) -> tuple[str, bytes]:
 
 def run_case(data: bytes, timeout: float, max_alloc: int) -> tuple[str, float, int]:
     tracemalloc.start()
-    signal.setitimer(signal.ITIMER_REAL, timeout)
+    signal.setitimer(signal.ITIMER_PROF, timeout)
     t0 = time.perf_counter()
     try:
         with kvf.open(data) as r:
@@ -182,7 +185,7 @@ def run_case(data: bytes, timeout: float, max_alloc: int) -> tuple[str, float, i
     except Exception as e:  # noqa: BLE001 - exactly what we are hunting
         outcome = f"CRASH {type(e).__name__}: {str(e)[:120]}"
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.setitimer(signal.ITIMER_PROF, 0)
         dt = time.perf_counter() - t0
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
@@ -199,11 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case-timeout", type=float, default=20.0)
     p.add_argument("--max-alloc-mb", type=float, default=512.0)
     p.add_argument("--no-save", action="store_true", help="do not write eval/results")
+    p.add_argument("--replay", type=int, default=None, metavar="CASE_SEED", help="run one recorded case and exit")
     args = p.parse_args(argv)
-    signal.signal(signal.SIGALRM, _alarm)
+    # CPU time, not wall time: on a shared machine a starved process is not a hung decoder
+    signal.signal(signal.SIGPROF, _alarm)
 
     files = base_files()
     names = sorted(files)
+    if args.replay is not None:
+        crng = random.Random(args.replay)
+        base = crng.choice(names)
+        kind, data = mutate(files[base], files[crng.choice(names)], crng)
+        outcome, dt, peak = run_case(data, args.case_timeout, int(args.max_alloc_mb * 2**20))
+        print(f"case {args.replay}: base={base} mutation={kind} -> {outcome} ({dt:.3f} s, peak {peak} bytes)")
+        return 0 if not outcome.startswith(("CRASH", "HANG", "OVERALLOC")) else 1
     rng = random.Random(args.seed)
     by_outcome: Counter[str] = Counter()
     by_kind: dict[str, Counter[str]] = defaultdict(Counter)
@@ -225,9 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         by_codec[base.split("/")[0]][key] += 1
         slowest = sorted(slowest + [(dt, base, kind, case_seed)], reverse=True)[:5]
         if bad:
+            again = run_case(data, args.case_timeout, int(args.max_alloc_mb * 2**20))[0]
             failures.append({"outcome": outcome, "base": base, "mutation": kind, "case_seed": case_seed,
-                             "seconds": round(dt, 3), "peak_bytes": peak})
-            print(f"FAILURE {outcome} base={base} mutation={kind} case_seed={case_seed}", file=sys.stderr)
+                             "seconds": round(dt, 3), "peak_bytes": peak, "rerun_outcome": again})
+            print(f"FAILURE {outcome} base={base} mutation={kind} case_seed={case_seed} (rerun: {again})",
+                  file=sys.stderr)
 
     cols = sorted(by_outcome)
     lines = [f"KVC reader fuzz: {n} cases over {len(names)} base files, seed {args.seed}", "",

@@ -291,3 +291,16 @@ def test_codec_mismatch_on_decode():
     blob = kvcodec.get_codec("raw").encode(make_cache())
     with pytest.raises(FormatError, match="written by codec 'raw'"):
         kvcodec.get_codec("fp16").decode(blob)
+
+
+@pytest.mark.parametrize("cache_fn", [lambda: make_cache(tokens=0), lambda: make_cache(tokens=1, mla=True), rich_cache])
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_safe_open_reads_edge_case_files(tmp_path, cache_fn, chunk):
+    cache = cache_fn()
+    p = tmp_path / "e.kvc"
+    kvcodec.get_codec("raw").encode(cache, path=p, tokens_per_chunk=chunk)
+    with safe_open(str(p), "pt") as f, kvf.open(p) as r:
+        assert sorted(k for k in f.keys() if not k.startswith("pad.")) == sorted(r.tensor_names())
+        for k in r.tensor_names():
+            assert np.array_equal(f.get_tensor(k).numpy(), r.read_plane(k))
+    assert kvcodec.decode(p).equal(cache)
