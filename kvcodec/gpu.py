@@ -371,7 +371,21 @@ def _out_name(dtype: torch.dtype) -> str:
 
 
 # ---------------------------------------------------------------------------- dispatch
-GpuDecoder = Callable[["Codec", "EncodedTensor", "TensorContext", torch.device], torch.Tensor]
+class DecodePlan:
+    """A tensor's decode prepared on a device: planes validated and uploaded, launches ready.
+
+    Calling it (``plan()``) runs the kernels on torch's current stream and returns the output;
+    ``plan(check=False)`` skips the ANS stream-status check (which synchronises), for timing.
+    """
+
+    def __init__(self, run: Callable[[bool], torch.Tensor]) -> None:
+        self._run = run
+
+    def __call__(self, check: bool = True) -> torch.Tensor:
+        return self._run(check)
+
+
+GpuDecoder = Callable[["Codec", "EncodedTensor", "TensorContext", torch.device], DecodePlan]
 _GPU_DECODERS: dict[str, GpuDecoder] = {}
 
 
@@ -405,6 +419,21 @@ def decode_tensor_device(codec: "Codec", enc: "EncodedTensor", ctx: "TensorConte
     Raises:
         DeviceError: no GPU, no bindings, or no GPU decoder for this codec (message has a hint).
         FormatError: the planes do not match the declared shape.
+    """
+    fn = _GPU_DECODERS.get(codec.codec_id)
+    if fn is None:
+        raise DeviceError(
+            f"codec {codec.codec_id!r} has no GPU decoder (GPU codecs: {', '.join(gpu_codec_ids())}); "
+            "decode it with device='cpu'"
+        )
+    return prepare_decode(codec, enc, ctx, device)()
+
+
+def prepare_decode(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", device: str | torch.device) -> DecodePlan:
+    """Validate and upload one tensor's planes; return the :class:`DecodePlan` that decodes it.
+
+    Raises:
+        DeviceError, FormatError: as :func:`decode_tensor_device`.
     """
     fn = _GPU_DECODERS.get(codec.codec_id)
     if fn is None:
@@ -617,16 +646,18 @@ def _decode_launch(dev: torch.device, launch: Launch) -> None:
 
 
 @register_gpu_decoder("raw")
-def _gpu_raw(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
+def _gpu_raw(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> DecodePlan:
     # bits only: the CPU decode is already a copy, so the GPU path is the upload itself
-    return codec.decode_tensor(enc, ctx).to(dev)
+    t = codec.decode_tensor(enc, ctx).to(dev)
+    return DecodePlan(lambda check=True: t.clone())
 
 
 @register_gpu_decoder("fp16")
-def _gpu_fp16(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
+def _gpu_fp16(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> DecodePlan:
     a = _plane(enc, ctx, "bits", np.int16, ctx.numel)
+    h = to_device(a, dev).view(torch.float16).reshape(ctx.shape)
     # the cast fp16 -> source dtype is exact (fp32) or RNE (bf16) on both devices
-    return to_device(a, dev).view(torch.float16).reshape(ctx.shape).to(ctx.dtype)
+    return DecodePlan(lambda check=True: h.to(ctx.dtype, copy=True))
 
 
 @register_gpu_decoder("fp8")
@@ -641,12 +672,16 @@ def _gpu_fp8(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: to
     scale = _plane(enc, ctx, "scale", np.float32, sshape[0] * sshape[1] * sshape[2])
     if scale.size and not bool((np.isfinite(scale) & (scale > 0)).all()):
         raise FormatError(f"{_where(ctx)}: fp8 scales must be positive and finite")
-    out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
-    if out.numel():
-        c = to_device(codes.reshape(ctx.shape), dev)
-        s = to_device(scale.reshape(sshape), dev)
-        _decode_launch(dev, fp8_launch(c, s, out, fmt, d_block=block if g == "block" else None))
-    return out
+    c = to_device(codes.reshape(ctx.shape), dev)
+    s = to_device(scale.reshape(sshape), dev)
+
+    def run(check: bool = True) -> torch.Tensor:
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
+        if out.numel():
+            _decode_launch(dev, fp8_launch(c, s, out, fmt, d_block=block if g == "block" else None))
+        return out
+
+    return DecodePlan(run)
 
 
 @register_gpu_decoder("nvfp4")
@@ -663,12 +698,17 @@ def _gpu_nvfp4(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: 
         raise FormatError(f"{_where(ctx)}: nvfp4 tensor_scale must be positive")
     if bs.size and bool((((bs & 0x7F) == 0x7F) | ((bs & 0x80) != 0)).any()):
         raise FormatError(f"{_where(ctx)}: nvfp4 block scale is NaN or negative")
-    out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
-    if out.numel():
-        launch = nvfp4_launch(to_device(codes.reshape(t, h, dp // 2), dev), to_device(bs.reshape(t, h, dp // 16), dev),
-                              to_device(ts.reshape(1), dev), out)
-        _decode_launch(dev, launch)
-    return out
+    c_dev = to_device(codes.reshape(t, h, dp // 2), dev)
+    bs_dev = to_device(bs.reshape(t, h, dp // 16), dev)
+    ts_dev = to_device(ts.reshape(1), dev)
+
+    def run(check: bool = True) -> torch.Tensor:
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
+        if out.numel():
+            _decode_launch(dev, nvfp4_launch(c_dev, bs_dev, ts_dev, out))
+        return out
+
+    return DecodePlan(run)
 
 
 _BITS_VIEW = {torch.float32: np.int32, torch.float16: np.int16, torch.bfloat16: np.int16}
@@ -697,17 +737,24 @@ def _gpu_kivi(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: t
         last = int(packed.reshape(-1)[-1])
         if last >> ((n * bits) % 8):
             raise FormatError("non-zero padding bits after the last packed code")
-    out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
-    if n:
-        launch = intq_launch(to_device(packed.reshape(-1), dev), to_device(scale.view(np.int16), dev),
-                             to_device(zero.view(np.int16), dev), out[:tq], bits, axis, group)
-        _decode_launch(dev, launch)
     if tr:
         recent = _plane(enc, ctx, "recent", _BITS_VIEW[ctx.dtype], tr * h * d)
-        out[tq:] = to_device(recent.reshape(tr, h, d), dev).view(ctx.dtype)
+        r_dev = to_device(recent.reshape(tr, h, d), dev).view(ctx.dtype)
     elif "recent" in enc.planes:
         raise FormatError(f"{_where(ctx)}: unexpected plane 'recent' (params say 0 recent tokens)")
-    return out
+    pk = to_device(packed.reshape(-1), dev)
+    s_dev = to_device(scale.view(np.int16), dev)
+    z_dev = to_device(zero.view(np.int16), dev)
+
+    def run(check: bool = True) -> torch.Tensor:
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
+        if n:
+            _decode_launch(dev, intq_launch(pk, s_dev, z_dev, out[:tq], bits, axis, group))
+        if tr:
+            out[tq:] = r_dev
+        return out
+
+    return DecodePlan(run)
 
 
 # ---------------------------------------------------------------------------- ANS stages
@@ -808,22 +855,23 @@ def _stage_planes(enc: "EncodedTensor", prefix: str, rows: int, n: int, alphabet
     return sub
 
 
-def _run_stage(dev: torch.device, stage: DeviceStage, launch: Launch, where: str) -> None:
+def _run_stage(dev: torch.device, stage: DeviceStage, launch: Launch, where: str, check: bool = True) -> None:
     if stage.layout.n_streams:
         _decode_launch(dev, launch)
-    stage.check(where)
+    if check:
+        stage.check(where)
 
 
-def _stage_symbols(dev: torch.device, stage: DeviceStage, where: str) -> torch.Tensor:
+def _stage_symbols(dev: torch.device, stage: DeviceStage, where: str, check: bool = True) -> torch.Tensor:
     """Decode a stage to ``int32 [R, N]`` symbols on the device."""
     lay = stage.layout
     out = torch.zeros((lay.R, lay.N), dtype=torch.int32, device=dev)
-    _run_stage(dev, stage, stage.launch(SINK_SYMBOLS, out), where)
+    _run_stage(dev, stage, stage.launch(SINK_SYMBOLS, out), where, check)
     return out
 
 
 @register_gpu_decoder("kivi-ans")
-def _gpu_kivi_ans(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
+def _gpu_kivi_ans(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> DecodePlan:
     from .quant.intq import AXES, intq_param_shape
 
     where = _where(ctx)
@@ -844,35 +892,39 @@ def _gpu_kivi_ans(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", de
         na = int(is_anchor.sum())
         anc_st = DeviceStage(_stage_planes(enc, "anc_", c, na, 1 << bits, where), dev)
         dif_st = DeviceStage(_stage_planes(enc, "ans_", c, t - na, (1 << (bits + 1)) - 1, where), dev)
+        ia = torch.from_numpy(is_anchor).to(dev)
+        nona = torch.from_numpy(np.nonzero(~is_anchor)[0]).to(dev)
     else:
         st = DeviceStage(_stage_planes(enc, "ans_", c, t, max(2, 1 << bits), where), dev)
     if scale.size and not bool((np.isfinite(scale) & np.isfinite(zero)).all()):
         raise FormatError(f"{where}: kivi-ans scale/zero must be finite")
     s_dev = to_device(scale.view(np.int16).reshape(-1), dev)
     z_dev = to_device(zero.view(np.int16).reshape(-1), dev)
-    out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
-    if not dl:
-        # one pass: ANS decode fused with the kivi dequantization, straight into [T, H, D]
-        launch = st.launch(SINK_KIVI, out, scale=s_dev, zero=z_dev, heads=h, dim=d, group=group,
-                           axis=0 if axis == "channel" else 1)
-        _run_stage(dev, st, launch, where)
+    ax = 0 if axis == "channel" else 1
+
+    def run(check: bool = True) -> torch.Tensor:
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
+        if not dl:
+            # one pass: ANS decode fused with the kivi dequantization, straight into [T, H, D]
+            launch = st.launch(SINK_KIVI, out, scale=s_dev, zero=z_dev, heads=h, dim=d, group=group, axis=ax)
+            _run_stage(dev, st, launch, where, check)
+            return out
+        # delta: anchors and differences are separate stages; rebuild the codes with exact integer
+        # ops on the device, then dequantize them as 8-bit "packed" codes (one byte per code).
+        anc = _stage_symbols(dev, anc_st, where, check)
+        dif = _stage_symbols(dev, dif_st, where, check)
+        rows = torch.zeros((c, t), dtype=torch.int32, device=dev)
+        rows[:, ia] = anc
+        if nona.numel():
+            rows[:, nona] = dif - ((1 << bits) - 1) + rows[:, (nona // dl) * dl]
+        if check and rows.numel() and bool(((rows < 0) | (rows >= (1 << bits))).any()):
+            raise FormatError(f"{where}: decoded codes outside [0, 2**{bits})")
+        codes = rows.t().contiguous().to(torch.uint8).reshape(-1)
+        if out.numel():
+            _decode_launch(dev, intq_launch(codes, s_dev, z_dev, out, 8, axis, group))
         return out
-    # delta: anchors and differences are separate stages; rebuild the codes with exact integer
-    # ops on the device, then dequantize them as 8-bit "packed" codes (one byte per code).
-    anc = _stage_symbols(dev, anc_st, where)
-    dif = _stage_symbols(dev, dif_st, where)
-    rows = torch.zeros((c, t), dtype=torch.int32, device=dev)
-    ia = torch.from_numpy(is_anchor).to(dev)
-    rows[:, ia] = anc
-    nona = torch.from_numpy(np.nonzero(~is_anchor)[0]).to(dev)
-    if nona.numel():
-        rows[:, nona] = dif - ((1 << bits) - 1) + rows[:, (nona // dl) * dl]
-    if rows.numel() and bool(((rows < 0) | (rows >= (1 << bits))).any()):
-        raise FormatError(f"{where}: decoded codes outside [0, 2**{bits})")
-    codes = rows.t().contiguous().to(torch.uint8).reshape(-1)
-    if out.numel():
-        _decode_launch(dev, intq_launch(codes, s_dev, z_dev, out, 8, axis, group))
-    return out
+
+    return DecodePlan(run)
 
 
 def _cachegen_scale(enc: "EncodedTensor", where: str, t: int) -> np.ndarray:
@@ -895,7 +947,7 @@ def _recorded(ctx: "TensorContext", name: str, where: str) -> int:
 
 
 @register_gpu_decoder("cachegen-lmcache")
-def _gpu_cachegen_lmcache(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
+def _gpu_cachegen_lmcache(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> DecodePlan:
     where = _where(ctx)
     rec = _recorded(ctx, "cachegen_bins", where)
     if enc.params.get("bins") != rec or rec < 4 or rec % 2:
@@ -904,16 +956,20 @@ def _gpu_cachegen_lmcache(codec: "Codec", enc: "EncodedTensor", ctx: "TensorCont
     _check_size(ctx.shape)
     scale = _cachegen_scale(enc, where, t)
     st = DeviceStage(_stage_planes(enc, "ans_", h * d, t, rec, where), dev)
-    out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
+    s_dev = to_device(scale.view(np.int16), dev)
     levels = rec - 1
-    launch = st.launch(SINK_TOKSYM, out, scale=to_device(scale.view(np.int16), dev), mid=(levels - 1) // 2,
-                       max_code=rec - 2)
-    _run_stage(dev, st, launch, where)
-    return out
+
+    def run(check: bool = True) -> torch.Tensor:
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
+        launch = st.launch(SINK_TOKSYM, out, scale=s_dev, mid=(levels - 1) // 2, max_code=rec - 2)
+        _run_stage(dev, st, launch, where, check)
+        return out
+
+    return DecodePlan(run)
 
 
 @register_gpu_decoder("cachegen")
-def _gpu_cachegen(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
+def _gpu_cachegen(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> DecodePlan:
     where = _where(ctx)
     rec = _recorded(ctx, "cachegen_levels", where)
     pr = enc.params
@@ -928,16 +984,20 @@ def _gpu_cachegen(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", de
     anc_st = DeviceStage(_stage_planes(enc, "anc_", c, na, la, where), dev)
     dl_st = DeviceStage(_stage_planes(enc, "ans_", c, t - na, rec, where), dev)
     s_dev = to_device(scale.view(np.int16), dev)
-    # anchors: fp32 values (code - Ma) * scale[j * g], kept for the deltas
-    anc_hat = torch.empty((na, c), dtype=torch.float32, device=dev)
-    _run_stage(dev, anc_st, anc_st.launch(SINK_TOKSYM, anc_hat, scale=s_dev, mid=(la - 1) // 2, tmul=g, out_is_t=0),
-               where)
-    out = torch.empty((t, c), dtype=ctx.dtype, device=dev)
-    if na:
-        out[0::g] = anc_hat.to(ctx.dtype)  # the same RNE cast as the reference's final .to(dtype)
-    if t - na:
-        # delta column j is token j + j // (g-1) + 1; value = anchor + (code - M) * scale[t]
-        launch = dl_st.launch(SINK_TOKSYM, out, out_dtype=ctx.dtype, scale=s_dev, base=anc_hat, mid=(rec - 1) // 2,
-                              tmul=1, tdiv=g - 1, tadd=1, out_is_t=1, base_group=g)
-        _run_stage(dev, dl_st, launch, where)
-    return out.reshape(ctx.shape)
+
+    def run(check: bool = True) -> torch.Tensor:
+        # anchors: fp32 values (code - Ma) * scale[j * g], kept for the deltas
+        anc_hat = torch.empty((na, c), dtype=torch.float32, device=dev)
+        _run_stage(dev, anc_st, anc_st.launch(SINK_TOKSYM, anc_hat, scale=s_dev, mid=(la - 1) // 2, tmul=g,
+                                              out_is_t=0), where, check)
+        out = torch.empty((t, c), dtype=ctx.dtype, device=dev)
+        if na:
+            out[0::g] = anc_hat.to(ctx.dtype)  # the same RNE cast as the reference's final .to(dtype)
+        if t - na:
+            # delta column j is token j + j // (g-1) + 1; value = anchor + (code - M) * scale[t]
+            launch = dl_st.launch(SINK_TOKSYM, out, out_dtype=ctx.dtype, scale=s_dev, base=anc_hat,
+                                  mid=(rec - 1) // 2, tmul=1, tdiv=g - 1, tadd=1, out_is_t=1, base_group=g)
+            _run_stage(dev, dl_st, launch, where, check)
+        return out.reshape(ctx.shape)
+
+    return DecodePlan(run)

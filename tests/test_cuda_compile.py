@@ -289,7 +289,7 @@ def _decode_both(codec, x: torch.Tensor, role: str = "k", layer: int = 0, layers
     ctx = TensorContext(layer=layer, role=role, shape=tuple(x.shape), dtype=x.dtype, globals=globals_)
     enc = codec.encode_tensor(x, ctx)
     want = codec.decode_tensor(enc, ctx)
-    got = gpu._GPU_DECODERS[codec.codec_id](codec, enc, ctx, torch.device("cpu"))
+    got = gpu._GPU_DECODERS[codec.codec_id](codec, enc, ctx, torch.device("cpu"))()
     return got, want
 
 

@@ -44,7 +44,7 @@ def _dryrun_host_runner(tmp_path_factory):
     mp.setattr(gpu, "run_launch", lambda mods, launch: run_on_host(lib, launch))
     mp.setattr(gpu, "device_modules", lambda device="cuda": None)
     mp.setattr(gpu, "decode_tensor_device",
-               lambda codec, enc, ctx, device: gpu._GPU_DECODERS[codec.codec_id](codec, enc, ctx, DEV))
+               lambda codec, enc, ctx, device: gpu._GPU_DECODERS[codec.codec_id](codec, enc, ctx, DEV)())
     yield
     mp.undo()
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
