@@ -15,7 +15,9 @@ from kvcodec.errors import ConfigError, FormatError, InputError
 from kvcodec.quant import (
     fp8_decode_reference,
     fp8_encode_reference,
+    intq_dequantize_reference,
     intq_quantize_reference,
+    nvfp4_dequantize_reference,
     nvfp4_quantize_reference,
     pack_bits,
 )
@@ -107,8 +109,10 @@ def test_nvfp4_planes(shape_name):
     assert np.array_equal(enc.planes["block_scale"], q.block_scale.numpy())
     assert enc.params == {"pad": dp - d}
     assert 8 * enc.nbytes == codec.tensor_bits((t, h, d))
+    assert np.array_equal(enc.planes["tensor_scale"], q.tensor_scale.numpy())
     out = codec.decode_tensor(enc, ctx_for(x))
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert torch.equal(out.view(torch.int16), nvfp4_dequantize_reference(q, torch.bfloat16).view(torch.int16))
 
 
 @pytest.mark.parametrize("shape_name", list(SHAPES))
@@ -139,6 +143,7 @@ def test_kivi_planes(shape_name, role, bits):
     out = codec.decode_tensor(enc, ctx_for(x, role))
     assert out.shape == x.shape
     assert torch.equal(out[tq:], x[tq:])  # the recent window is bit for bit
+    assert torch.equal(out[:tq].view(torch.int32), intq_dequantize_reference(q).view(torch.int32))
 
 
 def test_kivi_residual_covers_everything_is_lossless():

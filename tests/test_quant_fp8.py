@@ -238,3 +238,68 @@ def test_source_max_does_not_overflow():
 def test_minifloat_decode_keeps_shape():
     c = torch.randint(0, 256, (3, 4, 5), dtype=torch.uint8)
     assert minifloat_decode(c, F8E4M3).shape == (3, 4, 5)
+
+
+# --------------------------------------------------------------------------- fast path
+from kvcodec.quant import fast  # noqa: E402
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        iv = {2: torch.int16, 4: torch.int32}[a.element_size()]
+        return torch.equal(a.view(iv), b.view(iv))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
+def test_fast_minifloat_encode_is_bit_exact(fmt):
+    f = FORMATS[fmt]
+    g = torch.Generator().manual_seed(8)
+    vals = all_codes_values(f)
+    ties, _ = rounding_ties(fmt)
+    y = torch.cat([
+        vals[torch.isfinite(vals)], ties, torch.nextafter(ties, ties * 2), torch.nextafter(ties, 0 * ties),
+        torch.tensor([0.0, -0.0, 2.0**-149, -(2.0**-149), 2.0**-126, 1e30, -1e30, f.max * 1.01]),
+        torch.randn(50_000, generator=g) * torch.pow(2.0, torch.randint(-20, 20, (50_000,), generator=g).float()),
+    ])
+    assert torch.equal(torch.from_numpy(fast.minifloat_encode_np(y.numpy(), f)), minifloat_encode(y, f))
+
+
+@pytest.mark.parametrize("dtype", SOURCE_DTYPES)
+def test_fast_fp8_is_bit_exact_on_the_edge_table(dtype):
+    for shape_name in ("T0", "T1", "odd_head_dim", "D17"):
+        shape = SHAPES[shape_name]
+        cases = value_cases(dtype, shape) if shape[0] else {"empty": torch.zeros(shape, dtype=dtype)}
+        for case, x in cases.items():
+            for fmt in ("e4m3", "e5m2"):
+                for gran in ("tensor", "head", "channel", "token", "block"):
+                    ref = fp8_encode_reference(x, fmt, gran, 8)
+                    got = fast.fp8_encode_fast(x, fmt, gran, 8)
+                    assert bits_equal(ref[0], got[0]) and bits_equal(ref[1], got[1]), (shape_name, case, fmt, gran)
+                    assert bits_equal(fp8_decode_reference(*ref, fmt, dtype, 8),
+                                      fast.fp8_decode_fast(*ref, fmt, dtype, 8)), (shape_name, case, fmt, gran)
+
+
+def test_fast_fp8_rejects_what_the_reference_rejects():
+    x = torch.zeros(2, 1, 4)
+    x[0, 0, 0] = float("inf")
+    with pytest.raises(InputError, match="NaN or Inf"):
+        fast.fp8_encode_fast(x)
+    with pytest.raises(ConfigError):
+        fast.fp8_encode_fast(torch.zeros(1, 1, 1), "e4m3", "row")
+    with pytest.raises(InputError):
+        fast.fp8_encode_fast(torch.zeros(3, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dtype_bridges_match_torch_casts(dtype):
+    g = torch.Generator().manual_seed(9)
+    y = torch.randn(100_000, generator=g) * torch.pow(2.0, torch.randint(-140, 120, (100_000,), generator=g).float())
+    y = torch.cat([y, torch.tensor([0.0, -0.0, 65504.0, 65519.0, 65520.0, 3.3895e38, -3.3896e38])])
+    y = y[torch.isfinite(y)]
+    assert bits_equal(fast.from_f32_numpy(y.numpy(), dtype), y.to(dtype))
+    x = y.to(dtype)
+    x = x[torch.isfinite(x)]
+    assert bits_equal(torch.from_numpy(fast.to_f32_numpy(x).copy()), x.float())

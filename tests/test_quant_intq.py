@@ -149,3 +149,44 @@ def test_fp16_top_level_saturates_instead_of_inf():
     assert intq_quantize_reference(x, 4, "token", 2).codes.flatten().tolist() == [0, 15]
     assert intq_dequantize_reference(q, torch.float16).flatten().tolist() == [-65504.0, 65504.0]
     assert intq_dequantize_reference(q, torch.float32).flatten().tolist() == [-65504.0, 65536.0]
+
+
+# --------------------------------------------------------------------------- fast path
+from kvcodec.quant import fast  # noqa: E402
+
+
+def _bits_equal(a, b):
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        iv = {2: torch.int16, 4: torch.int32}[a.element_size()]
+        return torch.equal(a.view(iv), b.view(iv))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", SOURCE_DTYPES)
+def test_fast_intq_is_bit_exact(dtype):
+    g = torch.Generator().manual_seed(11)
+    inputs = [(n, x) for s in ("T0", "T1", "odd_head_dim", "D17", "non_pow2")
+              for n, x in (value_cases(dtype, SHAPES[s]) if SHAPES[s][0]
+                           else {"empty": torch.zeros(SHAPES[s], dtype=dtype)}).items()]
+    inputs.append(("random", (torch.randn(70, 3, 64, generator=g) + 5 * torch.randn(1, 3, 64, generator=g)).to(dtype)))
+    for name, x in inputs:
+        for bits, axis, group in ((1, "channel", 32), (3, "token", 4), (4, "channel", 7), (8, "token", 32)):
+            try:
+                ref = intq_quantize_reference(x, bits, axis, group)
+            except InputError:
+                with pytest.raises(InputError):
+                    fast.intq_quantize_fast(x, bits, axis, group)
+                continue
+            got = fast.intq_quantize_fast(x, bits, axis, group)
+            assert ref[3:] == got[3:]
+            for a, b in zip(ref[:3], got[:3]):
+                assert _bits_equal(a, b), (name, bits, axis)
+            assert _bits_equal(intq_dequantize_reference(ref, dtype), fast.intq_dequantize_fast(ref, dtype)), name
+
+
+def test_signed_zero_min_is_normalised():
+    x = torch.tensor([-0.0, 0.0, -0.0]).reshape(1, 1, 3)
+    for q in (intq_quantize_reference(x, 2, "token", 3), fast.intq_quantize_fast(x, 2, "token", 3)):
+        assert not torch.signbit(q.zero).any() and not torch.signbit(q.scale).any()

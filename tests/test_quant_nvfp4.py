@@ -169,3 +169,44 @@ def test_decode_multiplies_in_the_documented_order():
     expect = (e2 * bs) * q.tensor_scale[0]
     assert torch.equal(nvfp4_dequantize_reference(q).view(torch.int32), expect.view(torch.int32))
     assert isinstance(q, NVFP4Tensor)
+
+
+# --------------------------------------------------------------------------- fast path
+from kvcodec.quant import fast  # noqa: E402
+
+
+def _bits_equal(a, b):
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        iv = {2: torch.int16, 4: torch.int32}[a.element_size()]
+        return torch.equal(a.view(iv), b.view(iv))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", SOURCE_DTYPES)
+def test_fast_nvfp4_is_bit_exact(dtype):
+    g = torch.Generator().manual_seed(10)
+    inputs = [(n, x) for s in ("T0", "T1", "odd_head_dim", "D17", "non_pow2")
+              for n, x in (value_cases(dtype, SHAPES[s]) if SHAPES[s][0]
+                           else {"empty": torch.zeros(SHAPES[s], dtype=dtype)}).items()]
+    inputs.append(("random", (torch.randn(40, 3, 64, generator=g)
+                              * torch.pow(10.0, torch.randn(40, 3, 1, generator=g))).to(dtype)))
+    inputs.append(("golden", (3 * GOLDEN).to(dtype)))
+    for name, x in inputs:
+        for ts in (None, 1.0):
+            ref = nvfp4_quantize_reference(x, ts)
+            got = fast.nvfp4_quantize_fast(x, ts)
+            assert ref.pad == got.pad, name
+            for a, b in zip(ref[:3], got[:3]):
+                assert _bits_equal(a, b), (name, ts)
+            assert _bits_equal(nvfp4_dequantize_reference(ref, dtype), fast.nvfp4_dequantize_fast(ref, dtype)), name
+
+
+def test_fast_nvfp4_rejects_what_the_reference_rejects():
+    with pytest.raises(InputError, match="NaN or Inf"):
+        fast.nvfp4_quantize_fast(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(InputError, match="tensor_scale"):
+        fast.nvfp4_quantize_fast(torch.ones(16), tensor_scale=-1.0)
+    with pytest.raises(InputError, match="dimension"):
+        fast.nvfp4_quantize_fast(torch.tensor(1.0))

@@ -7,6 +7,7 @@ Fast paths (CUDA kernels, vectorised variants) are tested bit-exact against thes
 * :mod:`~kvcodec.quant.intq` — integer asymmetric min-max, 1..8 bits, KIVI-style axes.
 * :mod:`~kvcodec.quant.delta` — anchor-based delta coding of integer codes across tokens.
 * :mod:`~kvcodec.quant.packing` — fixed-width LSB-first bit packing.
+* :mod:`~kvcodec.quant.fast` — numpy fast paths, bit-exact with the references (the codecs use them).
 
 Example:
     >>> import torch
@@ -18,6 +19,14 @@ Example:
 """
 
 from .delta import delta_decode, delta_encode
+from .fast import (
+    fp8_decode_fast,
+    fp8_encode_fast,
+    intq_dequantize_fast,
+    intq_quantize_fast,
+    nvfp4_dequantize_fast,
+    nvfp4_quantize_fast,
+)
 from .fp8 import (
     F4E2M1,
     F8E4M3,
@@ -45,13 +54,19 @@ __all__ = [
     "NVFP4Tensor",
     "delta_decode",
     "delta_encode",
+    "fp8_decode_fast",
     "fp8_decode_reference",
+    "fp8_encode_fast",
     "fp8_encode_reference",
+    "intq_dequantize_fast",
     "intq_dequantize_reference",
+    "intq_quantize_fast",
     "intq_quantize_reference",
     "minifloat_decode",
     "minifloat_encode",
+    "nvfp4_dequantize_fast",
     "nvfp4_dequantize_reference",
+    "nvfp4_quantize_fast",
     "nvfp4_quantize_reference",
     "pack_bits",
     "packed_nbytes",

@@ -13,7 +13,8 @@ axis           group = ``group`` consecutive ...             scale / zero shape
 The last group along the grouped axis may be shorter than ``group`` (no padding is stored).
 
 Encode, per group, in float32: ``mn, mx`` = group min and max;
-``scale16 = fp16((mx - mn) / (2**bits - 1))``, ``zero16 = fp16(mn)``; then with
+``scale16 = fp16((mx - mn) / (2**bits - 1))``, ``zero16 = fp16(mn)`` (a ``-0.0`` min or max is
+taken as ``+0.0``); then with
 ``s = float32(scale16)``, ``z = float32(zero16)``:
 ``code = clamp(round_half_even((x - z) / s), 0, 2**bits - 1)`` (``code = 0`` where ``s == 0``).
 Quantizing against the *rounded* fp16 scale and zero keeps encode and decode consistent.
@@ -143,8 +144,9 @@ def intq_quantize_reference(
         z = torch.zeros(pshape, dtype=torch.float16)
         return IntQTensor(torch.zeros(shape, dtype=torch.uint8), z, z.clone(), bits, axis, group)
     g = _grouped(xf, axis, group)
-    mn = _ungroup(g.amin(dim=-1), axis)
-    mx = _ungroup(g.amax(dim=-1), axis)
+    # "+ 0.0" turns -0.0 into +0.0: which signed zero min/max return is not specified
+    mn = _ungroup(g.amin(dim=-1), axis) + 0.0
+    mx = _ungroup(g.amax(dim=-1), axis) + 0.0
     levels = (1 << bits) - 1
     scale16 = ((mx - mn) / levels).to(torch.float16)
     zero16 = mn.to(torch.float16)
