@@ -55,6 +55,14 @@ def pack_bits(codes: np.ndarray | torch.Tensor, bits: int) -> np.ndarray:
         raise InputError(f"codes must lie in [0, {1 << bits}) for {bits}-bit packing")
     if bits == 8:
         return a.astype(np.uint8)
+    if 8 % bits == 0:
+        # 1, 2, 4 bits: whole codes per byte, code j of a byte at bits j*bits.. (same layout)
+        per = 8 // bits
+        a = np.pad(a.astype(np.uint8), (0, (-a.size) % per)).reshape(-1, per)
+        out = a[:, 0].copy()
+        for j in range(1, per):
+            out |= a[:, j] << np.uint8(j * bits)
+        return out
     # bit matrix [n, bits], LSB first, then numpy packs 8 stream bits per byte, LSB first
     bitmat = ((a[:, None] >> np.arange(bits)) & 1).astype(np.uint8)
     return np.packbits(bitmat.reshape(-1), bitorder="little")
@@ -88,6 +96,13 @@ def unpack_bits(packed: np.ndarray | torch.Tensor | bytes, bits: int, count: int
     out_dtype = np.uint8 if bits <= 8 else np.int32
     if bits == 8:
         return buf.copy()
+    if 8 % bits == 0:
+        per = 8 // bits
+        shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
+        codes = ((buf[:, None] >> shifts) & np.uint8((1 << bits) - 1)).reshape(-1)
+        if codes[count:].any():
+            raise FormatError("non-zero padding bits after the last packed code")
+        return codes[:count].copy()
     allbits = np.unpackbits(buf, bitorder="little")
     if allbits[count * bits:].any():
         raise FormatError("non-zero padding bits after the last packed code")
