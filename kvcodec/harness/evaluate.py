@@ -1,0 +1,372 @@
+"""Run codecs against a real model: bits per element, per-layer attention errors, next-token KL.
+
+The protocol (one :class:`Evaluator` per model, text and lengths):
+
+1. Tokenize ``context + continuation + 1`` tokens of the text.
+2. Prefill the context and keep its KV cache in ``cache_dtype`` (fp16 by default, as engines
+   store it): the **reference cache**.
+3. Run the continuation with the reference cache injected; record its logits and, through a
+   recording attention function, every layer's real queries (teacher forcing).
+4. For each codec: ``blob = codec.encode(reference)``, bits per element
+   ``= 8 * len(blob) / num_elements`` (exact, all-in), ``decoded = codec.decode(blob)``; run the
+   same continuation with the decoded cache; compare logits (next-token KL, top-1, ΔPPL) and,
+   per layer and head, attention over reference vs decoded K/V with the recorded queries.
+
+The reference and the codec runs go through the same code path (cache injected, then the
+continuation), so a lossless codec gives exactly KL 0 and ΔPPL 0.
+
+Example:
+    >>> from kvcodec.harness.evaluate import Evaluator          # doctest: +SKIP
+    >>> ev = Evaluator.default(context=512, continuation=128)    # doctest: +SKIP
+    >>> ev.evaluate("fp8-e4m3")["next_token"]["kl_mean"] < 0.01  # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import sys
+import time
+from typing import Any, Iterator
+
+import torch
+
+from ..cache import DTYPE_NAMES, KVCache
+from ..codec import Codec, get_codec
+from ..errors import InputError, KVCodecError
+from ..metrics import (
+    ATTENTION_METRICS,
+    RECONSTRUCTION_METRICS,
+    attention_errors,
+    attention_reference,
+    next_token_metrics,
+    reconstruction_errors,
+)
+
+_RECORD_IMPL = "kvcodec_record_queries"
+
+
+def _round(x: float, digits: int = 6) -> float | None:
+    """Round to significant digits for compact JSON; NaN becomes None (JSON has no NaN)."""
+    if x != x:  # NaN
+        return None
+    if x == 0 or x in (float("inf"), float("-inf")):
+        return float(x) if x == 0 else None
+    return float(f"{x:.{digits}g}")
+
+
+@contextlib.contextmanager
+def record_queries(model: Any) -> Iterator[dict[int, dict[str, Any]]]:
+    """Record each attention layer's queries (``[Tq, Hq, D]``, batch 0) and scaling while the
+    model runs, by routing attention through a recording wrapper of its own implementation.
+
+    The wrapper sees exactly the query the model uses (after RoPE, query norms and any
+    pre-attention scaling folded into ``scaling``), for every architecture that dispatches through
+    transformers' ``AttentionInterface`` (Llama, Qwen2, Gemma3, GPT-2, ...).
+
+    Raises:
+        InputError: the model does not dispatch attention through ``AttentionInterface``.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    store: dict[int, dict[str, Any]] = {}
+    orig = model.config._attn_implementation or "eager"
+    impl = f"{_RECORD_IMPL}_{orig}"
+
+    def recording(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001
+        idx = getattr(module, "layer_idx", None)
+        if idx is not None:
+            scaling = kwargs.get("scaling")
+            if scaling is None:
+                scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+            store[int(idx)] = {
+                "q": query[0].transpose(0, 1).detach().float().cpu().contiguous(),
+                "scaling": float(scaling),
+                "softcap": kwargs.get("softcap"),
+            }
+        if orig == "eager":
+            fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+            if fn is None:
+                raise InputError(f"{type(module).__name__}: cannot find its eager attention")
+        else:
+            fn = ALL_ATTENTION_FUNCTIONS[orig]
+        return fn(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(impl, recording)
+    # The model builds its attention mask by implementation name: give ours the mask of the
+    # implementation it wraps (without one, sdpa would fall back to a wrongly aligned causal mask
+    # when queries follow a cache).
+    if orig in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(impl, ALL_MASK_ATTENTION_FUNCTIONS[orig])
+    model.set_attn_implementation(impl)
+    try:
+        yield store
+    finally:
+        model.set_attn_implementation(orig)
+
+
+class Evaluator:
+    """Holds a model, the reference cache and the reference run; scores codecs against them.
+
+    Args:
+        model, tokenizer: a transformers causal LM and its tokenizer.
+        text: the evaluation text.
+        context: prefill length (tokens whose cache is compressed).
+        continuation: number of scored next-token predictions after the context.
+        cache_dtype: dtype the reference cache is stored in (codecs see this dtype).
+        attn_queries: at most this many continuation queries (evenly spaced) for the per-layer
+            attention metrics; ``None`` for all.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        text: str,
+        context: int = 2048,
+        continuation: int = 512,
+        cache_dtype: torch.dtype = torch.float16,
+        attn_queries: int | None = 64,
+        text_name: str = "custom",
+    ) -> None:
+        from .capture import capture, tokenize
+
+        if context < 1 or continuation < 1:
+            raise InputError(f"context and continuation must be >= 1 (got {context}, {continuation})")
+        self.model, self.tokenizer = model, tokenizer
+        self.context, self.continuation = int(context), int(continuation)
+        self.cache_dtype = cache_dtype
+        self.text_info = {"name": text_name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                          "chars": len(text)}
+        ids = tokenize(tokenizer, text, context + continuation + 1)
+        self.token_ids = ids
+        t0 = time.perf_counter()
+        self.reference = capture(model, tokenizer, token_ids=ids[:context], dtype=cache_dtype)
+        self.prefill_seconds = time.perf_counter() - t0
+        self.cont_ids = ids[context : context + continuation]
+        self.targets = ids[context + 1 : context + continuation + 1]
+        with record_queries(model) as store:
+            self.ref_logits = self._continue(self.reference)
+        n = self.reference.num_layers
+        missing = [i for i in range(n) if i not in store]
+        if missing:
+            raise InputError(f"no queries recorded for layers {missing[:5]}")
+        sel = torch.arange(continuation)
+        if attn_queries is not None and continuation > attn_queries:
+            sel = torch.linspace(0, continuation - 1, attn_queries).round().to(torch.int64)
+        self.q_positions = context + sel
+        self.queries = [store[i]["q"][sel] for i in range(n)]
+        self.scalings = [store[i]["scaling"] for i in range(n)]
+        self.ref_float = [{r: t.float() for r, t in layer.items()} for layer in self.reference.layers]
+        self._att_refs: list[Any] | None = None
+        self.reference_metrics = next_token_metrics(self.ref_logits, self.ref_logits, self.targets)
+
+    @classmethod
+    def default(cls, context: int = 2048, continuation: int = 512, **kwargs: Any) -> "Evaluator":
+        """An evaluator on the built-in model and the built-in text."""
+        from .capture import default_text
+        from .models import load_model
+
+        model, tok = load_model()
+        return cls(model, tok, default_text(), context, continuation,
+                   text_name="jargon-4.4.7-excerpt", **kwargs)
+
+    # ------------------------------------------------------------------ model runs
+    @torch.no_grad()
+    def _continue(self, cache: KVCache) -> torch.Tensor:
+        """Logits ``[continuation, vocab]`` of the continuation run on top of ``cache``."""
+        from ..integrations.transformers import cache_kwargs, to_dynamic_cache
+
+        device = next(self.model.parameters()).device
+        dtype = next(self.model.parameters()).dtype
+        dc = to_dynamic_cache(cache, device=device, dtype=dtype)
+        out = self.model(self.cont_ids[None].to(device), use_cache=True, **cache_kwargs(self.model, dc))
+        return out.logits[0].float().cpu()
+
+    # ------------------------------------------------------------------ scoring
+    def layer_metrics(self, decoded: KVCache) -> list[dict[str, list[float | None]]]:
+        """Per layer: per-query-head attention metrics and per-KV-head reconstruction errors."""
+        if self._att_refs is None:
+            # The reference side of attention is the same for every codec: compute it once.
+            self._att_refs = []
+            for i, ref in enumerate(self.ref_float):
+                info = self.reference.layer_info[i]
+                self._att_refs.append(None if "kv" in ref else attention_reference(
+                    self.queries[i], ref["k"], ref["v"], scaling=self.scalings[i],
+                    q_positions=self.q_positions,
+                    window=info.window if info.kind == "sliding" else 0,
+                ))
+        out = []
+        for i, (ref, dec) in enumerate(zip(self.ref_float, decoded.layers)):
+            if "kv" in ref:
+                out.append({})
+                continue
+            kd, vd = dec["k"].float(), dec["v"].float()
+            att = attention_errors(self.queries[i], ref["k"], ref["v"], kd, vd,
+                                   reference=self._att_refs[i])
+            rec = reconstruction_errors(ref["k"], ref["v"], kd, vd)
+            row = {name: [_round(float(x)) for x in att[name]] for name in ATTENTION_METRICS}
+            row.update({name: [_round(float(x)) for x in rec[name]] for name in RECONSTRUCTION_METRICS})
+            out.append(row)
+        return out
+
+    def evaluate(self, codec: str | dict[str, Any] | Codec, name: str | None = None) -> dict[str, Any]:
+        """Encode, decode and score one codec; return one result record (see :mod:`.report`)."""
+        codec = get_codec(codec)
+        cfg = codec.get_config()
+        rec: dict[str, Any] = {"name": name or _config_name(cfg), "family": cfg["id"], "config": cfg}
+        try:
+            t0 = time.perf_counter()
+            blob = codec.encode(self.reference)
+            t1 = time.perf_counter()
+            decoded = codec.decode(blob)
+            t2 = time.perf_counter()
+        except KVCodecError as e:
+            rec["error"] = f"{type(e).__name__}: {e}"
+            return rec
+        decoded = decoded.to(self.cache_dtype) if decoded.dtype != self.cache_dtype else decoded
+        n = self.reference.num_elements
+        rec.update(
+            bytes=len(blob),
+            bits_per_element=8.0 * len(blob) / n,
+            ratio_vs_fp16=self.reference.fp16_bytes() / len(blob),
+            lossless=bool(decoded.equal(self.reference)),
+            encode_seconds=t1 - t0,
+            decode_seconds=t2 - t1,
+        )
+        logits = self._continue(decoded)
+        nt = next_token_metrics(self.ref_logits, logits, self.targets)
+        rec["next_token"] = {k: _round(v) for k, v in nt.items()}
+        per_layer = self.layer_metrics(decoded)
+        rec["attention"] = _mean_over_layers(per_layer)
+        rec["per_layer"] = per_layer
+        rec["error"] = None
+        return rec
+
+    def describe(self) -> dict[str, Any]:
+        """The run's fixed facts: model identity, text, lengths, reference perplexity."""
+        ref = self.reference
+        return {
+            "model": ref.model.to_dict(),
+            "geometry": {
+                "layers": ref.num_layers,
+                "kv_heads": [int(layer["k"].shape[1]) for layer in ref.layers if "k" in layer][:1] or [0],
+                "head_dim": int(ref.layers[0]["k"].shape[2]) if "k" in ref.layers[0] else 0,
+                "layer_kinds": sorted({li.kind for li in ref.layer_info}),
+            },
+            "text": self.text_info,
+            "context": self.context,
+            "continuation": self.continuation,
+            "attention_queries": int(self.q_positions.numel()),
+            "cache_dtype": DTYPE_NAMES[self.cache_dtype],
+            "num_elements": ref.num_elements,
+            "reference": {"ppl": _round(self.reference_metrics["ppl_ref"]),
+                          "nll": _round(self.reference_metrics["nll_ref"])},
+        }
+
+
+def _config_name(cfg: dict[str, Any]) -> str:
+    """A preset's name when ``cfg`` equals a registered preset, else a compact ``id(k=v,...)``."""
+    from ..codec import _PRESETS
+
+    for name, (pcfg, _) in _PRESETS.items():
+        try:
+            if get_codec(pcfg).get_config() == cfg:
+                return name
+        except KVCodecError:
+            continue
+    extra = ",".join(f"{k}={v}" for k, v in cfg.items() if k != "id")
+    return f"{cfg['id']}({extra})" if extra else cfg["id"]
+
+
+def _mean_over_layers(per_layer: list[dict[str, list[float | None]]]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for name in ATTENTION_METRICS + RECONSTRUCTION_METRICS:
+        vals = [x for row in per_layer for x in row.get(name, []) if x is not None]
+        out[name] = _round(sum(vals) / len(vals)) if vals else None
+    return out
+
+
+
+
+
+# ---------------------------------------------------------------------- suites and sweeps
+#: Sweep knobs per codec id: parameter overrides tried with ``--sweep`` on top of each preset's
+#: config. Ids not listed run at their preset only. Invalid combinations are skipped.
+SWEEPS: dict[str, list[dict[str, Any]]] = {
+    "kivi": [{"bits": b} for b in (2, 3, 4, 5, 6, 8)],
+    "kivi-ans": [{"bits": b} for b in (2, 3, 4, 6)],
+    "fp8": [{"format": "e4m3"}, {"format": "e5m2"}],
+    "kvc": [{"k_step": s, "v_step": s} for s in (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5)],
+    "cachegen": [{"levels": [63, 31, 31]}, {"levels": [31, 15, 15]}, {"levels": [15, 7, 7]}],
+}
+
+
+def expand_settings(
+    codecs: list[str | dict[str, Any]], sweep: bool = False,
+    sweeps: dict[str, list[dict[str, Any]]] | None = None,
+) -> list[tuple[str, Codec]]:
+    """``[(name, codec)]`` for the given presets/configs, plus the sweep variants when asked.
+
+    Duplicates (equal configs) are dropped, keeping the first name.
+
+    Raises:
+        UnknownCodecError / ConfigError: a named codec does not exist or its config is invalid.
+    """
+    sweeps = SWEEPS if sweeps is None else sweeps
+    out: list[tuple[str, Codec]] = []
+    seen: set[str] = set()
+
+    def add(name: str, codec: Codec) -> None:
+        key = json_key(codec.get_config())
+        if key not in seen:
+            seen.add(key)
+            out.append((name, codec))
+
+    for c in codecs:
+        codec = get_codec(c)
+        add(c if isinstance(c, str) and not c.strip().startswith("{") else _config_name(codec.get_config()), codec)
+    if sweep:
+        for _, base in list(out):
+            cfg = base.get_config()
+            for override in sweeps.get(cfg["id"], []):
+                try:
+                    variant = get_codec({**cfg, **override})
+                except KVCodecError:
+                    continue
+                add(_config_name(variant.get_config()), variant)
+    return out
+
+
+def json_key(cfg: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(cfg, sort_keys=True)
+
+
+def run_suite(
+    evaluator: Evaluator,
+    settings: list[tuple[str, Codec]],
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Evaluate every ``(name, codec)``; tqdm progress on stderr. Failures are recorded, not raised."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with the [eval] extra
+        tqdm = None
+    bar = tqdm(total=len(settings), file=sys.stderr, unit="codec", disable=not progress,
+               dynamic_ncols=True) if tqdm else None
+    results = []
+    for name, codec in settings:
+        if bar is not None:
+            bar.set_postfix_str(name)
+        results.append(evaluator.evaluate(codec, name=name))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return results
+__all__ = ["SWEEPS", "Evaluator", "expand_settings", "record_queries", "run_suite"]
