@@ -1,0 +1,298 @@
+"""GPU decode throughput of every codec with a GPU decoder, against a device-to-device copy and
+against the CPU reference decoder, measured in one run.
+
+For each codec a K tensor ``[T_unit, 8, 128]`` (fp16, K-like: per-channel offsets) is encoded on
+the CPU by the codec itself; its planes are then tiled along the tokens to ``T = reps * T_unit``
+(about ``--size-mb`` of fp16 output), which is a valid encoding of the tiled tensor (fixed-width
+planes repeat; ANS stages gain whole token chunks, every stream and table intact). The device
+decode of the big tensor is timed with CUDA events (warm-up, then the median of ``--repeats``
+runs; planes already on the device, so only kernels are timed), and checked bit for bit: every
+tile must equal the CPU reference decode of the unit tensor, which is also timed (CPU GB/s).
+
+GB/s counts fp16 output bytes (2 per element) per second. The copy baseline moves a tensor of
+the same byte size with ``dst.copy_(src)``; its GB/s counts the bytes written (a copy reads as
+many, so read+write is twice that).
+
+An end-to-end row decodes a whole multi-layer cache with ``kvcodec.decode(..., device="cuda")``
+(uploads and Python included) against ``device="cpu"``.
+
+Usage:
+    python eval/bench_gpu.py [--out DIR] [--size-mb 1024] [--repeats 10] [--budget-s 200]
+Writes ``gpu_bench.json`` and ``gpu_bench.md`` to ``--out`` (default ``$OUT`` or eval/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kvcodec  # noqa: E402
+from kvcodec import gpu  # noqa: E402
+from kvcodec.codec import EncodedTensor, TensorContext  # noqa: E402
+
+H, D = 8, 128
+
+#: preset -> tokens of the unit tensor (a multiple of every chunk / group the codec uses)
+CODECS = {
+    "fp8-e4m3": 8192,
+    "fp8-e5m2": 8192,
+    "nvfp4": 8192,
+    "kivi-4": 8192,
+    "kivi-2": 8192,
+    "kivi-4-ans": 8192,
+    "kivi-2-ans": 8192,
+    "cachegen-lmcache": 8192,
+    "cachegen": 40960,
+    "kivi-4-delta-ans": 32768,  # anchors (1 in 8) fill whole 4096-token chunks
+}
+
+
+def k_like(t: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, H, D, generator=g) * 1.3 + torch.randn(1, H, D, generator=g) * 4
+    return x.half()
+
+
+# ---------------------------------------------------------------------------- tiling
+def _tile_stage(planes: dict[str, np.ndarray], prefix: str, reps: int) -> dict[str, np.ndarray]:
+    """Tile an ANS stage (formats/ANS.md §3) along its tokens: needs N % C == 0."""
+    meta = planes[prefix + "meta"].copy()
+    n, c, scope = int(meta[2]), int(meta[3]), int(meta[8])
+    assert n % c == 0, f"{prefix}: {n} tokens not a multiple of the {c}-token chunk"
+    meta[2] = n * reps
+    words, off = planes[prefix + "words"], planes[prefix + "offsets"].astype(np.int64)
+    w = int(off[-1])
+    big_off = np.concatenate([off[:-1] + k * w for k in range(reps)] + [np.array([reps * w])])
+    assert big_off[-1] < 2**32
+    out = {prefix + "meta": meta, prefix + "words": np.tile(words, reps), prefix + "offsets": big_off.astype(np.uint32)}
+    for name in ("tables", "row_table"):
+        if prefix + name in planes:
+            a = planes[prefix + name]
+            out[prefix + name] = np.concatenate([a] * reps, axis=0) if scope == 1 else a
+    return out
+
+
+def tile_encoded(codec, enc: EncodedTensor, t_unit: int, reps: int) -> EncodedTensor:
+    """The planes of the tensor made of ``reps`` copies of the unit tensor along the tokens."""
+    p = dict(enc.planes)
+    cid = codec.codec_id
+    tile0 = lambda a: np.concatenate([a] * reps, axis=0)  # noqa: E731
+    if cid == "fp8":
+        assert p["scale"].shape[0] == 1, "bench uses per-head scales"
+        p["codes"] = tile0(p["codes"])
+    elif cid == "nvfp4":
+        p["codes"], p["block_scale"] = tile0(p["codes"]), tile0(p["block_scale"])
+    elif cid == "kivi":
+        assert enc.params["recent"] == 0 and t_unit % enc.params["group"] == 0
+        p["codes"] = np.tile(p["codes"], reps)  # whole bytes: t_unit * H * D * bits % 8 == 0
+        p["scale"], p["zero"] = tile0(p["scale"]), tile0(p["zero"])
+    elif cid == "kivi-ans":
+        p["scale"], p["zero"] = tile0(p["scale"]), tile0(p["zero"])
+        for pre in ("ans_", "anc_"):
+            if pre + "meta" in p:
+                p.update(_tile_stage(p, pre, reps))
+    elif cid in ("cachegen", "cachegen-lmcache"):
+        p["scale"] = np.tile(p["scale"], reps)
+        for pre in ("ans_", "anc_"):
+            if pre + "meta" in p:
+                p.update(_tile_stage(p, pre, reps))
+    else:
+        raise ValueError(f"no tiling for {cid}")
+    return EncodedTensor(p, dict(enc.params))
+
+
+# ---------------------------------------------------------------------------- timing
+def cuda_time(fn, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` on the current stream, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def wall_time(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def bits_view(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16)
+
+
+# ---------------------------------------------------------------------------- main
+def bench_codec(name: str, t_unit: int, size_mb: float, repeats: int, copy_gbs: float) -> dict:
+    codec = kvcodec.get_codec(name)
+    x = k_like(t_unit, seed=1)
+    cache = kvcodec.KVCache.from_tensors([(x, x)] * 4)
+    ctx = TensorContext(layer=1, role="k", shape=tuple(x.shape), dtype=torch.float16,
+                        globals=codec.encode_globals(cache))
+    t0 = time.perf_counter()
+    enc = codec.encode_tensor(x, ctx)
+    enc_s = time.perf_counter() - t0
+    bits = 8.0 * enc.nbytes / x.numel()
+    t0 = time.perf_counter()
+    ref = codec.decode_tensor(enc, ctx)
+    cpu_s = time.perf_counter() - t0
+    unit_bytes = x.numel() * 2
+    reps = max(1, int(round(size_mb * 2**20 / unit_bytes)))
+    big = tile_encoded(codec, enc, t_unit, reps)
+    bctx = TensorContext(layer=1, role="k", shape=(t_unit * reps, H, D), dtype=torch.float16, globals=ctx.globals)
+    plan = gpu.prepare_decode(codec, big, bctx, "cuda")
+    out = plan()  # checked run (stream status included)
+    ok = bool(torch.equal(bits_view(out.view(reps, t_unit, H, D)), bits_view(ref.cuda()).expand(reps, -1, -1, -1)))
+    del out
+    gpu_s = cuda_time(lambda: plan(check=False), repeats)
+    out_bytes = unit_bytes * reps
+    row = {
+        "codec": name, "bits_per_element": round(bits, 3), "tokens": t_unit * reps, "shape": [t_unit * reps, H, D],
+        "output_GB": round(out_bytes / 1e9, 3), "gpu_ms": round(gpu_s * 1e3, 3),
+        "gpu_GBps": round(out_bytes / gpu_s / 1e9, 1), "pct_of_copy": round(100 * out_bytes / gpu_s / 1e9 / copy_gbs, 1),
+        "cpu_ref_GBps": round(unit_bytes / cpu_s / 1e9, 3), "speedup_vs_cpu": round(cpu_s / unit_bytes * out_bytes / gpu_s, 1),
+        "encode_unit_s": round(enc_s, 2), "bit_exact": ok,
+    }
+    del plan, big
+    torch.cuda.empty_cache()
+    return row
+
+
+def bench_end_to_end(name: str, layers: int, tokens: int) -> dict:
+    codec = kvcodec.get_codec(name)
+    pairs = [(k_like(tokens, 10 + i), k_like(tokens, 100 + i)) for i in range(layers)]
+    cache = kvcodec.KVCache.from_tensors(pairs)
+    blob = codec.encode(cache)
+    kvcodec.decode(blob, device="cuda")  # warm (compiles/loads kernels once)
+    torch.cuda.synchronize()
+    gpu_s = wall_time(lambda: (kvcodec.decode(blob, device="cuda"), torch.cuda.synchronize()), repeats=3)
+    cpu_s = wall_time(lambda: kvcodec.decode(blob), repeats=1)
+    b = cache.num_elements * 2
+    return {"codec": name, "layers": layers, "shape": [tokens, H, D], "fp16_GB": round(b / 1e9, 3),
+            "gpu_e2e_GBps": round(b / gpu_s / 1e9, 2), "cpu_e2e_GBps": round(b / cpu_s / 1e9, 3),
+            "speedup": round(cpu_s / gpu_s, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    ap.add_argument("--size-mb", type=float, default=1024.0)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--budget-s", type=float, default=200.0, help="skip remaining codecs past this")
+    ap.add_argument("--codecs", default=",".join(CODECS))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device; nothing measured", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    dev = torch.cuda.get_device_properties(0)
+    nbytes = int(args.size_mb * 2**20) // 2 * 2
+    src = torch.randn(nbytes // 2, device="cuda").half()
+    dst = torch.empty_like(src)
+    copy_s = cuda_time(lambda: dst.copy_(src), args.repeats)
+    copy_gbs = nbytes / copy_s / 1e9
+    del src, dst
+    torch.cuda.empty_cache()
+    rows, e2e, skipped = [], [], []
+    for name in args.codecs.split(","):
+        if time.perf_counter() - start > args.budget_s:
+            skipped.append(name)
+            continue
+        try:
+            rows.append(bench_codec(name, CODECS[name], args.size_mb, args.repeats, copy_gbs))
+        except Exception as e:  # noqa: BLE001 - record and go on: one codec must not hide the others
+            rows.append({"codec": name, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(json.dumps(rows[-1]), flush=True)
+    for name in ("fp8-e4m3", "kivi-4-ans", "cachegen-lmcache"):
+        if time.perf_counter() - start > args.budget_s:
+            skipped.append(f"e2e:{name}")
+            continue
+        try:
+            e2e.append(bench_end_to_end(name, layers=4, tokens=2048))
+        except Exception as e:  # noqa: BLE001
+            e2e.append({"codec": name, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(json.dumps(e2e[-1]), flush=True)
+    try:
+        major, minor = gpu.nvrtc_version()
+        nvrtc = f"{major}.{minor}"
+    except Exception:  # noqa: BLE001
+        nvrtc = "?"
+    result = {
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"gpu": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
+                    "cuda": torch.version.cuda, "nvrtc": nvrtc, "cpu_threads": torch.get_num_threads(),
+                    "python": platform.python_version(), "host": platform.machine()},
+        "copy": {"bytes": nbytes, "ms": round(copy_s * 1e3, 3), "GBps_written": round(copy_gbs, 1),
+                 "GBps_read_plus_written": round(2 * copy_gbs, 1)},
+        "codecs": rows, "end_to_end": e2e, "skipped_for_time": skipped,
+        "elapsed_s": round(time.perf_counter() - start, 1),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    md = to_markdown(result)
+    (out / "gpu_bench.md").write_text(md)
+    print(md)
+    return 0 if all(r.get("bit_exact") for r in rows) else 1
+
+
+def to_markdown(r: dict) -> str:
+    m = r["machine"]
+    lines = [
+        f"# GPU decode throughput ({m['gpu']}, {r['date']})", "",
+        f"Command: `{r['command']}`  ",
+        f"Machine: {m['gpu']} ({m['sms']} SMs), torch {m['torch']} (CUDA {m['cuda']}), NVRTC {m['nvrtc']}, "
+        f"{m['cpu_threads']} CPU threads for the reference.  ",
+        f"Copy baseline (`dst.copy_(src)`, {r['copy']['bytes'] / 1e9:.2f} GB fp16): {r['copy']['GBps_written']} GB/s written "
+        f"({r['copy']['GBps_read_plus_written']} GB/s read+written).", "",
+        "GB/s = fp16 output bytes per second (kernels only, planes on the device, median of CUDA-event timings). "
+        "CPU ref = the codec's reference decode_tensor on the unit tensor. bit-exact: every tile equals the CPU "
+        "reference decode.", "",
+        "| codec | bits/elem | output GB | GPU ms | GPU GB/s | % of copy | CPU ref GB/s | speedup | bit-exact |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["codecs"]:
+        if "error" in row:
+            lines.append(f"| {row['codec']} | error: {row['error']} | | | | | | | |")
+            continue
+        lines.append(f"| {row['codec']} | {row['bits_per_element']} | {row['output_GB']} | {row['gpu_ms']} | "
+                     f"{row['gpu_GBps']} | {row['pct_of_copy']} | {row['cpu_ref_GBps']} | {row['speedup_vs_cpu']}x | "
+                     f"{'yes' if row['bit_exact'] else 'NO'} |")
+    if r["end_to_end"]:
+        lines += ["", "End to end, `kvcodec.decode(blob, device=...)` of a 4-layer cache (uploads, Python, all layers):", "",
+                  "| codec | fp16 GB | GPU GB/s | CPU GB/s | speedup |", "|---|---|---|---|---|"]
+        for row in r["end_to_end"]:
+            if "error" in row:
+                lines.append(f"| {row['codec']} | error: {row['error']} | | | |")
+            else:
+                lines.append(f"| {row['codec']} | {row['fp16_GB']} | {row['gpu_e2e_GBps']} | {row['cpu_e2e_GBps']} | {row['speedup']}x |")
+    if r["skipped_for_time"]:
+        lines += ["", f"Skipped (time budget): {', '.join(r['skipped_for_time'])}"]
+    lines += ["", f"Elapsed: {r['elapsed_s']} s", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
