@@ -117,29 +117,98 @@ KVC_HD float ans_half(uint16_t h) {
 #endif
 }
 
-template <int SINK, int OUT>
-KVC_HD void ans_sink(const AnsParams& p, uint32_t r, uint32_t j, uint32_t sym) {
+// Where symbols of one row go, for successive columns j = t0, t0 + 1, ...: output and parameter
+// indices are advanced incrementally, so the per-symbol work has no integer division.
+struct SinkState {
+  uint64_t o;        // output element index of column j
+  uint32_t k;        // kivi: scale/zero index; toksym: token t of column j
+  uint32_t kstep;    // kivi token axis: k step per column
+  uint32_t cr;       // kivi channel axis: j % group; toksym: j % tdiv
+  uint32_t bq, br;   // toksym with base: t / base_group, t % base_group
+  uint32_t kl;       // kivi: the k whose scale and zero are in sf, zf (~0u: none yet)
+  float sf, zf;
+};
+
+template <int SINK>
+KVC_HD void sink_begin(const AnsParams& p, SinkState& ss, uint32_t r, uint32_t j) {
+  const uint32_t R = (uint32_t)p.R;
+  ss.kstep = 0;
+  ss.cr = 0;
+  ss.bq = 0;
+  ss.br = 0;
+  ss.k = 0;
+  ss.kl = ~0u;
+  ss.sf = 0.0f;
+  ss.zf = 0.0f;
   if (SINK == SINK_SYMBOLS) {
-    ((int32_t*)p.out)[(uint64_t)r * (uint32_t)p.N + j] = (int32_t)sym;
+    ss.o = (uint64_t)r * (uint32_t)p.N + j;
   } else if (SINK == SINK_KIVI) {
-    // kivi-ans: rows are the H*D channels, columns the tokens (j == t)
-    const uint32_t R = (uint32_t)p.R, dim = (uint32_t)p.dim, group = (uint32_t)p.group;
-    uint32_t k;
-    if (p.axis == 0) {  // "channel": params [ceil(T/g), H, D], row t / g
-      k = (j / group) * R + r;
-    } else {            // "token": params [T, H, ceil(D/g)]
+    // kivi-ans: rows are the H*D channels, columns the tokens
+    const uint32_t group = (uint32_t)p.group;
+    ss.o = (uint64_t)j * R + r;
+    if (p.axis == 0) {  // "channel": params [ceil(T/g), H, D]; token t uses row t / g
+      ss.k = (j / group) * R + r;
+      ss.cr = j % group;
+    } else {            // "token": params [T, H, ceil(D/g)]; channel d uses column d / g
+      const uint32_t dim = (uint32_t)p.dim;
       const uint32_t h = r / dim, d = r - h * dim;
       const uint32_t ng = (dim + group - 1) / group;
-      k = (j * (uint32_t)p.heads + h) * ng + d / group;
+      ss.kstep = (uint32_t)p.heads * ng;
+      ss.k = j * ss.kstep + h * ng + d / group;
     }
-    const float v = add_rn(mul_rn((float)sym, ans_half(load2(p.scale + k))), ans_half(load2(p.zero + k)));
-    store_out<OUT>(p.out, (uint64_t)j * R + r, clamp_out_ans<OUT>(v));
-  } else {  // SINK_TOKSYM
+  } else {  // SINK_TOKSYM: token t = j * tmul + j / tdiv + tadd
     const uint32_t t = j * (uint32_t)p.tmul + (p.tdiv ? j / (uint32_t)p.tdiv : 0u) + (uint32_t)p.tadd;
-    float v = mul_rn((float)((int32_t)sym - p.mid), ans_half(load2(p.scale + t)));
-    if (p.base != nullptr) v = add_rn(loadf(p.base + (uint64_t)(t / (uint32_t)p.base_group) * (uint32_t)p.R + r), v);
-    const uint32_t row = p.out_is_t ? t : j;
-    store_out<OUT>(p.out, (uint64_t)row * (uint32_t)p.R + r, v);
+    ss.k = t;
+    ss.cr = p.tdiv ? j % (uint32_t)p.tdiv : 0u;
+    ss.o = (uint64_t)(p.out_is_t ? t : j) * R + r;
+    if (p.base != nullptr) {
+      ss.bq = t / (uint32_t)p.base_group;
+      ss.br = t - ss.bq * (uint32_t)p.base_group;
+    }
+  }
+}
+
+template <int SINK, int OUT>
+KVC_HD void sink_put(const AnsParams& p, SinkState& ss, uint32_t r, uint32_t sym) {
+  const uint32_t R = (uint32_t)p.R;
+  if (SINK == SINK_SYMBOLS) {
+    ((int32_t*)p.out)[ss.o] = (int32_t)sym;
+    ss.o += 1;
+  } else if (SINK == SINK_KIVI) {
+    if (ss.k != ss.kl) {  // K (channel axis) keeps one scale/zero for `group` tokens
+      ss.sf = ans_half(load2(p.scale + ss.k));
+      ss.zf = ans_half(load2(p.zero + ss.k));
+      ss.kl = ss.k;
+    }
+    const float v = add_rn(mul_rn((float)sym, ss.sf), ss.zf);
+    store_out<OUT>(p.out, ss.o, clamp_out_ans<OUT>(v));
+    ss.o += R;
+    if (p.axis == 0) {
+      if (++ss.cr == (uint32_t)p.group) {
+        ss.cr = 0;
+        ss.k += R;
+      }
+    } else {
+      ss.k += ss.kstep;
+    }
+  } else {  // SINK_TOKSYM
+    float v = mul_rn((float)((int32_t)sym - p.mid), ans_half(load2(p.scale + ss.k)));
+    if (p.base != nullptr) v = add_rn(loadf(p.base + (uint64_t)ss.bq * R + r), v);
+    store_out<OUT>(p.out, ss.o, v);
+    uint32_t inc = (uint32_t)p.tmul;
+    if (p.tdiv && ++ss.cr == (uint32_t)p.tdiv) {
+      ss.cr = 0;
+      inc += 1;
+    }
+    ss.k += inc;
+    ss.o += (uint64_t)(p.out_is_t ? inc : 1u) * R;
+    if (p.base != nullptr) {
+      ss.br += inc;
+      while (ss.br >= (uint32_t)p.base_group) {
+        ss.br -= (uint32_t)p.base_group;
+        ss.bq += 1;
+      }
+    }
   }
 }
 
@@ -166,10 +235,12 @@ KVC_HD int32_t ans_decode_stream(const AnsParams& p, uint32_t s, uint32_t* tab) 
       for (uint32_t k = 0; k <= a; ++k) tab[k] = load4(src + k);
       cdf = tab;
     }
+    SinkState ss;
+    sink_begin<SINK>(p, ss, r, t0);
     for (uint32_t j = t0; j < t1; ++j) {
       const uint32_t sym = ans_pop(st, cdf, a);
       if (sym > (uint32_t)p.max_code) bad = ANS_BAD_SYMBOL;
-      ans_sink<SINK, OUT>(p, r, j, sym);
+      sink_put<SINK, OUT>(p, ss, r, sym);
     }
   }
   if (bad) return bad;
