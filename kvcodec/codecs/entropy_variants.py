@@ -5,8 +5,11 @@ Exactly the quantization of the ``kivi`` codec (:mod:`kvcodec.quant.intq`: K per
 groups of ``group`` tokens, V per token over groups of ``group`` channels, float16 scale and zero),
 so the decoded values are bit-identical to ``kivi`` with the same ``bits``/``group``; only the code
 plane changes: instead of fixed-width packing, the ``uint8`` codes are ANS coded by an
-:class:`~kvcodec.entropy.EntropyStage` with rows = the ``H * D`` channels (one table per channel by
-default, precision 12) over the tokens, cut into ``chunk``-token streams (formats/ANS.md §3).
+:class:`~kvcodec.entropy.EntropyStage` with rows = the ``H * D`` channels over the tokens, cut into
+``chunk``-token streams (formats/ANS.md §3). Tables: by default ``n_tables`` = 16 shared 12-bit
+tables per tensor, rows assigned by KL k-means (one byte per channel names its table): on a real
+SmolLM2 cache this is smaller all-in than one table per channel (``tables="row"``), see
+eval/results/entropy_bench.md.
 
 ``delta > 0`` (the ``*-delta-ans`` presets) codes, per channel, every token as its code difference
 from its group's anchor (the first of each ``delta`` tokens, :mod:`kvcodec.quant.delta`): anchors
@@ -69,7 +72,7 @@ class KIVIANSCodec(Codec):
 
     codec_id = "kivi-ans"
     defaults = {"bits": 4, "group": 32, "latent_axis": "token", "delta": 0,
-                "precision": 12, "chunk": 4096, "tables": "row", "n_tables": 16}
+                "precision": 12, "chunk": 4096, "tables": "cluster", "n_tables": 16}
 
     def check_params(self) -> None:
         p = self.params
@@ -143,9 +146,9 @@ class KIVIANSCodec(Codec):
 
 
 register_preset("kivi-4-ans", {"id": "kivi-ans", "bits": 4},
-                "KIVI int4 (as kivi-4) with ANS-coded codes, one 12-bit table per channel")
+                "KIVI int4 (as kivi-4) with ANS-coded codes, 16 clustered 12-bit tables per tensor")
 register_preset("kivi-2-ans", {"id": "kivi-ans", "bits": 2},
-                "KIVI int2 (as kivi-2) with ANS-coded codes, one 12-bit table per channel")
+                "KIVI int2 (as kivi-2) with ANS-coded codes, 16 clustered 12-bit tables per tensor")
 register_preset("kivi-4-delta-ans", {"id": "kivi-ans", "bits": 4, "delta": 8},
                 "KIVI int4 codes anchor-delta coded per channel (anchor every 8 tokens), then ANS")
 register_preset("kivi-2-delta-ans", {"id": "kivi-ans", "bits": 2, "delta": 8},
