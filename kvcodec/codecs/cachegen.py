@@ -62,7 +62,7 @@ def symmetric_token_quantize(x: torch.Tensor, levels: torch.Tensor | int) -> tup
     Example:
         >>> c, s = symmetric_token_quantize(torch.tensor([[1.0, -2.0, 0.5]]), 5)
         >>> c.tolist(), s.tolist()
-        [[3, 0, 3]], [1.0]]
+        ([[3, 0, 2]], [1.0])
     """
     lv = torch.as_tensor(levels, dtype=torch.int64).expand(x.shape[0]) if x.shape[0] else torch.zeros(0, dtype=torch.int64)
     m = ((lv - 1) // 2).to(torch.float32)
