@@ -178,6 +178,10 @@ STRATEGIES = {
     "16 clustered 12-bit tables per chunk": {"precision": 12, "tables": "cluster", "n_tables": 16, "scope": "chunk"},
     "12-bit table per channel per tensor (file)": {"precision": 12, "tables": "row", "scope": "all"},
     "16 clustered 12-bit tables per tensor (file)": {"precision": 12, "tables": "cluster", "n_tables": 16, "scope": "all"},
+    "16 clustered tables per chunk, 8 channels per stream": {"precision": 12, "tables": "cluster", "n_tables": 16,
+                                                             "scope": "chunk", "rows_per_stream": 8},
+    "16 clustered tables per tensor, 8 channels per stream": {"precision": 12, "tables": "cluster", "n_tables": 16,
+                                                              "scope": "all", "rows_per_stream": 8},
 }
 
 
