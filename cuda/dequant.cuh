@@ -32,6 +32,46 @@ KVC_HD float fp8_to_f32(uint32_t b) {
   return FMT == FP8_E4M3 ? e4m3_to_f32(b) : e5m2_to_f32(b);
 }
 
+#if defined(__CUDA_ARCH__)
+KVC_HD float f16_to_f32_ptx(uint32_t h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((uint16_t)h));
+  return f;
+}
+#endif
+
+// The 16 FP8 codes of a 16-byte vector as exact fp32 values. On the device the conversion goes
+// through fp16, which holds every E4M3 and E5M2 value exactly: E5M2 is the top byte of an fp16,
+// and sm_89+ converts two E4M3 codes with one instruction (cvt.rn.f16x2.e4m3x2, low byte -> low
+// half); both are exact, so the result equals the integer decode used elsewhere.
+template <int FMT>
+KVC_HD void fp8x16_to_f32(const U32x4& c, float (&v)[16]) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (FMT == FP8_E5M2) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) v[j] = f16_to_f32_ptx(((c.w[j >> 2] >> (8 * (j & 3))) & 0xFFu) << 8);
+    return;
+  }
+#if __CUDA_ARCH__ >= 890
+  if constexpr (FMT == FP8_E4M3) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint16_t two = (uint16_t)(c.w[k >> 1] >> (16 * (k & 1)));
+      uint32_t h2;
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(two));
+      v[2 * k] = f16_to_f32_ptx(h2 & 0xFFFFu);
+      v[2 * k + 1] = f16_to_f32_ptx(h2 >> 16);
+    }
+    return;
+  }
+#endif
+#endif
+  if constexpr (FMT == FP8_E4M3 || FMT == FP8_E5M2) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) v[j] = fp8_to_f32<FMT>((c.w[j >> 2] >> (8 * (j & 3))) & 0xFFu);
+  }
+}
+
 // Index math is 32-bit unsigned: gpu.py only launches tensors of fewer than 2^31 elements
 // (64-bit division would be a called subroutine, costly and spilling registers).
 KVC_HD uint32_t fp8_scale_index(const Fp8Params& p, uint32_t row, uint32_t d) {
@@ -54,18 +94,19 @@ KVC_HD void fp8_item16(const Fp8Params& p, uint32_t v) {
   const uint32_t i0 = v * 16;
   const uint32_t row = i0 / (uint32_t)p.dim, d0 = i0 - row * (uint32_t)p.dim;
   const U32x4 c = load16(p.codes + i0);
+  float x[16];
+  fp8x16_to_f32<FMT>(c, x);
   uint32_t bits[16];
   if (p.scale_const16) {
     const float s = loadf(p.scale + fp8_scale_index(p, row, d0));
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
-      bits[j] = out_bits<OUT>(mul_rn(fp8_to_f32<FMT>((c.w[j >> 2] >> (8 * (j & 3))) & 0xFFu), s));
+    for (int j = 0; j < 16; ++j) bits[j] = out_bits<OUT>(mul_rn(x[j], s));
   } else {
     const uint32_t base = fp8_scale_index(p, row, 0);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const float s = loadf(p.scale + base + ((d0 + j) / (uint32_t)p.d_blk) * (uint32_t)p.s_d);
-      bits[j] = out_bits<OUT>(mul_rn(fp8_to_f32<FMT>((c.w[j >> 2] >> (8 * (j & 3))) & 0xFFu), s));
+      bits[j] = out_bits<OUT>(mul_rn(x[j], s));
     }
   }
   store16_out<OUT>(p.out, (uint64_t)i0, bits);

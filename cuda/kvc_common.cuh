@@ -133,21 +133,12 @@ KVC_HD float f16_bits_to_f32(uint32_t h) {
 }
 
 // E2M1 (FP4) code -> fp32: 0..7 = {0, .5, 1, 1.5, 2, 3, 4, 6}, bit 3 is the sign.
+// Magnitude m >= 2 is 2^((m >> 1) - 1) * (1 + (m & 1) / 2): exponent field (m >> 1) + 126,
+// mantissa bit 22 = m & 1; m = 1 is 0.5 and m = 0 is zero.
 KVC_HD float e2m1_to_f32(uint32_t c) {
-  // fp32 bit patterns of the eight magnitudes, packed as a switch-free table.
-  const uint32_t mag = c & 7u;
-  uint32_t bits;
-  switch (mag) {
-    case 0: bits = 0x00000000u; break;  // 0
-    case 1: bits = 0x3F000000u; break;  // 0.5
-    case 2: bits = 0x3F800000u; break;  // 1
-    case 3: bits = 0x3FC00000u; break;  // 1.5
-    case 4: bits = 0x40000000u; break;  // 2
-    case 5: bits = 0x40400000u; break;  // 3
-    case 6: bits = 0x40800000u; break;  // 4
-    default: bits = 0x40C00000u; break; // 6
-  }
-  return bits_f32(bits | ((c & 8u) << 28));
+  const uint32_t m = c & 7u;
+  const uint32_t mag = m >= 2u ? ((((m >> 1) + 126u) << 23) | ((m & 1u) << 22)) : (m ? 0x3F000000u : 0u);
+  return bits_f32(mag | ((c & 8u) << 28));
 }
 
 // ---------------------------------------------------------------- fp32 -> output dtype (RNE)

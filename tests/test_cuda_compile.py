@@ -91,7 +91,7 @@ def test_nvcc_compiles_without_spills(program, arch, tmp_path):
         assert r["smem"] <= SMEM_LIMIT, f"{name} sm_{arch} uses {r['smem']} bytes of static shared memory"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [90])  # the run-time path for the H100/H200; nvcc covers sm_80
 @pytest.mark.parametrize("program", gpu.PROGRAMS)
 def test_nvrtc_compiles_to_cubin(program, arch):
     if not _have_nvrtc():
