@@ -44,19 +44,20 @@ from kvcodec.codec import EncodedTensor, TensorContext  # noqa: E402
 
 H, D = 8, 128
 
-#: preset -> tokens of the unit tensor (a multiple of every chunk / group the codec uses)
-CODECS = {
-    "fp8-e4m3": 8192,
-    "fp8-e5m2": 8192,
-    "nvfp4": 8192,
-    "kivi-4": 8192,
-    "kivi-2": 8192,
-    "kivi-4-ans": 8192,
-    "kivi-2-ans": 8192,
-    "cachegen-lmcache": 8192,
-    "cachegen": 40960,
-    "kivi-4-delta-ans": 32768,  # anchors (1 in 8) fill whole 4096-token chunks
-}
+#: (label, preset name or config, tokens of the unit tensor: a multiple of every chunk / group)
+CODECS = [
+    ("fp8-e4m3", "fp8-e4m3", 8192),
+    ("fp8-e5m2", "fp8-e5m2", 8192),
+    ("nvfp4", "nvfp4", 8192),
+    ("kivi-4", "kivi-4", 8192),
+    ("kivi-2", "kivi-2", 8192),
+    ("kivi-4-ans", "kivi-4-ans", 8192),
+    ("kivi-2-ans", "kivi-2-ans", 8192),
+    ("kivi-4-ans chunk=1024", {"id": "kivi-ans", "bits": 4, "chunk": 1024}, 8192),
+    ("cachegen-lmcache", "cachegen-lmcache", 8192),
+    ("cachegen", "cachegen", 40960),
+    ("kivi-4-delta-ans", "kivi-4-delta-ans", 32768),  # anchors (1 in 8) fill whole 4096-token chunks
+]
 
 
 def k_like(t: int, seed: int) -> torch.Tensor:
@@ -144,8 +145,8 @@ def bits_view(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- main
-def bench_codec(name: str, t_unit: int, size_mb: float, repeats: int, copy_gbs: float) -> dict:
-    codec = kvcodec.get_codec(name)
+def bench_codec(name: str, config, t_unit: int, size_mb: float, repeats: int, copy_gbs: float) -> dict:
+    codec = kvcodec.get_codec(config)
     x = k_like(t_unit, seed=1)
     cache = kvcodec.KVCache.from_tensors([(x, x)] * 4)
     ctx = TensorContext(layer=1, role="k", shape=tuple(x.shape), dtype=torch.float16,
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mb", type=float, default=1024.0)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip remaining codecs past this")
-    ap.add_argument("--codecs", default=",".join(CODECS))
+    ap.add_argument("--codecs", default="", help="comma-separated labels (default: all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device; nothing measured", file=sys.stderr)
@@ -215,12 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     del src, dst
     torch.cuda.empty_cache()
     rows, e2e, skipped = [], [], []
-    for name in args.codecs.split(","):
+    wanted = set(filter(None, args.codecs.split(",")))
+    for name, config, t_unit in CODECS:
+        if wanted and name not in wanted:
+            continue
         if time.perf_counter() - start > args.budget_s:
             skipped.append(name)
             continue
         try:
-            rows.append(bench_codec(name, CODECS[name], args.size_mb, args.repeats, copy_gbs))
+            rows.append(bench_codec(name, config, t_unit, args.size_mb, args.repeats, copy_gbs))
         except Exception as e:  # noqa: BLE001 - record and go on: one codec must not hide the others
             rows.append({"codec": name, "error": f"{type(e).__name__}: {e}"[:300]})
         print(json.dumps(rows[-1]), flush=True)

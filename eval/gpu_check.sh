@@ -31,7 +31,10 @@ echo "gpu_check: GPU tests exit code $tests_rc after $(( $(date +%s) - t0 )) s" 
 
 left=$(( 270 - ($(date +%s) - t0) ))
 [ "$left" -lt 60 ] && left=60
-timeout $(( left + 30 )) python3 eval/bench_gpu.py --out "$OUT" --budget-s "$left" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' 
-bench_rc=${PIPESTATUS[0]}
+timeout $(( left + 40 )) python3 eval/bench_gpu.py --out "$OUT" --budget-s "$left" > "$OUT/bench.log" 2>&1
+bench_rc=$?
+[ "$bench_rc" -ne 0 ] && tail -25 "$OUT/bench.log"
 echo "gpu_check: tests rc=$tests_rc bench rc=$bench_rc total $(( $(date +%s) - t0 )) s"
+# the short table last
+[ -f "$OUT/gpu_bench.md" ] && cat "$OUT/gpu_bench.md"
 exit $(( tests_rc != 0 || bench_rc != 0 ))
