@@ -10,6 +10,9 @@ Config (codec id ``"fp8"``):
   10-50x included) far above the subnormal range (E4M3 spans 2^-6..448, 16 binades), so finer
   scales mostly add side information; per head rather than per tensor guards against heads of
   very different magnitude. ``"token"`` costs 32/D extra bits per element, ``"block"`` 32/B.
+  Measured on a SmolLM2-135M cache (1536 tokens, fp16; relative RMS error of K / V, E4M3):
+  tensor 0.0270 / 0.0265, head 0.0269 / 0.0265, channel 0.0271 / 0.0264 (all ~8.03 bits
+  all-in), token 0.0212 / 0.0246 at 8.53 bits.
 * ``block``: block length along ``head_dim`` for ``"block"`` granularity (default 32).
 
 Plane layout of one ``[T, H, D]`` tensor (pinned; the CUDA kernels read exactly this):
