@@ -261,9 +261,13 @@ class _DeviceModules:
 
     def _check(self, res: Any, what: str) -> Any:
         err = res[0] if isinstance(res, tuple) else res
-        if int(err) != 0:
-            _, name = self.driver.cuGetErrorName(err)
-            raise DeviceError(f"CUDA driver call {what} failed: {name.decode() if name else err}")
+        if err != self.driver.CUresult.CUDA_SUCCESS:
+            try:
+                _, name = self.driver.cuGetErrorName(err)
+                name = name.decode() if isinstance(name, bytes) else str(name)
+            except Exception:  # noqa: BLE001 - the name is only for the message
+                name = str(err)
+            raise DeviceError(f"CUDA driver call {what} failed: {name}")
         return _unwrap(res)
 
     def function(self, program: str, kernel: str) -> Any:
