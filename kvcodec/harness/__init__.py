@@ -9,6 +9,13 @@ Pieces:
   prefill KV cache as a :class:`~kvcodec.cache.KVCache` (identity, token ids, RoPE state and
   layer kinds recorded; sliding-window layers kept whole); ``default_cache(context)`` caches the
   default model's capture on the built-in text (Jargon File 4.4.7 excerpt) on disk.
+* :mod:`~kvcodec.harness.evaluate` — ``Evaluator`` prefills a context, injects each codec's
+  decoded cache, scores the continuation against the uncompressed cache (next-token KL mean/p99,
+  top-1 agreement, ΔPPL) and computes per-layer, per-head attention errors with the model's real
+  queries (:mod:`kvcodec.metrics`); bits per element are the exact encoded size.
+* :mod:`~kvcodec.harness.report` — one results JSON schema (``kvcodec.eval/1``), a Markdown
+  table and a rate–distortion PNG. The CLI front ends are ``kvcodec capture`` and
+  ``kvcodec eval``; ``eval/run_published.sh`` regenerates ``eval/results/``.
 
 Everything here needs the ``[eval]`` extra (``pip install 'kvcodec[eval]'``); without it the
 functions raise :class:`~kvcodec.errors.DependencyError`.
