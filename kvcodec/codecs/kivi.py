@@ -134,7 +134,7 @@ class KIVICodec(Codec):
             raise FormatError(f"{where}: kivi scale/zero must be finite")
         out = intq_dequantize_fast(IntQTensor(codes, scale, zero, bits, axis, group), ctx.dtype)
         if tr:
-            iv, nv = _BITS_VIEW[ctx.dtype]
+            _, nv = _BITS_VIEW[ctx.dtype]
             recent = plane_as_tensor(enc, ctx, "recent", nv, (tr, h, d)).view(ctx.dtype)
             out = torch.cat([out, recent], dim=0)
         elif "recent" in enc.planes:
