@@ -34,8 +34,9 @@ def test_info_text_and_json(kvc, capsys):
     assert d["codec"] == {"id": "fp16"} and d["format"] == "kvc 1.0"
     assert [L["bits_per_element"] for L in d["layers"]] == [16.0, 16.0, 16.0]
     assert [L["k"] for L in d["layers"]] == [[20, 2, 16]] * 3
-    # header + layers + token ids + padding add up to the file
-    assert d["header_bytes"] + sum(L["bytes"] for L in d["layers"]) + d["global_and_meta_bytes"] <= size
+    # header + layers + token ids + padding add up to the file exactly
+    assert d["header_bytes"] + sum(L["bytes"] for L in d["layers"]) + d["global_and_meta_bytes"] + d["padding_bytes"] == size
+    assert d["bytes_by_plane"] == {"bits": 3 * 2 * 20 * 2 * 16 * 2, "meta.token_ids": 20 * 8}
 
 
 def test_verify_good_file(kvc, capsys):

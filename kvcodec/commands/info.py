@@ -47,6 +47,12 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
             row.update(bytes=nb, bits_per_element=round(8 * nb / numel, 4) if numel else 0.0)
             layers.append(row)
         other = sum(r.read_plane_nbytes(x) for x in r.tensor_names() if not x.startswith("layers."))
+        # where the bytes go, by plane kind (codes, scales, tables ...): side information made visible
+        by_plane: dict[str, int] = {}
+        for x in r.tensor_names():
+            key = x.rsplit(".", 1)[1] if x.startswith("layers.") else x
+            by_plane[key] = by_plane.get(key, 0) + r.read_plane_nbytes(x)
+        padding = r.file_size - 8 - r.header_len - sum(by_plane.values())
         return {
             "file": os.fspath(path),
             "format": f"{r.metadata['format']} {r.version[0]}.{r.version[1]}",
@@ -63,6 +69,8 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
             "file_bytes": r.file_size,
             "header_bytes": 8 + r.header_len,
             "global_and_meta_bytes": other,
+            "padding_bytes": padding,
+            "bytes_by_plane": dict(sorted(by_plane.items(), key=lambda kv: -kv[1])),
             "bits_per_element": round(8 * r.file_size / n, 4) if n else 0.0,
             "ratio_vs_fp16": round(2 * n / r.file_size, 4),
             "required_features": m["required_features"],
@@ -83,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
           f"RoPE {'applied' if d['rope']['applied'] else 'not applied'}"
           + (f", {d['tokens_per_chunk']} tokens/chunk" if d["tokens_per_chunk"] else ""))
     print(f"  size       {d['file_bytes']} bytes (header {d['header_bytes']}), {d['bits_per_element']} bits/element, "
-          f"{d['ratio_vs_fp16']}x smaller than fp16")
+          f"fp16 size / file size = {d['ratio_vs_fp16']}")
+    total = d["file_bytes"]
+    parts = [("header", d["header_bytes"]), ("padding", d["padding_bytes"]), *d["bytes_by_plane"].items()]
+    print("  bytes      " + ", ".join(f"{k} {v} ({100 * v / total:.1f}%)" for k, v in parts if v))
     rows = []
     for L in d["layers"]:
         shapes = " ".join(f"{r}={'x'.join(map(str, L[r]))}" for r in ("k", "v", "kv") if r in L)
