@@ -303,3 +303,27 @@ def test_dtype_bridges_match_torch_casts(dtype):
     x = y.to(dtype)
     x = x[torch.isfinite(x)]
     assert bits_equal(torch.from_numpy(fast.to_f32_numpy(x).copy()), x.float())
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
+def test_encode_matches_a_brute_force_nearest_even_oracle(fmt):
+    """Independent oracle: the nearest of all grid values by exhaustive search (float64),
+    ties to the even code, after clamping to +-max; the sign copied from the input."""
+    f = FORMATS[fmt]
+    g = torch.Generator().manual_seed(12)
+    n = 4000
+    y = (torch.rand(n, generator=g) * 2 - 1) * f.max * 1.2
+    y = y * torch.pow(2.0, -torch.randint(0, 2 * f.bias + f.mbits + 4, (n,), generator=g).float())
+    y = torch.cat([y, rounding_ties(fmt)[0], torch.tensor([0.0, -0.0, f.max * 4, -f.max * 4])])
+    grid = all_codes_values(f)[: f.sign_bit].double()  # non-negative codes 0.. (NaN/inf last)
+    fin = torch.isfinite(grid)
+    a = y.double().abs().clamp(max=f.max)
+    dist = (a[:, None] - grid[None, :]).abs()
+    dist[:, ~fin] = float("inf")
+    best = dist.min(dim=1, keepdim=True).values
+    cand = dist == best  # one or two (a tie) nearest codes
+    codes = torch.arange(grid.numel())
+    even_pref = torch.where(cand & (codes % 2 == 0), 0, torch.where(cand, 1, 2))
+    expect = even_pref.argmin(dim=1)  # the even code among the nearest, else the only one
+    expect = torch.where(torch.signbit(y), expect | f.sign_bit, expect).to(torch.uint8)
+    assert torch.equal(minifloat_encode(y, f), expect)
