@@ -234,16 +234,17 @@ class EntropyStage:
         words: list[np.ndarray] = []
         offsets = np.zeros(n_chunks * n_groups + 1, dtype=np.int64)
         s = 0
+        rtl = [(list(range(r)) if len(models[i]) == r else [0] * r) if rt is None else [int(v) for v in rt]
+               for i, rt in enumerate(rts)]
         for ci in range(n_chunks):
             t0, t1 = ci * c, min(n, (ci + 1) * c)
             si = 0 if cfg["scope"] == "all" else ci
-            rt = rts[si]
+            rt = rtl[si]
             ms = models[si]
             for gi in range(n_groups):
                 coder = _AnsCoder()
                 for row in range(min(r, (gi + 1) * g) - 1, gi * g - 1, -1):
-                    tid = (row if len(ms) == r else 0) if rt is None else int(rt[row])
-                    coder.encode_reverse(x[row, t0:t1], ms[tid])
+                    coder.encode_reverse(x[row, t0:t1], ms[rt[row]])
                 w = coder.get_compressed()
                 words.append(w)
                 s += 1
@@ -308,19 +309,25 @@ class EntropyStage:
         _need()
         out = np.zeros((lay.R, lay.N), dtype=np.int32)
         models = [constriction_models(tset) for tset in tsets]
-        for s in range(lay.n_streams):
-            r0, r1, t0, t1 = lay.stream(s)
-            si = 0 if lay.scope == 0 else s // lay.n_groups
-            rt, ms = rts[si], models[si]
-            w = words[offsets[s]:offsets[s + 1]]
-            try:
-                coder = _AnsCoder(w)
-            except ValueError as e:
-                raise StreamError(f"ANS stream {s}: {e}") from None
-            for row in range(r0, r1):
-                out[row, t0:t1] = coder.decode(ms[int(rt[row])], t1 - t0)
-            if not coder.is_empty():
-                raise StreamError(f"ANS stream {s} not consumed exactly (corrupt or wrong index)")
+        # plain Python ints and lists in the hot loop: numpy scalar indexing costs more than a decode
+        off = offsets.tolist()
+        rtl = [r.tolist() for r in np.asarray(rts)]
+        s = 0
+        for ci in range(lay.n_chunks):
+            t0, t1 = ci * lay.C, min(lay.N, (ci + 1) * lay.C)
+            nt = t1 - t0
+            si = 0 if lay.scope == 0 else ci
+            rt, ms = rtl[si], models[si]
+            for r0 in range(0, lay.R, lay.G):
+                try:
+                    coder = _AnsCoder(words[off[s]:off[s + 1]])
+                except ValueError as e:
+                    raise StreamError(f"ANS stream {s}: {e}") from None
+                for row in range(r0, min(lay.R, r0 + lay.G)):
+                    out[row, t0:t1] = coder.decode(ms[rt[row]], nt)
+                if not coder.is_empty():
+                    raise StreamError(f"ANS stream {s} not consumed exactly (corrupt or wrong index)")
+                s += 1
         return out
 
 
