@@ -304,3 +304,14 @@ def test_safe_open_reads_edge_case_files(tmp_path, cache_fn, chunk):
         for k in r.tensor_names():
             assert np.array_equal(f.get_tensor(k).numpy(), r.read_plane(k))
     assert kvcodec.decode(p).equal(cache)
+
+
+def test_text_mode_file_objects_are_refused_clearly(tmp_path):
+    p = tmp_path / "c.kvc"
+    kvcodec.get_codec("raw").encode(make_cache(), path=p)
+    with open(p, "r", encoding="latin-1") as f, pytest.raises(FormatError, match="binary mode"):
+        kvf.open(f)
+    with pytest.raises(FormatError, match="cannot read"):
+        kvf.open(tmp_path)  # a directory
+    with pytest.raises(FormatError, match="expected a path, bytes or a binary file"):
+        kvf.open(12)

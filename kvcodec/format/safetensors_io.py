@@ -116,6 +116,8 @@ class FileSource(Source):
             b = self._f.read(n) if n else b""
         except (OSError, ValueError) as e:
             raise FormatError(f"{self.name}: read failed: {e}") from None
+        if b is not None and not isinstance(b, (bytes, bytearray)):
+            raise FormatError(f"{self.name}: read() returned {type(b).__name__}; open the file in binary mode")
         if b is None or len(b) != n:
             raise TruncatedError(
                 f"{self.name}: file shrank while reading: wanted {n} bytes at offset {offset}, got "
