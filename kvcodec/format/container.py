@@ -324,7 +324,12 @@ class KVCReader:
                 raise _checksum_error(f"manifest CRC-32 mismatch (stored {crc[:16]!r})")
             raw = sio.strict_json_loads(text, "manifest")
             self._m = mf.validate(raw)
-            self.codec = get_codec(raw["codec"])
+            try:
+                self.codec = get_codec(raw["codec"])
+            except KVCodecError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a codec constructor choking on hostile params
+                raise FormatError(f"codec config {str(raw['codec'])[:80]} is unusable: {type(e).__name__}: {e}") from None
             self._check_layout(entries, h.data_start)
         except BaseException:
             source.close()
