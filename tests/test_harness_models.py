@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from kvcodec.codec import Codec  # noqa: E402
 from kvcodec.harness.capture import capture, default_text, load_raw  # noqa: E402
 from kvcodec.harness.evaluate import Evaluator, expand_settings, record_queries  # noqa: E402
 from kvcodec.integrations.transformers import cache_kwargs, to_dynamic_cache  # noqa: E402
@@ -102,6 +103,19 @@ def test_evaluator_lossless_is_exactly_zero(kind, tokenizer):
     assert fp8["bits_per_element"] < raw["bits_per_element"]
     assert len(fp8["per_layer"]) == GEOMETRY[kind][0]
     assert len(fp8["per_layer"][0]["out_rel_l2"]) == 4 and len(fp8["per_layer"][0]["k_rel_l2"]) == GEOMETRY[kind][1]
+    # A failing codec is recorded, not raised, so one bug does not sink a whole suite.
+    broken = ev.evaluate(_Broken(), name="broken")
+    assert broken["error"] == "ValueError: boom" and "next_token" not in broken
+
+
+class _Broken(Codec):  # deliberately not registered
+    codec_id = "test-broken"
+
+    def encode_tensor(self, x, ctx):
+        raise ValueError("boom")
+
+    def decode_tensor(self, enc, ctx):  # pragma: no cover
+        raise AssertionError
 
 
 def test_expand_settings_sweep_dedupes():

@@ -219,15 +219,25 @@ class Evaluator:
         cfg = codec.get_config()
         rec: dict[str, Any] = {"name": name or _config_name(cfg), "family": cfg["id"], "config": cfg}
         try:
-            t0 = time.perf_counter()
-            blob = codec.encode(self.reference)
-            t1 = time.perf_counter()
-            decoded = codec.decode(blob)
-            t2 = time.perf_counter()
-        except KVCodecError as e:
+            self._score(codec, rec)
+        except Exception as e:  # noqa: BLE001
+            # One broken codec must not sink a 20-minute suite: record the failure and go on.
+            # (Codecs should raise KVCodecError; anything else is reported with its type.)
+            for key in ("next_token", "attention", "per_layer"):
+                rec.pop(key, None)
             rec["error"] = f"{type(e).__name__}: {e}"
             return rec
-        decoded = decoded.to(self.cache_dtype) if decoded.dtype != self.cache_dtype else decoded
+        rec["error"] = None
+        return rec
+
+    def _score(self, codec: Codec, rec: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        blob = codec.encode(self.reference)
+        t1 = time.perf_counter()
+        decoded = codec.decode(blob)
+        t2 = time.perf_counter()
+        if decoded.dtype != self.cache_dtype:
+            decoded = decoded.to(self.cache_dtype)
         n = self.reference.num_elements
         rec.update(
             bytes=len(blob),
@@ -243,8 +253,6 @@ class Evaluator:
         per_layer = self.layer_metrics(decoded)
         rec["attention"] = _mean_over_layers(per_layer)
         rec["per_layer"] = per_layer
-        rec["error"] = None
-        return rec
 
     def describe(self) -> dict[str, Any]:
         """The run's fixed facts: model identity, text, lengths, reference perplexity."""

@@ -172,10 +172,12 @@ def rd_plot(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:
             rs = sorted(rs, key=lambda r: r["bits_per_element"])
             xs = [r["bits_per_element"] for r in rs]
             ys = [(_get(r, (group, key)) or 0.0) for r in rs]
-            color = plt.cm.tab20(i % 20)
+            # tab10 first (ten distinct hues), then the lighter tab20 shades.
+            color = plt.cm.tab10(i % 10) if i < 10 else plt.cm.tab20((2 * (i - 10) + 1) % 20)
+            marker = "os^Dv<>ph*"[i % 10]
             ax.plot(xs, [max(y, floor) for y in ys], "-", color=color, label=fam, lw=1.5)
             for r, x, y in zip(rs, xs, ys):
-                ax.plot(x, max(y, floor), "o", color=color, mfc=color if y > 0 else "white", ms=6)
+                ax.plot(x, max(y, floor), marker, color=color, mfc=color if y > 0 else "white", ms=6)
                 ax.annotate(r["name"], (x, max(y, floor)), fontsize=6.5, xytext=(3, 3),
                             textcoords="offset points")
         ax.set_yscale("log")
