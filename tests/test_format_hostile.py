@@ -55,7 +55,8 @@ def test_header_length_past_end_and_over_limit():
     reject(struct.pack("<Q", 5000) + b"{}", TruncatedError, "header length 5000 runs past the end")
     reject(struct.pack("<Q", 2**63) + b"{}", FormatError, "exceeds the 100000000-byte limit")
     reject(struct.pack("<Q", 100_000_001) + b"{" * 100, FormatError, "exceeds")
-    reject(struct.pack("<Q", 1) + b"{", FormatError, "too small")
+    reject(struct.pack("<Q", 1) + b"{", FormatError, "not valid JSON")
+    reject(struct.pack("<Q", 0), FormatError, "does not start with")
 
 
 def test_non_json_and_non_object_headers():

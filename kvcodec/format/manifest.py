@@ -173,9 +173,9 @@ def validate(m: Any) -> Manifest:
     if not isinstance(m, dict):
         raise FormatError("manifest is not a JSON object")
     feats = _need(m, "required_features", list, "manifest")
+    if not all(isinstance(f, str) for f in feats):
+        raise FormatError("manifest: required_features must be a list of strings")
     for f in feats:
-        if not isinstance(f, str):
-            raise FormatError("manifest: required_features must be a list of strings")
         if f not in KNOWN_FEATURES:
             raise VersionError(f"file requires feature {f[:60]!r}, which this reader does not implement")
     _need(m, "producer", dict, "manifest")

@@ -249,8 +249,6 @@ def read_raw_header(source: Source) -> RawHeader:
     (n,) = struct.unpack("<Q", head)
     if n > MAX_HEADER_BYTES:
         raise FormatError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (not a KVC file?)")
-    if n < 2:
-        raise FormatError(f"header length {n} is too small for a JSON object")
     if 8 + n > size:
         raise TruncatedError(f"header length {n} runs past the end of the {size}-byte file")
     raw = bytes(source.read(8, n))
