@@ -94,3 +94,24 @@ def test_info_and_verify_need_a_file_argument(capsys):
     assert main(["verify"]) == 2
     assert main(["verify", "--help"]) == 0
     assert "Exit 0 when the file is good" in capsys.readouterr().out
+
+
+def test_info_works_without_the_codec_and_verify_fails(tmp_path, capsys):
+    from kvc_tools import rewrite
+
+    blob = kvcodec.get_codec("raw").encode(make_cache(layers=2, tokens=4))
+    p = tmp_path / "future.kvc"
+    p.write_bytes(rewrite(blob, manifest=lambda m: m.update(codec={"id": "codec-from-the-future", "q": 1})))
+    assert main(["info", str(p), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["codec"]["id"] == "codec-from-the-future"
+    assert main(["verify", str(p)]) == 1
+    assert "UnknownCodecError: unknown codec id 'codec-from-the-future'" in capsys.readouterr().out
+    import pytest as _pytest
+
+    from kvcodec import format as kvf
+    from kvcodec.errors import UnknownCodecError
+
+    with kvf.open(p, require_codec=False) as r:
+        assert r.read_plane("layers.1.v.bits").shape == (4, 2, 24)
+        with _pytest.raises(UnknownCodecError):
+            r.read_layer(0)

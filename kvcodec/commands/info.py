@@ -34,7 +34,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     from ..format import open_kvc
 
-    with open_kvc(path) as r:
+    with open_kvc(path, require_codec=False) as r:  # inspect files of codecs not installed here
         m = r.manifest
         n = r.num_elements
         layers = []

@@ -308,8 +308,9 @@ class KVCReader:
         [3, 3]
     """
 
-    def __init__(self, source: sio.Source) -> None:
+    def __init__(self, source: sio.Source, require_codec: bool = True) -> None:
         from ..codec import get_codec
+        from ..errors import UnknownCodecError
 
         self._src = source
         try:
@@ -324,8 +325,14 @@ class KVCReader:
                 raise _checksum_error(f"manifest CRC-32 mismatch (stored {crc[:16]!r})")
             raw = sio.strict_json_loads(text, "manifest")
             self._m = mf.validate(raw)
+            self.codec: Codec | None = None
+            self.codec_error: KVCodecError | None = None
             try:
                 self.codec = get_codec(raw["codec"])
+            except UnknownCodecError as e:
+                if require_codec:
+                    raise
+                self.codec_error = e  # inspection (kvcodec info) still works; decoding raises this
             except KVCodecError:
                 raise
             except Exception as e:  # noqa: BLE001 - a codec constructor choking on hostile params
@@ -486,6 +493,9 @@ class KVCReader:
                       planes: dict[str, np.ndarray], device: str) -> torch.Tensor:
         from ..codec import EncodedTensor, TensorContext
 
+        if self.codec is None:
+            assert self.codec_error is not None
+            raise self.codec_error
         shape = (c.tokens, ti.shape[1], ti.shape[2])
         ctx = TensorContext(layer=lm.index, role=ti.role, shape=shape, dtype=self.dtype,
                             layer_kind=lm.kind, globals=self.globals())
@@ -610,14 +620,18 @@ def _checksum_error(msg: str) -> Exception:
     return ChecksumError(msg)
 
 
-def open_kvc(src: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO) -> KVCReader:
+def open_kvc(src: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO,
+             require_codec: bool = True) -> KVCReader:
     """Open a KVC file (path, bytes, or seekable binary file object) for lazy, validated reading.
+
+    With ``require_codec=False`` a file whose codec is not installed still opens for inspection
+    (manifest, sizes, raw planes); decoding it raises the :class:`UnknownCodecError`.
 
     Raises:
         TruncatedError, FormatError, VersionError, ChecksumError, UnknownCodecError: the file is
         damaged, foreign, too new, or names a codec this installation lacks.
     """
-    return KVCReader(sio.as_source(src))
+    return KVCReader(sio.as_source(src), require_codec=require_codec)
 
 
 def read_cache(
