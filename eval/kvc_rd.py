@@ -36,17 +36,18 @@ BASELINES = ["fp8-e4m3", "nvfp4", "kivi-4", "kivi-2", "cachegen", "cachegen-lmca
 
 # One stage at a time (same steps), then the presets and a sweep of step sizes.
 ABLATION = [
-    ("kvc: centring only (V per head, no sinks)", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 0, "v_scale": "head"}),
-    ("kvc: + sink token", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "v_scale": "head"}),
-    ("kvc: + V per-token steps", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1}),
-    ("kvc: + K channel weighting (gamma 1)", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "k_gamma": 1.0}),
-    ("kvc: + Hadamard (instead of weighting)", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "transform": "hadamard"}),
-    ("kvc: + dead zone rho 0.35", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "k_gamma": 1.0, "rho": 0.35}),
+    ("kvc: centring only (V per head, no sinks)", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 0, "v_scale": "head", "k_gamma": 0.0, "sink_v_ratio": 0.0}),
+    ("kvc: + sink token 0 exact", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "v_scale": "head", "k_gamma": 0.0, "sink_v_ratio": 0.0}),
+    ("kvc: + V per-token steps", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "k_gamma": 0.0, "sink_v_ratio": 0.0}),
+    ("kvc: + Hadamard on K and V", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "transform": "hadamard", "k_gamma": 0.0, "sink_v_ratio": 0.0}),
+    ("kvc: + K channel weighting (gamma 1)", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.0}),
+    ("kvc: + detected sinks (V ratio 0.3)", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3}),
+    ("kvc: + V steps 3x K steps", {"id": "kvc", "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3}),
+    ("kvc: + dead zone rho 0.35", {"id": "kvc", "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3, "rho": 0.35}),
 ]
 PRESETS = ["kvc-transparent", "kvc-near", "kvc-aggressive"]
 SWEEP = [
-    {"id": "kvc", "k_step": s, "v_step": round(s * 2.0, 3), "k_gamma": 1.0, "rho": 0.35}
-    for s in (0.2, 0.35, 0.7, 1.4, 2.2)
+    {"id": "kvc", "k_step": s, "v_step": round(s * 3.0, 3)} for s in (0.2, 0.35, 0.6, 1.0, 1.6)
 ]
 
 

@@ -74,7 +74,7 @@ def test_escapes_carry_outliers_exactly():
     cache = _kv_cache(t=64, d=8)
     cache.layers[0]["k"][10, 0, 3] = 5000.0  # thousands of steps away: escape path
     cache.layers[0]["v"][20, 1, 5] = -3000.0
-    codec = kvcodec.get_codec({"id": "kvc", "max_level": 4, "v_scale": "head"})
+    codec = kvcodec.get_codec({"id": "kvc", "max_level": 4, "v_scale": "head", "k_step": 0.3, "v_step": 0.3})
     enc = codec.encode_tensor(cache.layers[0]["k"], TensorContext(0, "k", (64, 2, 8), torch.float32))
     assert enc.params["L"] == 4 and enc.planes["esc"].size > 0
     out = codec.decode(codec.encode(cache))
@@ -174,3 +174,30 @@ def test_bad_params_and_corrupt_files():
         mutate(e2)
         with pytest.raises(FormatError):
             c.decode_tensor(e2, ctx)
+
+
+def test_detected_sinks_are_stored_exactly_and_validated():
+    from kvcodec.codecs.kvc import detect_sinks
+
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(90, 2, 16, generator=g) * 3
+    v = torch.randn(90, 2, 16, generator=g)
+    v[[7, 50]] *= 0.05  # small-V tokens: sink candidates
+    assert detect_sinks(v, 0.3).tolist() == [7, 50]
+    assert detect_sinks(v, 0.3, skip=8).tolist() == [50]
+    assert detect_sinks(torch.zeros(0, 2, 16), 0.3).size == 0
+    cache = kvcodec.KVCache.from_tensors([(k, v), (k, v * 10)])
+    codec = kvcodec.get_codec({"id": "kvc", "sink_v_ratio": 0.3, "k_step": 1.0})
+    glob = codec.encode_globals(cache)
+    assert glob["kvc_sinks"].tolist() == [[0, 7], [0, 50], [1, 7], [1, 50]]
+    out = codec.decode(codec.encode(cache))
+    for i in range(2):
+        for r in "kv":
+            assert torch.equal(out.layers[i][r][[0, 7, 50]], cache.layers[i][r][[0, 7, 50]])
+        assert not torch.equal(out.layers[i]["k"][8], cache.layers[i]["k"][8])
+    # the decoder checks the sink list against the tensor
+    ctx = TensorContext(0, "k", (90, 2, 16), torch.float32, globals=glob)
+    enc = codec.encode_tensor(k, ctx)
+    for bad in (np.array([[0, 90]], np.int32), np.array([[0, 7]], np.int64), np.array([0, 7], np.int32)):
+        with pytest.raises(FormatError):
+            codec.decode_tensor(enc, TensorContext(0, "k", (90, 2, 16), torch.float32, globals={"kvc_sinks": bad}))
