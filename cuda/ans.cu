@@ -4,26 +4,40 @@
 //   ans_symbols[_smem]                  int32 symbols X[R, N] (no dequantization)
 //   ans_kivi_{f32,f16,bf16}[_smem]      kivi-ans: dequantized [T, H, D] output
 //   ans_toksym_{f32,f16,bf16}[_smem]    cachegen(-lmcache): per-token symmetric dequantization
-// The _smem variants copy each row's cumulative table (A + 1 words) into the thread's slot of
-// dynamic shared memory (blockDim * (A + 1) * 4 bytes) before decoding the row; the others read
-// it from global memory (through L1) when the tables are too large for shared memory.
+// Where the cumulative tables (A + 1 words each) are read from:
+//   NAME_blk   the block copies table set 0 (blk_words words; one table set, scope 0) into dynamic
+//              shared memory once; streams index it directly (no per-stream copy)
+//   NAME_smem  each thread copies its row's table into its own slot of dynamic shared memory
+//              (blockDim * (A + 1) * 4 bytes) before decoding the row
+//   NAME       tables are read from global memory (through L1) when neither fits
 #include "ans.cuh"
 
-template <int SINK, int OUT, bool SMEM>
+enum AnsTableMode { TAB_GLOBAL = 0, TAB_THREAD = 1, TAB_BLOCK = 2 };
+
+template <int SINK, int OUT, int MODE>
 __device__ __forceinline__ void ans_kernel_body(const kvc::AnsParams& p) {
   extern __shared__ uint32_t kvc_ans_smem[];
+  const uint32_t* base = p.cdf;
+  if (MODE == TAB_BLOCK) {  // one copy of table set 0 for the whole block (scope 0 only)
+    for (uint32_t i = threadIdx.x; i < (uint32_t)p.blk_words; i += blockDim.x) kvc_ans_smem[i] = __ldg(p.cdf + i);
+    __syncthreads();
+    base = kvc_ans_smem;
+  }
   const uint32_t s = blockIdx.x * blockDim.x + threadIdx.x;
   if (s >= (uint32_t)p.n_streams) return;
-  uint32_t* tab = SMEM ? kvc_ans_smem + threadIdx.x * (uint32_t)(p.A + 1) : nullptr;
-  p.status[s] = kvc::ans_decode_stream<SINK, OUT>(p, s, tab);
+  uint32_t* tab = MODE == TAB_THREAD ? kvc_ans_smem + threadIdx.x * (uint32_t)(p.A + 1) : nullptr;
+  p.status[s] = kvc::ans_decode_stream<SINK, OUT>(p, s, tab, base);
 }
 
 #define KVC_ANS_KERNEL(NAME, SINK, OUT)                                                          \
   extern "C" __global__ void __launch_bounds__(128) NAME(const kvc::AnsParams p) {             \
-    ans_kernel_body<SINK, OUT, false>(p);                                                       \
+    ans_kernel_body<SINK, OUT, TAB_GLOBAL>(p);                                                  \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(128) NAME##_smem(const kvc::AnsParams p) {      \
-    ans_kernel_body<SINK, OUT, true>(p);                                                        \
+    ans_kernel_body<SINK, OUT, TAB_THREAD>(p);                                                  \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(128) NAME##_blk(const kvc::AnsParams p) {       \
+    ans_kernel_body<SINK, OUT, TAB_BLOCK>(p);                                                   \
   }
 
 KVC_ANS_KERNEL(ans_symbols, kvc::SINK_SYMBOLS, kvc::OUT_F32)

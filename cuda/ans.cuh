@@ -97,7 +97,11 @@ struct AnsParams {
   int32_t heads, dim, group, axis;     // kivi: tensor geometry and quantization groups
   int32_t mid, max_code;               // symbols > max_code are corrupt (status 3)
   int32_t tmul, tdiv, tadd;            // token of column j: t = j * tmul + (tdiv ? j / tdiv : 0) + tadd
-  int32_t out_is_t, base_group;        // output row: t (1) or j (0); base row = t / base_group
+  int32_t out_is_t, base_group;        // output row: t (1) or j (0); anchor row = t / base_group
+  uint8_t* aux;                        // kivi anchors: codes [n_anchors, R] (written or read)
+  int32_t aux_mode;                    // 0: none; 1: write the code; 2: code = sym - code_off + anchor
+  int32_t code_off, code_max;          // aux_mode 2: codes outside [0, code_max] are corrupt
+  int32_t blk_words;                   // _blk kernels: words of table set 0 copied to shared memory
 };
 
 template <int OUT>
@@ -117,105 +121,134 @@ KVC_HD float ans_half(uint16_t h) {
 #endif
 }
 
-// Where symbols of one row go, for successive columns j = t0, t0 + 1, ...: output and parameter
-// indices are advanced incrementally, so the per-symbol work has no integer division.
+// Where symbols of one row go, for successive columns j = t0, t0 + 1, ...: token, output and
+// parameter indices advance incrementally, so the per-symbol work has no integer division.
 struct SinkState {
   uint64_t o;        // output element index of column j
-  uint32_t k;        // kivi: scale/zero index; toksym: token t of column j
-  uint32_t kstep;    // kivi token axis: k step per column
-  uint32_t cr;       // kivi channel axis: j % group; toksym: j % tdiv
-  uint32_t bq, br;   // toksym with base: t / base_group, t % base_group
+  uint32_t ao;       // aux (anchor code) index of column j: j * R + r
+  uint32_t t;        // token of column j
+  uint32_t cr;       // j % tdiv
+  uint32_t bq, br;   // t / base_group, t % base_group (anchor row), when used
+  uint32_t k;        // kivi: scale/zero index of token t
+  uint32_t gr;       // kivi channel axis: t % group
+  uint32_t kstep;    // kivi token axis: k step per token
   uint32_t kl;       // kivi: the k whose scale and zero are in sf, zf (~0u: none yet)
   float sf, zf;
 };
 
+KVC_HD bool sink_uses_anchor(const AnsParams& p) { return p.base != nullptr || p.aux_mode == 2; }
+
 template <int SINK>
 KVC_HD void sink_begin(const AnsParams& p, SinkState& ss, uint32_t r, uint32_t j) {
   const uint32_t R = (uint32_t)p.R;
-  ss.kstep = 0;
-  ss.cr = 0;
+  const uint32_t t = j * (uint32_t)p.tmul + (p.tdiv ? j / (uint32_t)p.tdiv : 0u) + (uint32_t)p.tadd;
+  ss.t = t;
+  ss.cr = p.tdiv ? j % (uint32_t)p.tdiv : 0u;
+  ss.ao = j * R + r;
   ss.bq = 0;
   ss.br = 0;
+  if (sink_uses_anchor(p)) {
+    ss.bq = t / (uint32_t)p.base_group;
+    ss.br = t - ss.bq * (uint32_t)p.base_group;
+  }
   ss.k = 0;
+  ss.gr = 0;
+  ss.kstep = 0;
   ss.kl = ~0u;
   ss.sf = 0.0f;
   ss.zf = 0.0f;
   if (SINK == SINK_SYMBOLS) {
     ss.o = (uint64_t)r * (uint32_t)p.N + j;
-  } else if (SINK == SINK_KIVI) {
-    // kivi-ans: rows are the H*D channels, columns the tokens
+    return;
+  }
+  ss.o = (uint64_t)(p.out_is_t ? t : j) * R + r;
+  if (SINK == SINK_KIVI) {
+    // kivi-ans: rows are the H*D channels, columns tokens
     const uint32_t group = (uint32_t)p.group;
-    ss.o = (uint64_t)j * R + r;
     if (p.axis == 0) {  // "channel": params [ceil(T/g), H, D]; token t uses row t / g
-      ss.k = (j / group) * R + r;
-      ss.cr = j % group;
+      ss.k = (t / group) * R + r;
+      ss.gr = t % group;
     } else {            // "token": params [T, H, ceil(D/g)]; channel d uses column d / g
       const uint32_t dim = (uint32_t)p.dim;
       const uint32_t h = r / dim, d = r - h * dim;
       const uint32_t ng = (dim + group - 1) / group;
       ss.kstep = (uint32_t)p.heads * ng;
-      ss.k = j * ss.kstep + h * ng + d / group;
-    }
-  } else {  // SINK_TOKSYM: token t = j * tmul + j / tdiv + tadd
-    const uint32_t t = j * (uint32_t)p.tmul + (p.tdiv ? j / (uint32_t)p.tdiv : 0u) + (uint32_t)p.tadd;
-    ss.k = t;
-    ss.cr = p.tdiv ? j % (uint32_t)p.tdiv : 0u;
-    ss.o = (uint64_t)(p.out_is_t ? t : j) * R + r;
-    if (p.base != nullptr) {
-      ss.bq = t / (uint32_t)p.base_group;
-      ss.br = t - ss.bq * (uint32_t)p.base_group;
+      ss.k = t * ss.kstep + h * ng + d / group;
     }
   }
 }
 
-template <int SINK, int OUT>
-KVC_HD void sink_put(const AnsParams& p, SinkState& ss, uint32_t r, uint32_t sym) {
+template <int SINK>
+KVC_HD void sink_advance(const AnsParams& p, SinkState& ss) {
   const uint32_t R = (uint32_t)p.R;
   if (SINK == SINK_SYMBOLS) {
-    ((int32_t*)p.out)[ss.o] = (int32_t)sym;
     ss.o += 1;
+    return;
+  }
+  uint32_t inc = (uint32_t)p.tmul;
+  if (p.tdiv && ++ss.cr == (uint32_t)p.tdiv) {
+    ss.cr = 0;
+    inc += 1;
+  }
+  ss.t += inc;
+  ss.ao += R;
+  ss.o += (uint64_t)(p.out_is_t ? inc : 1u) * R;
+  if (sink_uses_anchor(p)) {
+    ss.br += inc;
+    while (ss.br >= (uint32_t)p.base_group) {
+      ss.br -= (uint32_t)p.base_group;
+      ss.bq += 1;
+    }
+  }
+  if (SINK == SINK_KIVI) {
+    if (p.axis == 0) {
+      ss.gr += inc;
+      while (ss.gr >= (uint32_t)p.group) {
+        ss.gr -= (uint32_t)p.group;
+        ss.k += R;
+      }
+    } else {
+      ss.k += inc * ss.kstep;
+    }
+  }
+}
+
+// Consume one symbol; false if it decodes to an impossible code (corrupt stream).
+template <int SINK, int OUT>
+KVC_HD bool sink_put(const AnsParams& p, SinkState& ss, uint32_t r, uint32_t sym) {
+  const uint32_t R = (uint32_t)p.R;
+  bool ok = true;
+  if (SINK == SINK_SYMBOLS) {
+    ((int32_t*)p.out)[ss.o] = (int32_t)sym;
   } else if (SINK == SINK_KIVI) {
+    int32_t code = (int32_t)sym;
+    if (p.aux_mode == 2) {  // delta coded: code = difference - offset + the group's anchor code
+      code = code - p.code_off + (int32_t)p.aux[(uint64_t)ss.bq * R + r];
+      ok = code >= 0 && code <= p.code_max;
+    } else if (p.aux_mode == 1) {
+      p.aux[ss.ao] = (uint8_t)code;
+    }
     if (ss.k != ss.kl) {  // K (channel axis) keeps one scale/zero for `group` tokens
       ss.sf = ans_half(load2(p.scale + ss.k));
       ss.zf = ans_half(load2(p.zero + ss.k));
       ss.kl = ss.k;
     }
-    const float v = add_rn(mul_rn((float)sym, ss.sf), ss.zf);
+    const float v = add_rn(mul_rn((float)code, ss.sf), ss.zf);
     store_out<OUT>(p.out, ss.o, clamp_out_ans<OUT>(v));
-    ss.o += R;
-    if (p.axis == 0) {
-      if (++ss.cr == (uint32_t)p.group) {
-        ss.cr = 0;
-        ss.k += R;
-      }
-    } else {
-      ss.k += ss.kstep;
-    }
-  } else {  // SINK_TOKSYM
-    float v = mul_rn((float)((int32_t)sym - p.mid), ans_half(load2(p.scale + ss.k)));
+  } else {  // SINK_TOKSYM: value = (code - mid) * scale[t] (+ the anchor's value)
+    float v = mul_rn((float)((int32_t)sym - p.mid), ans_half(load2(p.scale + ss.t)));
     if (p.base != nullptr) v = add_rn(loadf(p.base + (uint64_t)ss.bq * R + r), v);
     store_out<OUT>(p.out, ss.o, v);
-    uint32_t inc = (uint32_t)p.tmul;
-    if (p.tdiv && ++ss.cr == (uint32_t)p.tdiv) {
-      ss.cr = 0;
-      inc += 1;
-    }
-    ss.k += inc;
-    ss.o += (uint64_t)(p.out_is_t ? inc : 1u) * R;
-    if (p.base != nullptr) {
-      ss.br += inc;
-      while (ss.br >= (uint32_t)p.base_group) {
-        ss.br -= (uint32_t)p.base_group;
-        ss.bq += 1;
-      }
-    }
   }
+  sink_advance<SINK>(p, ss);
+  return ok;
 }
 
-// Decode stream s completely. `tab` is scratch for one table (A + 1 words; shared memory on the
-// device when it fits, else null and the table is read from global memory through L1).
+// Decode stream s completely. Tables are read from `cdf_base` (p.cdf in global memory, or the
+// block's shared copy of table set 0); `tab`, if not null, is per-thread scratch (A + 1 words of
+// shared memory) into which each row's table is copied first.
 template <int SINK, int OUT>
-KVC_HD int32_t ans_decode_stream(const AnsParams& p, uint32_t s, uint32_t* tab) {
+KVC_HD int32_t ans_decode_stream(const AnsParams& p, uint32_t s, uint32_t* tab, const uint32_t* cdf_base) {
   const uint32_t ng = (uint32_t)p.n_groups;
   const uint32_t c = s / ng, g = s - c * ng;
   const uint32_t G = (uint32_t)p.G, C = (uint32_t)p.C;
@@ -229,7 +262,7 @@ KVC_HD int32_t ans_decode_stream(const AnsParams& p, uint32_t s, uint32_t* tab) 
   int32_t bad = 0;
   for (uint32_t r = r0; r < r1; ++r) {
     const uint32_t ti = (uint32_t)p.table_of[set * (uint32_t)p.R + r];
-    const uint32_t* src = p.cdf + (uint64_t)ti * (a + 1);
+    const uint32_t* src = cdf_base + (uint64_t)ti * (a + 1);
     const uint32_t* cdf = src;
     if (tab != nullptr) {
       for (uint32_t k = 0; k <= a; ++k) tab[k] = load4(src + k);
@@ -240,7 +273,7 @@ KVC_HD int32_t ans_decode_stream(const AnsParams& p, uint32_t s, uint32_t* tab) 
     for (uint32_t j = t0; j < t1; ++j) {
       const uint32_t sym = ans_pop(st, cdf, a);
       if (sym > (uint32_t)p.max_code) bad = ANS_BAD_SYMBOL;
-      sink_put<SINK, OUT>(p, ss, r, sym);
+      if (!sink_put<SINK, OUT>(p, ss, r, sym)) bad = ANS_BAD_SYMBOL;
     }
   }
   if (bad) return bad;

@@ -80,22 +80,25 @@ void kvc_intq_host(const kvc::IntqParams* p, int out, int vec16, int64_t n) {
   }
 }
 
-// Decode every stream of an ANS stage; smem != 0 uses a per-stream table copy like the _smem
-// kernels do with shared memory.
-void kvc_ans_host(const kvc::AnsParams* p, int sink, int out, int smem) {
+// Decode every stream of an ANS stage. mode 0: tables from global memory; 1: per-stream copy
+// (like the _smem kernels); 2: one copy of table set 0 (like the _blk kernels).
+void kvc_ans_host(const kvc::AnsParams* p, int sink, int out, int mode) {
   std::vector<uint32_t> tab((size_t)p->A + 1);
-  uint32_t* t = smem ? tab.data() : nullptr;
+  std::vector<uint32_t> blk(mode == 2 ? (size_t)p->blk_words : 0);
+  for (size_t i = 0; i < blk.size(); ++i) blk[i] = p->cdf[i];
+  uint32_t* t = mode == 1 ? tab.data() : nullptr;
+  const uint32_t* base = mode == 2 ? blk.data() : p->cdf;
   for (uint32_t s = 0; s < (uint32_t)p->n_streams; ++s) {
     int32_t r;
-    if (sink == kvc::SINK_SYMBOLS) r = kvc::ans_decode_stream<kvc::SINK_SYMBOLS, kvc::OUT_F32>(*p, s, t);
+    if (sink == kvc::SINK_SYMBOLS) r = kvc::ans_decode_stream<kvc::SINK_SYMBOLS, kvc::OUT_F32>(*p, s, t, base);
     else if (sink == kvc::SINK_KIVI) {
-      if (out == 0) r = kvc::ans_decode_stream<kvc::SINK_KIVI, kvc::OUT_F32>(*p, s, t);
-      else if (out == 1) r = kvc::ans_decode_stream<kvc::SINK_KIVI, kvc::OUT_F16>(*p, s, t);
-      else r = kvc::ans_decode_stream<kvc::SINK_KIVI, kvc::OUT_BF16>(*p, s, t);
+      if (out == 0) r = kvc::ans_decode_stream<kvc::SINK_KIVI, kvc::OUT_F32>(*p, s, t, base);
+      else if (out == 1) r = kvc::ans_decode_stream<kvc::SINK_KIVI, kvc::OUT_F16>(*p, s, t, base);
+      else r = kvc::ans_decode_stream<kvc::SINK_KIVI, kvc::OUT_BF16>(*p, s, t, base);
     } else {
-      if (out == 0) r = kvc::ans_decode_stream<kvc::SINK_TOKSYM, kvc::OUT_F32>(*p, s, t);
-      else if (out == 1) r = kvc::ans_decode_stream<kvc::SINK_TOKSYM, kvc::OUT_F16>(*p, s, t);
-      else r = kvc::ans_decode_stream<kvc::SINK_TOKSYM, kvc::OUT_BF16>(*p, s, t);
+      if (out == 0) r = kvc::ans_decode_stream<kvc::SINK_TOKSYM, kvc::OUT_F32>(*p, s, t, base);
+      else if (out == 1) r = kvc::ans_decode_stream<kvc::SINK_TOKSYM, kvc::OUT_F16>(*p, s, t, base);
+      else r = kvc::ans_decode_stream<kvc::SINK_TOKSYM, kvc::OUT_BF16>(*p, s, t, base);
     }
     p->status[s] = r;
   }

@@ -590,7 +590,7 @@ def kernel_names(program: str) -> list[str]:
         return [f"intq_{o}" for o in outs] + [f"intq_b{b}_{o}_v16" for b in range(1, 9) for o in outs]
     if program == "ans.cu":
         base = ["ans_symbols"] + [f"ans_{k}_{o}" for k in ("kivi", "toksym") for o in outs]
-        return base + [b + "_smem" for b in base]
+        return base + [b + "_smem" for b in base] + [b + "_blk" for b in base]
     raise DeviceError(f"unknown kernel program {program!r}")
 
 
@@ -780,6 +780,8 @@ class AnsParams(ctypes.Structure):
         *[(n, ctypes.c_int32) for n in ("R", "N", "C", "G", "A", "n_groups", "n_streams", "scope",
                                         "heads", "dim", "group", "axis", "mid", "max_code",
                                         "tmul", "tdiv", "tadd", "out_is_t", "base_group")],
+        ("aux", ctypes.c_void_p),
+        *[(n, ctypes.c_int32) for n in ("aux_mode", "code_off", "code_max", "blk_words")],
     ]
 
 
@@ -814,24 +816,40 @@ class DeviceStage:
     def launch(self, sink: int, out: torch.Tensor, out_dtype: torch.dtype | None = None, *,
                scale: torch.Tensor | None = None, zero: torch.Tensor | None = None, base: torch.Tensor | None = None,
                heads: int = 0, dim: int = 0, group: int = 1, axis: int = 0, mid: int = 0, max_code: int | None = None,
-               tmul: int = 1, tdiv: int = 0, tadd: int = 0, out_is_t: int = 1, base_group: int = 1) -> Launch:
-        """The launch that decodes every stream into ``out`` through ``sink``."""
+               tmul: int = 1, tdiv: int = 0, tadd: int = 0, out_is_t: int = 1, base_group: int = 1,
+               aux: torch.Tensor | None = None, aux_mode: int = 0, code_off: int = 0, code_max: int = 0,
+               tables: str | None = None) -> Launch:
+        """The launch that decodes every stream into ``out`` through ``sink``.
+
+        ``tables`` forces where the kernel reads the tables (``"blk"``, ``"smem"``, ``"global"``);
+        by default the block-shared copy when the stage has one table set that fits in 48 KB of
+        shared memory, else per-thread copies when they fit, else global memory.
+        """
         lay = self.layout
         ptr = (lambda t: t.data_ptr() if t is not None else 0)
+        blk_words = lay.K * (lay.A + 1)
         p = AnsParams(self.words.data_ptr(), self.offsets.data_ptr(), self.cdf.data_ptr(), self.table_of.data_ptr(),
                       self.status.data_ptr(), out.data_ptr(), ptr(scale), ptr(zero), ptr(base),
                       lay.R, lay.N, lay.C, lay.G, lay.A, lay.n_groups, lay.n_streams, lay.scope,
                       heads, dim, group, axis, mid, lay.A - 1 if max_code is None else max_code,
-                      tmul, tdiv, tadd, out_is_t, base_group)
-        smem = ANS_THREADS * (lay.A + 1) * 4
-        use_smem = smem <= _SMEM_DEFAULT_LIMIT
+                      tmul, tdiv, tadd, out_is_t, base_group, ptr(aux), aux_mode, code_off, code_max, blk_words)
+        if tables is None:
+            if lay.scope == 0 and blk_words * 4 <= _SMEM_DEFAULT_LIMIT:
+                tables = "blk"
+            elif ANS_THREADS * (lay.A + 1) * 4 <= _SMEM_DEFAULT_LIMIT:
+                tables = "smem"
+            else:
+                tables = "global"
+        if tables == "blk" and (lay.scope != 0 or blk_words * 4 > _SMEM_DEFAULT_LIMIT):
+            raise DeviceError("block-shared tables need one table set of at most 48 KB")
+        smem = {"blk": blk_words * 4, "smem": ANS_THREADS * (lay.A + 1) * 4, "global": 0}[tables]
         if sink == SINK_SYMBOLS:
             name = "ans_symbols"
         else:
             name = f"ans_{'kivi' if sink == SINK_KIVI else 'toksym'}_{_out_name(out_dtype or out.dtype)}"
-        keep = [self.words, self.offsets, self.cdf, self.table_of, self.status, out, scale, zero, base]
-        return Launch("ans.cu", name + ("_smem" if use_smem else ""), lay.n_streams, [p], keep=keep,
-                      block=ANS_THREADS, smem=smem if use_smem else 0)
+        keep = [self.words, self.offsets, self.cdf, self.table_of, self.status, out, scale, zero, base, aux]
+        return Launch("ans.cu", name + ("" if tables == "global" else "_" + tables), lay.n_streams, [p], keep=keep,
+                      block=ANS_THREADS, smem=smem)
 
     def check(self, where: str) -> None:
         """Raise :class:`~kvcodec.errors.StreamError` if any stream failed (synchronises)."""
@@ -896,8 +914,6 @@ def _gpu_kivi_ans(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", de
         na = int(is_anchor.sum())
         anc_st = DeviceStage(_stage_planes(enc, "anc_", c, na, 1 << bits, where), dev)
         dif_st = DeviceStage(_stage_planes(enc, "ans_", c, t - na, (1 << (bits + 1)) - 1, where), dev)
-        ia = torch.from_numpy(is_anchor).to(dev)
-        nona = torch.from_numpy(np.nonzero(~is_anchor)[0]).to(dev)
     else:
         st = DeviceStage(_stage_planes(enc, "ans_", c, t, max(2, 1 << bits), where), dev)
     if scale.size and not bool((np.isfinite(scale) & np.isfinite(zero)).all()):
@@ -908,24 +924,20 @@ def _gpu_kivi_ans(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", de
 
     def run(check: bool = True) -> torch.Tensor:
         out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
+        kw = dict(scale=s_dev, zero=z_dev, heads=h, dim=d, group=group, axis=ax)
         if not dl:
             # one pass: ANS decode fused with the kivi dequantization, straight into [T, H, D]
-            launch = st.launch(SINK_KIVI, out, scale=s_dev, zero=z_dev, heads=h, dim=d, group=group, axis=ax)
-            _run_stage(dev, st, launch, where, check)
+            _run_stage(dev, st, st.launch(SINK_KIVI, out, **kw), where, check)
             return out
-        # delta: anchors and differences are separate stages; rebuild the codes with exact integer
-        # ops on the device, then dequantize them as 8-bit "packed" codes (one byte per code).
-        anc = _stage_symbols(dev, anc_st, where, check)
-        dif = _stage_symbols(dev, dif_st, where, check)
-        rows = torch.zeros((c, t), dtype=torch.int32, device=dev)
-        rows[:, ia] = anc
-        if nona.numel():
-            rows[:, nona] = dif - ((1 << bits) - 1) + rows[:, (nona // dl) * dl]
-        if check and rows.numel() and bool(((rows < 0) | (rows >= (1 << bits))).any()):
-            raise FormatError(f"{where}: decoded codes outside [0, 2**{bits})")
-        codes = rows.t().contiguous().to(torch.uint8).reshape(-1)
-        if out.numel():
-            _decode_launch(dev, intq_launch(codes, s_dev, z_dev, out, 8, axis, group))
+        # delta: the anchors' stage decodes and dequantizes tokens 0, dl, 2*dl, ... and keeps their
+        # codes; the differences' stage adds each token's anchor code (range-checked) and
+        # dequantizes the rest. Both fused, in stream order on the same CUDA stream.
+        anc_codes = torch.empty((na, c), dtype=torch.uint8, device=dev)
+        _run_stage(dev, anc_st, anc_st.launch(SINK_KIVI, out, tmul=dl, aux=anc_codes, aux_mode=1, **kw), where, check)
+        if t - na:
+            launch = dif_st.launch(SINK_KIVI, out, tmul=1, tdiv=dl - 1, tadd=1, base_group=dl, aux=anc_codes,
+                                   aux_mode=2, code_off=(1 << bits) - 1, code_max=(1 << bits) - 1, **kw)
+            _run_stage(dev, dif_st, launch, where, check)
         return out
 
     return DecodePlan(run)

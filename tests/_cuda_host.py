@@ -54,7 +54,8 @@ def run_on_host(lib: ctypes.CDLL, launch: gpu.Launch) -> None:
         parts = k.split("_")
         sink = {"symbols": 0, "kivi": 1, "toksym": 2}[parts[1]]
         out = ["f32", "f16", "bf16"].index(parts[2]) if sink else 0
-        lib.kvc_ans_host(p, ctypes.c_int(sink), ctypes.c_int(out), ctypes.c_int(1 if k.endswith("_smem") else 0))
+        mode = 1 if k.endswith("_smem") else 2 if k.endswith("_blk") else 0
+        lib.kvc_ans_host(p, ctypes.c_int(sink), ctypes.c_int(out), ctypes.c_int(mode))
     elif k.startswith("intq_"):
         out = [o for o in ("f32", "f16", "bf16") if f"_{o}" in k][0]
         lib.kvc_intq_host(p, ctypes.c_int(["f32", "f16", "bf16"].index(out)), ctypes.c_int(1 if k.endswith("_v16") else 0), n)

@@ -347,19 +347,25 @@ def _random_stage(seed, r, n, a, **cfg):
     (3, 100, 8, {"chunk": 16, "scope": "chunk", "precision": 24}),      # a table set per chunk, P=24
     (6, 0, 4, {"chunk": 16}),                                           # no tokens
     (1, 1, 3, {}),                                                      # one symbol
+    (40, 64, 255, {"chunk": 32, "tables": "cluster", "n_tables": 8}),  # cachegen anchors: big A, blk
 ])
 def test_ans_stage_host_build_matches_reference(harness, r, n, a, cfg):
     x, st, planes = _random_stage(r * 1000 + n, r, n, a, **cfg)
     ref = st.decode(planes, method="reference")
     assert np.array_equal(ref, x)
     stage = gpu.DeviceStage(planes, torch.device("cpu"))
-    out = torch.full((r, n), -1, dtype=torch.int32)
-    launch = stage.launch(gpu.SINK_SYMBOLS, out)
-    assert launch.kernel.endswith("_smem") == (gpu.ANS_THREADS * (a + 1) * 4 <= 48 * 1024)
-    if stage.layout.n_streams:
-        run_on_host(harness, launch)
-    stage.check("test")
-    assert np.array_equal(out.numpy(), x)
+    lay = stage.layout
+    fits_blk = lay.scope == 0 and lay.K * (a + 1) * 4 <= 48 * 1024
+    fits_thread = gpu.ANS_THREADS * (a + 1) * 4 <= 48 * 1024
+    default = stage.launch(gpu.SINK_SYMBOLS, torch.zeros((r, n), dtype=torch.int32)).kernel
+    assert default == "ans_symbols" + ("_blk" if fits_blk else "_smem" if fits_thread else "")
+    for mode in ["global"] + (["smem"] if fits_thread else []) + (["blk"] if fits_blk else []):
+        out = torch.full((r, n), -1, dtype=torch.int32)
+        launch = stage.launch(gpu.SINK_SYMBOLS, out, tables=mode)
+        if lay.n_streams:
+            run_on_host(harness, launch)
+        stage.check("test")
+        assert np.array_equal(out.numpy(), x), mode
 
 
 def test_ans_stage_host_build_rejects_corrupt_streams(harness):
