@@ -315,3 +315,13 @@ def test_text_mode_file_objects_are_refused_clearly(tmp_path):
         kvf.open(tmp_path)  # a directory
     with pytest.raises(FormatError, match="expected a path, bytes or a binary file"):
         kvf.open(12)
+
+
+def test_unwritable_destinations_raise_input_error(tmp_path):
+    codec, cache = kvcodec.get_codec("raw"), make_cache(layers=1)
+    for write in (lambda p: codec.encode(cache, path=p), lambda p: kvf.write_file(codec, cache, p)):
+        with pytest.raises(InputError, match="cannot write .*No such file or directory"):
+            write(tmp_path / "missing-dir" / "c.kvc")
+        with pytest.raises(InputError, match="cannot write"):
+            write(tmp_path)  # a directory cannot be replaced by a file
+    assert sorted(os.listdir(tmp_path)) == []

@@ -261,7 +261,11 @@ def write_file(
             raise InputError(f"layers.{i}.{role} holds NaN or Inf values; refusing to encode")
     globals_ = {k: np.ascontiguousarray(v) for k, v in codec.encode_globals(cache).items()}
     spool_dir = os.path.dirname(os.path.abspath(os.fspath(dest))) if isinstance(dest, (str, os.PathLike)) else None
-    with tempfile.TemporaryFile(dir=spool_dir, prefix=".kvc-spool-") as spool:
+    try:
+        spool_file = tempfile.TemporaryFile(dir=spool_dir, prefix=".kvc-spool-")
+    except OSError as e:
+        raise InputError(f"cannot write {os.fspath(dest)}: {e.strerror or e}") from None
+    with spool_file as spool:
         header, layout, planes = _assemble(codec, cache, globals_, tokens_per_chunk, spool=spool)
         spool_size = spool.tell()
 
