@@ -413,3 +413,26 @@ def test_fuzz_resigned_codec_params_reach_every_codec_and_raise_only_our_errors(
             r.read_cache()
     except KVCodecError:
         pass
+
+
+def test_read_layer_checks_exactly_the_padding_inside_its_span():
+    cache = make_cache(layers=3, tokens=5, heads=1, dim=3)  # 30-byte planes: a pad after each
+    blob = kvcodec.get_codec("raw").encode(cache)
+    h, data = split(blob)
+    pads = sorted((e["data_offsets"][0], k) for k, e in h.items() if k.startswith("pad."))
+    assert len(pads) >= 6
+    checked_inside = 0
+    for off, name in pads:
+        bad = join(h, data[:off] + b"\x80" + data[off + 1 :])
+        r = kvf.open(bad)
+        for i in range(3):
+            start, end = r.layer_span(i)
+            if start <= 8 + r.header_len + off < end:
+                checked_inside += 1
+                with pytest.raises(FormatError, match=f"padding tensor '{name}'"):
+                    r.read_layer(i)
+            else:
+                assert torch.equal(r.read_layer(i)["k"], cache.layers[i]["k"])
+        with pytest.raises(FormatError, match="non-zero"):
+            r.read_cache()
+    assert checked_inside >= 3

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import tempfile
@@ -351,7 +352,8 @@ class KVCReader:
         self.metadata = h.metadata
         self.manifest: dict[str, Any] = raw
         self._entries = {e.name: e for e in entries}
-        self._pads = [e for e in entries if e.name.startswith(sio.PAD_PREFIX)]
+        self._pads = [e for e in entries if e.name.startswith(sio.PAD_PREFIX)]  # in offset order
+        self._pad_starts = [e.start for e in self._pads]
         self._globals: dict[str, np.ndarray] | None = None
         self.dtype = SOURCE_DTYPES[self._m.source_dtype]
 
@@ -455,11 +457,12 @@ class KVCReader:
 
     def _check_pads(self, buf: bytes | memoryview, base: int, start: int, end: int) -> None:
         """Check that every padding tensor inside the absolute span ``[start, end)`` is zero."""
-        for e in self._pads:
+        lo = bisect.bisect_left(self._pad_starts, start - self._data_start)
+        hi = bisect.bisect_left(self._pad_starts, end - self._data_start)
+        for e in self._pads[lo:hi]:  # only the pads inside the span: O(log n) per layer read
             a = e.start + self._data_start
-            if start <= a < end:
-                if any(memoryview(buf)[a - base : a - base + e.nbytes]):
-                    raise FormatError(f"padding tensor {e.name!r} holds non-zero bytes")
+            if any(memoryview(buf)[a - base : a - base + e.nbytes]):
+                raise FormatError(f"padding tensor {e.name!r} holds non-zero bytes")
 
     def check_padding(self) -> None:
         """Read every padding tensor (at most 63 bytes each) and check that it is all zero."""
