@@ -2,8 +2,10 @@
 //
 // ABI (cuda/README.md): one kvc::AnsParams by value; 1-D grid of 128-thread blocks, thread = stream.
 //   ans_symbols[_smem]                  int32 symbols X[R, N] (no dequantization)
-//   ans_kivi_{f32,f16,bf16}[_smem]      kivi-ans: dequantized [T, H, D] output
-//   ans_toksym_{f32,f16,bf16}[_smem]    cachegen(-lmcache): per-token symmetric dequantization
+//   ans_kivi_{f32,f16,bf16}[_mode]      kivi-ans: dequantized [T, H, D] output (column j = token j)
+//   ans_kivix_{f32,f16,bf16}[_mode]     the same with any token mapping and anchors (delta coding)
+//   ans_toksym_{f32,f16,bf16}[_mode]    cachegen-lmcache: per-token symmetric dequantization
+//   ans_toksymx_{f32,f16,bf16}[_mode]   cachegen: the same with any token mapping and anchors
 // Where the cumulative tables (A + 1 words each) are read from:
 //   NAME_blk   the block copies table set 0 (blk_words words; one table set, scope 0) into dynamic
 //              shared memory once; streams index it directly (no per-stream copy)
@@ -14,7 +16,7 @@
 
 enum AnsTableMode { TAB_GLOBAL = 0, TAB_THREAD = 1, TAB_BLOCK = 2 };
 
-template <int SINK, int OUT, int MODE>
+template <int SINK, int OUT, int GEN, int MODE>
 __device__ __forceinline__ void ans_kernel_body(const kvc::AnsParams& p) {
   extern __shared__ uint32_t kvc_ans_smem[];
   const uint32_t* base = p.cdf;
@@ -25,25 +27,31 @@ __device__ __forceinline__ void ans_kernel_body(const kvc::AnsParams& p) {
   }
   const uint32_t s = blockIdx.x * blockDim.x + threadIdx.x;
   if (s >= (uint32_t)p.n_streams) return;
-  uint32_t* tab = MODE == TAB_THREAD ? kvc_ans_smem + threadIdx.x * (uint32_t)(p.A + 1) : nullptr;
-  p.status[s] = kvc::ans_decode_stream<SINK, OUT>(p, s, tab, base);
+  uint32_t* tab = MODE == TAB_THREAD ? kvc_ans_smem + threadIdx.x * (uint32_t)p.cs : nullptr;
+  p.status[s] = kvc::ans_decode_stream<SINK, OUT, GEN>(p, s, tab, base);
 }
 
-#define KVC_ANS_KERNEL(NAME, SINK, OUT)                                                          \
+#define KVC_ANS_KERNEL(NAME, SINK, OUT, GEN)                                                     \
   extern "C" __global__ void __launch_bounds__(128) NAME(const kvc::AnsParams p) {             \
-    ans_kernel_body<SINK, OUT, TAB_GLOBAL>(p);                                                  \
+    ans_kernel_body<SINK, OUT, GEN, TAB_GLOBAL>(p);                                             \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(128) NAME##_smem(const kvc::AnsParams p) {      \
-    ans_kernel_body<SINK, OUT, TAB_THREAD>(p);                                                  \
+    ans_kernel_body<SINK, OUT, GEN, TAB_THREAD>(p);                                             \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(128) NAME##_blk(const kvc::AnsParams p) {       \
-    ans_kernel_body<SINK, OUT, TAB_BLOCK>(p);                                                   \
+    ans_kernel_body<SINK, OUT, GEN, TAB_BLOCK>(p);                                              \
   }
 
-KVC_ANS_KERNEL(ans_symbols, kvc::SINK_SYMBOLS, kvc::OUT_F32)
-KVC_ANS_KERNEL(ans_kivi_f32, kvc::SINK_KIVI, kvc::OUT_F32)
-KVC_ANS_KERNEL(ans_kivi_f16, kvc::SINK_KIVI, kvc::OUT_F16)
-KVC_ANS_KERNEL(ans_kivi_bf16, kvc::SINK_KIVI, kvc::OUT_BF16)
-KVC_ANS_KERNEL(ans_toksym_f32, kvc::SINK_TOKSYM, kvc::OUT_F32)
-KVC_ANS_KERNEL(ans_toksym_f16, kvc::SINK_TOKSYM, kvc::OUT_F16)
-KVC_ANS_KERNEL(ans_toksym_bf16, kvc::SINK_TOKSYM, kvc::OUT_BF16)
+KVC_ANS_KERNEL(ans_symbols, kvc::SINK_SYMBOLS, kvc::OUT_F32, 1)
+KVC_ANS_KERNEL(ans_kivi_f32, kvc::SINK_KIVI, kvc::OUT_F32, 0)
+KVC_ANS_KERNEL(ans_kivi_f16, kvc::SINK_KIVI, kvc::OUT_F16, 0)
+KVC_ANS_KERNEL(ans_kivi_bf16, kvc::SINK_KIVI, kvc::OUT_BF16, 0)
+KVC_ANS_KERNEL(ans_kivix_f32, kvc::SINK_KIVI, kvc::OUT_F32, 1)
+KVC_ANS_KERNEL(ans_kivix_f16, kvc::SINK_KIVI, kvc::OUT_F16, 1)
+KVC_ANS_KERNEL(ans_kivix_bf16, kvc::SINK_KIVI, kvc::OUT_BF16, 1)
+KVC_ANS_KERNEL(ans_toksym_f32, kvc::SINK_TOKSYM, kvc::OUT_F32, 0)
+KVC_ANS_KERNEL(ans_toksym_f16, kvc::SINK_TOKSYM, kvc::OUT_F16, 0)
+KVC_ANS_KERNEL(ans_toksym_bf16, kvc::SINK_TOKSYM, kvc::OUT_BF16, 0)
+KVC_ANS_KERNEL(ans_toksymx_f32, kvc::SINK_TOKSYM, kvc::OUT_F32, 1)
+KVC_ANS_KERNEL(ans_toksymx_f16, kvc::SINK_TOKSYM, kvc::OUT_F16, 1)
+KVC_ANS_KERNEL(ans_toksymx_bf16, kvc::SINK_TOKSYM, kvc::OUT_BF16, 1)

@@ -48,24 +48,25 @@ KVC_HD bool ans_init(AnsStream& st, const uint32_t* w, uint32_t n) {
   return true;
 }
 
-// Largest s with cdf[s] <= q, for cdf[0] = 0 <= q < cdf[A] = 2^24 (binary search).
-KVC_HD uint32_t ans_find(const uint32_t* cdf, uint32_t a, uint32_t q) {
-  uint32_t lo = 0, hi = a;
-  while (hi - lo > 1) {
-    const uint32_t mid = (lo + hi) >> 1;
-    if (cdf[mid] <= q) lo = mid; else hi = mid;
-  }
-  return lo;
+// Largest s with cdf[s] <= q. Tables are stored padded to cs = 2^LOG + 1 entries (2^LOG >= A,
+// entries past A hold 2^24, which no q reaches), so a branch-free binary search with a fixed
+// number of steps (half = 2^(LOG-1), then half/2, ..., 1) finds it; since cdf[A] = 2^24 > q the
+// result is at most A - 1.
+KVC_HD uint32_t ans_find(const uint32_t* cdf, uint32_t half, uint32_t q) {
+  uint32_t s = 0;
+  for (uint32_t step = half; step > 0; step >>= 1)
+    if (cdf[s + step] <= q) s += step;
+  return s;
 }
 
-// Pop one symbol with cumulative table cdf[0..a] (a = alphabet size).
-KVC_HD uint32_t ans_pop(AnsStream& st, const uint32_t* cdf, uint32_t a) {
+// Pop one symbol with the padded cumulative table cdf (see ans_find).
+KVC_HD uint32_t ans_pop(AnsStream& st, const uint32_t* cdf, uint32_t half) {
   const uint32_t q = (uint32_t)st.x & ANS_QMASK;
-  const uint32_t s = ans_find(cdf, a, q);
+  const uint32_t s = ans_find(cdf, half, q);
   const uint32_t c0 = cdf[s];
   const uint32_t f = cdf[s + 1] - c0;
   st.x = (st.x >> ANS_PREC) * f + (q - c0);
-  if ((st.x >> 32) == 0 && st.pos > 0) {
+  if ((uint32_t)(st.x >> 32) == 0 && st.pos > 0) {
     st.x = (st.x << 32) | st.next;
     st.pos -= 1;
     st.next = st.pos > 0 ? load4(st.w + st.pos - 1) : 0u;
@@ -102,6 +103,7 @@ struct AnsParams {
   int32_t aux_mode;                    // 0: none; 1: write the code; 2: code = sym - code_off + anchor
   int32_t code_off, code_max;          // aux_mode 2: codes outside [0, code_max] are corrupt
   int32_t blk_words;                   // _blk kernels: words of table set 0 copied to shared memory
+  int32_t cs, half;                    // padded table stride 2^LOG + 1 and 2^(LOG-1) (see ans_find)
 };
 
 template <int OUT>
@@ -244,10 +246,91 @@ KVC_HD bool sink_put(const AnsParams& p, SinkState& ss, uint32_t r, uint32_t sym
   return ok;
 }
 
+// ---------------------------------------------------------------------------- fast rows
+// The common cases get their own loops (a row of one stream, columns j = t0 .. t1-1 are tokens):
+// kivi-ans without delta and cachegen-lmcache. Output and parameter pointers just advance.
+template <int OUT>
+struct OutWord {
+  typedef uint16_t type;
+};
+template <>
+struct OutWord<OUT_F32> {
+  typedef float type;
+};
+
+template <int OUT>
+KVC_HD void put_out(typename OutWord<OUT>::type* o, float v) {
+  if constexpr (OUT == OUT_F32) *o = v;
+  else if constexpr (OUT == OUT_F16) *o = f32_to_f16(v);
+  else *o = f32_to_bf16(v);
+}
+
+template <int OUT, bool CHANNEL>
+KVC_HD void kivi_row_fast(const AnsParams& p, AnsStream& st, const uint32_t* cdf, uint32_t r, uint32_t t0, uint32_t t1) {
+  const uint32_t R = (uint32_t)p.R, group = (uint32_t)p.group;
+  const uint32_t half = (uint32_t)p.half;
+  typename OutWord<OUT>::type* o = (typename OutWord<OUT>::type*)p.out + ((uint64_t)t0 * R + r);
+  uint32_t k, gr = 0, kstep = 0;
+  if (CHANNEL) {  // params [ceil(T/g), H, D]: token t uses row t / g
+    k = (t0 / group) * R + r;
+    gr = t0 % group;
+  } else {        // params [T, H, ceil(D/g)]: channel d uses column d / g
+    const uint32_t dim = (uint32_t)p.dim;
+    const uint32_t h = r / dim, d = r - h * dim;
+    const uint32_t ng = (dim + group - 1) / group;
+    kstep = (uint32_t)p.heads * ng;
+    k = t0 * kstep + h * ng + d / group;
+  }
+  float sf = 0.0f, zf = 0.0f;
+  if (t0 < t1) {
+    sf = ans_half(load2(p.scale + k));
+    zf = ans_half(load2(p.zero + k));
+  }
+  for (uint32_t j = t0; j < t1; ++j) {
+    const uint32_t sym = ans_pop(st, cdf, half);
+    put_out<OUT>(o, clamp_out_ans<OUT>(add_rn(mul_rn((float)sym, sf), zf)));
+    o += R;
+    bool reload;
+    if (CHANNEL) {
+      reload = ++gr == group;
+      if (reload) {
+        gr = 0;
+        k += R;
+      }
+    } else {
+      k += kstep;
+      reload = true;
+    }
+    if (reload && j + 1 < t1) {
+      sf = ans_half(load2(p.scale + k));
+      zf = ans_half(load2(p.zero + k));
+    }
+  }
+}
+
+template <int OUT>
+KVC_HD bool toksym_row_fast(const AnsParams& p, AnsStream& st, const uint32_t* cdf, uint32_t r, uint32_t t0, uint32_t t1) {
+  const uint32_t R = (uint32_t)p.R;
+  const uint32_t half = (uint32_t)p.half, max_code = (uint32_t)p.max_code;
+  typename OutWord<OUT>::type* o = (typename OutWord<OUT>::type*)p.out + ((uint64_t)t0 * R + r);
+  const uint16_t* sp = p.scale + t0;
+  bool ok = true;
+  for (uint32_t j = t0; j < t1; ++j) {
+    const uint32_t sym = ans_pop(st, cdf, half);
+    ok = ok && sym <= max_code;
+    put_out<OUT>(o, mul_rn((float)((int32_t)sym - p.mid), ans_half(load2(sp))));
+    o += R;
+    ++sp;
+  }
+  return ok;
+}
+
 // Decode stream s completely. Tables are read from `cdf_base` (p.cdf in global memory, or the
 // block's shared copy of table set 0); `tab`, if not null, is per-thread scratch (A + 1 words of
 // shared memory) into which each row's table is copied first.
-template <int SINK, int OUT>
+// GEN = 0 takes the fast row loops for SINK_KIVI / SINK_TOKSYM (token of column j is j, no
+// anchors); GEN = 1 the general sink (anchors, deltas, any token mapping).
+template <int SINK, int OUT, int GEN>
 KVC_HD int32_t ans_decode_stream(const AnsParams& p, uint32_t s, uint32_t* tab, const uint32_t* cdf_base) {
   const uint32_t ng = (uint32_t)p.n_groups;
   const uint32_t c = s / ng, g = s - c * ng;
@@ -255,23 +338,32 @@ KVC_HD int32_t ans_decode_stream(const AnsParams& p, uint32_t s, uint32_t* tab, 
   const uint32_t r0 = g * G, r1 = r0 + G < (uint32_t)p.R ? r0 + G : (uint32_t)p.R;
   const uint32_t t0 = c * C, t1 = t0 + C < (uint32_t)p.N ? t0 + C : (uint32_t)p.N;
   const uint32_t set = p.scope ? c : 0u;
-  const uint32_t a = (uint32_t)p.A;
+  const uint32_t cs = (uint32_t)p.cs, half = (uint32_t)p.half;
   const uint32_t w0 = load4(p.offsets + s), w1 = load4(p.offsets + s + 1);
   AnsStream st;
   if (!ans_init(st, p.words + w0, w1 - w0)) return ANS_ZERO_WORD;
   int32_t bad = 0;
   for (uint32_t r = r0; r < r1; ++r) {
     const uint32_t ti = (uint32_t)p.table_of[set * (uint32_t)p.R + r];
-    const uint32_t* src = cdf_base + (uint64_t)ti * (a + 1);
+    const uint32_t* src = cdf_base + (uint64_t)ti * cs;
     const uint32_t* cdf = src;
     if (tab != nullptr) {
-      for (uint32_t k = 0; k <= a; ++k) tab[k] = load4(src + k);
+      for (uint32_t k = 0; k < cs; ++k) tab[k] = load4(src + k);
       cdf = tab;
+    }
+    if constexpr (SINK == SINK_KIVI && GEN == 0) {
+      if (p.axis == 0) kivi_row_fast<OUT, true>(p, st, cdf, r, t0, t1);
+      else kivi_row_fast<OUT, false>(p, st, cdf, r, t0, t1);
+      continue;
+    }
+    if constexpr (SINK == SINK_TOKSYM && GEN == 0) {
+      if (!toksym_row_fast<OUT>(p, st, cdf, r, t0, t1)) bad = ANS_BAD_SYMBOL;
+      continue;
     }
     SinkState ss;
     sink_begin<SINK>(p, ss, r, t0);
     for (uint32_t j = t0; j < t1; ++j) {
-      const uint32_t sym = ans_pop(st, cdf, a);
+      const uint32_t sym = ans_pop(st, cdf, half);
       if (sym > (uint32_t)p.max_code) bad = ANS_BAD_SYMBOL;
       if (!sink_put<SINK, OUT>(p, ss, r, sym)) bad = ANS_BAD_SYMBOL;
     }

@@ -82,26 +82,24 @@ void kvc_intq_host(const kvc::IntqParams* p, int out, int vec16, int64_t n) {
 
 // Decode every stream of an ANS stage. mode 0: tables from global memory; 1: per-stream copy
 // (like the _smem kernels); 2: one copy of table set 0 (like the _blk kernels).
-void kvc_ans_host(const kvc::AnsParams* p, int sink, int out, int mode) {
-  std::vector<uint32_t> tab((size_t)p->A + 1);
+void kvc_ans_host(const kvc::AnsParams* p, int sink, int out, int mode, int gen) {
+  std::vector<uint32_t> tab((size_t)p->cs);
   std::vector<uint32_t> blk(mode == 2 ? (size_t)p->blk_words : 0);
   for (size_t i = 0; i < blk.size(); ++i) blk[i] = p->cdf[i];
   uint32_t* t = mode == 1 ? tab.data() : nullptr;
   const uint32_t* base = mode == 2 ? blk.data() : p->cdf;
+#define KVC_ANS_RUN(SINK, GEN)                                                                     \
+  (out == 0 ? kvc::ans_decode_stream<SINK, kvc::OUT_F32, GEN>(*p, s, t, base)                     \
+            : out == 1 ? kvc::ans_decode_stream<SINK, kvc::OUT_F16, GEN>(*p, s, t, base)          \
+                       : kvc::ans_decode_stream<SINK, kvc::OUT_BF16, GEN>(*p, s, t, base))
   for (uint32_t s = 0; s < (uint32_t)p->n_streams; ++s) {
     int32_t r;
-    if (sink == kvc::SINK_SYMBOLS) r = kvc::ans_decode_stream<kvc::SINK_SYMBOLS, kvc::OUT_F32>(*p, s, t, base);
-    else if (sink == kvc::SINK_KIVI) {
-      if (out == 0) r = kvc::ans_decode_stream<kvc::SINK_KIVI, kvc::OUT_F32>(*p, s, t, base);
-      else if (out == 1) r = kvc::ans_decode_stream<kvc::SINK_KIVI, kvc::OUT_F16>(*p, s, t, base);
-      else r = kvc::ans_decode_stream<kvc::SINK_KIVI, kvc::OUT_BF16>(*p, s, t, base);
-    } else {
-      if (out == 0) r = kvc::ans_decode_stream<kvc::SINK_TOKSYM, kvc::OUT_F32>(*p, s, t, base);
-      else if (out == 1) r = kvc::ans_decode_stream<kvc::SINK_TOKSYM, kvc::OUT_F16>(*p, s, t, base);
-      else r = kvc::ans_decode_stream<kvc::SINK_TOKSYM, kvc::OUT_BF16>(*p, s, t, base);
-    }
+    if (sink == kvc::SINK_SYMBOLS) r = kvc::ans_decode_stream<kvc::SINK_SYMBOLS, kvc::OUT_F32, 1>(*p, s, t, base);
+    else if (sink == kvc::SINK_KIVI) r = gen ? KVC_ANS_RUN(kvc::SINK_KIVI, 1) : KVC_ANS_RUN(kvc::SINK_KIVI, 0);
+    else r = gen ? KVC_ANS_RUN(kvc::SINK_TOKSYM, 1) : KVC_ANS_RUN(kvc::SINK_TOKSYM, 0);
     p->status[s] = r;
   }
+#undef KVC_ANS_RUN
 }
 
 // Element-wise conversions, for exhaustive checks against torch.

@@ -54,6 +54,7 @@ CODECS = [
     ("kivi-4-ans", "kivi-4-ans", 8192),
     ("kivi-2-ans", "kivi-2-ans", 8192),
     ("kivi-4-ans chunk=1024", {"id": "kivi-ans", "bits": 4, "chunk": 1024}, 8192),
+    ("kivi-4-ans tables=row", {"id": "kivi-ans", "bits": 4, "tables": "row"}, 8192),
     ("cachegen-lmcache", "cachegen-lmcache", 8192),
     ("cachegen", "cachegen", 40960),
     ("kivi-4-delta-ans", "kivi-4-delta-ans", 32768),  # anchors (1 in 8) fill whole 4096-token chunks

@@ -589,7 +589,7 @@ def kernel_names(program: str) -> list[str]:
     if program == "intq.cu":
         return [f"intq_{o}" for o in outs] + [f"intq_b{b}_{o}_v16" for b in range(1, 9) for o in outs]
     if program == "ans.cu":
-        base = ["ans_symbols"] + [f"ans_{k}_{o}" for k in ("kivi", "toksym") for o in outs]
+        base = ["ans_symbols"] + [f"ans_{k}_{o}" for k in ("kivi", "kivix", "toksym", "toksymx") for o in outs]
         return base + [b + "_smem" for b in base] + [b + "_blk" for b in base]
     raise DeviceError(f"unknown kernel program {program!r}")
 
@@ -781,7 +781,7 @@ class AnsParams(ctypes.Structure):
                                         "heads", "dim", "group", "axis", "mid", "max_code",
                                         "tmul", "tdiv", "tadd", "out_is_t", "base_group")],
         ("aux", ctypes.c_void_p),
-        *[(n, ctypes.c_int32) for n in ("aux_mode", "code_off", "code_max", "blk_words")],
+        *[(n, ctypes.c_int32) for n in ("aux_mode", "code_off", "code_max", "blk_words", "cs", "half")],
     ]
 
 
@@ -790,7 +790,9 @@ class DeviceStage:
 
     Validation is :func:`kvcodec.entropy.stage.parse_planes`, the CPU decoder's own, so both
     devices accept and reject the same planes. Tables become cumulative frequencies at
-    precision 24 (``cdf [n_sets * K, A + 1]``) and ``table_of [n_sets, R]`` indexes them.
+    precision 24, each padded with ``2**24`` to ``cs = 2**LOG + 1`` entries (``2**LOG >= A``) for
+    the kernels' fixed-step binary search (``cdf [n_sets * K, cs]``), and ``table_of [n_sets, R]``
+    indexes them.
     """
 
     def __init__(self, planes: dict[str, np.ndarray], dev: torch.device, tables: np.ndarray | None = None,
@@ -800,9 +802,12 @@ class DeviceStage:
         lay, words, off, tsets, rts = parse_planes(planes, tables, row_table)
         self.layout = lay
         f = tsets.astype(np.uint64) << np.uint64(24 - lay.P)  # [n_sets, K, A] at precision 24
-        cdf = np.zeros((lay.n_sets * lay.K, lay.A + 1), dtype=np.uint32)
+        log = max(1, (lay.A - 1).bit_length())  # 2**log >= A
+        self.cs, self.half = (1 << log) + 1, 1 << (log - 1)
+        cdf = np.full((lay.n_sets * lay.K, self.cs), 1 << 24, dtype=np.uint32)
         if cdf.size:
-            cdf[:, 1:] = np.cumsum(f.reshape(-1, lay.A), axis=1).astype(np.uint32)
+            cdf[:, 0] = 0
+            cdf[:, 1:lay.A + 1] = np.cumsum(f.reshape(-1, lay.A), axis=1).astype(np.uint32)
         sets = np.arange(lay.n_sets, dtype=np.int64)[:, None] * lay.K
         table_of = (sets + np.asarray(rts, dtype=np.int64)).astype(np.int32)
         if lay.n_streams >= 2**31 or words.size >= 2**32:
@@ -827,26 +832,30 @@ class DeviceStage:
         """
         lay = self.layout
         ptr = (lambda t: t.data_ptr() if t is not None else 0)
-        blk_words = lay.K * (lay.A + 1)
+        blk_words = lay.K * self.cs
         p = AnsParams(self.words.data_ptr(), self.offsets.data_ptr(), self.cdf.data_ptr(), self.table_of.data_ptr(),
                       self.status.data_ptr(), out.data_ptr(), ptr(scale), ptr(zero), ptr(base),
                       lay.R, lay.N, lay.C, lay.G, lay.A, lay.n_groups, lay.n_streams, lay.scope,
                       heads, dim, group, axis, mid, lay.A - 1 if max_code is None else max_code,
-                      tmul, tdiv, tadd, out_is_t, base_group, ptr(aux), aux_mode, code_off, code_max, blk_words)
+                      tmul, tdiv, tadd, out_is_t, base_group, ptr(aux), aux_mode, code_off, code_max, blk_words,
+                      self.cs, self.half)
         if tables is None:
             if lay.scope == 0 and blk_words * 4 <= _SMEM_DEFAULT_LIMIT:
                 tables = "blk"
-            elif ANS_THREADS * (lay.A + 1) * 4 <= _SMEM_DEFAULT_LIMIT:
+            elif ANS_THREADS * self.cs * 4 <= _SMEM_DEFAULT_LIMIT:
                 tables = "smem"
             else:
                 tables = "global"
         if tables == "blk" and (lay.scope != 0 or blk_words * 4 > _SMEM_DEFAULT_LIMIT):
             raise DeviceError("block-shared tables need one table set of at most 48 KB")
-        smem = {"blk": blk_words * 4, "smem": ANS_THREADS * (lay.A + 1) * 4, "global": 0}[tables]
+        smem = {"blk": blk_words * 4, "smem": ANS_THREADS * self.cs * 4, "global": 0}[tables]
         if sink == SINK_SYMBOLS:
             name = "ans_symbols"
         else:
-            name = f"ans_{'kivi' if sink == SINK_KIVI else 'toksym'}_{_out_name(out_dtype or out.dtype)}"
+            # the fast kernels take column j as token j with no anchors; the "x" ones any mapping
+            general = (tmul, tdiv, tadd) != (1, 0, 0) or aux_mode != 0 or base is not None or not out_is_t
+            kind = ("kivi" if sink == SINK_KIVI else "toksym") + ("x" if general else "")
+            name = f"ans_{kind}_{_out_name(out_dtype or out.dtype)}"
         keep = [self.words, self.offsets, self.cdf, self.table_of, self.status, out, scale, zero, base, aux]
         return Launch("ans.cu", name + ("" if tables == "global" else "_" + tables), lay.n_streams, [p], keep=keep,
                       block=ANS_THREADS, smem=smem)

@@ -52,10 +52,11 @@ def run_on_host(lib: ctypes.CDLL, launch: gpu.Launch) -> None:
         lib.kvc_nvfp4_host(p, ctypes.c_int(["f32", "f16", "bf16"].index(k.split("_")[1])), n)
     elif k.startswith("ans_"):
         parts = k.split("_")
-        sink = {"symbols": 0, "kivi": 1, "toksym": 2}[parts[1]]
+        sink = {"symbols": 0, "kivi": 1, "kivix": 1, "toksym": 2, "toksymx": 2}[parts[1]]
+        gen = 1 if parts[1].endswith("x") or sink == 0 else 0
         out = ["f32", "f16", "bf16"].index(parts[2]) if sink else 0
         mode = 1 if k.endswith("_smem") else 2 if k.endswith("_blk") else 0
-        lib.kvc_ans_host(p, ctypes.c_int(sink), ctypes.c_int(out), ctypes.c_int(mode))
+        lib.kvc_ans_host(p, ctypes.c_int(sink), ctypes.c_int(out), ctypes.c_int(mode), ctypes.c_int(gen))
     elif k.startswith("intq_"):
         out = [o for o in ("f32", "f16", "bf16") if f"_{o}" in k][0]
         lib.kvc_intq_host(p, ctypes.c_int(["f32", "f16", "bf16"].index(out)), ctypes.c_int(1 if k.endswith("_v16") else 0), n)

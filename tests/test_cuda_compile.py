@@ -355,8 +355,9 @@ def test_ans_stage_host_build_matches_reference(harness, r, n, a, cfg):
     assert np.array_equal(ref, x)
     stage = gpu.DeviceStage(planes, torch.device("cpu"))
     lay = stage.layout
-    fits_blk = lay.scope == 0 and lay.K * (a + 1) * 4 <= 48 * 1024
-    fits_thread = gpu.ANS_THREADS * (a + 1) * 4 <= 48 * 1024
+    assert stage.cs == 2 ** max(1, (a - 1).bit_length()) + 1 and stage.cs - 1 >= a
+    fits_blk = lay.scope == 0 and lay.K * stage.cs * 4 <= 48 * 1024
+    fits_thread = gpu.ANS_THREADS * stage.cs * 4 <= 48 * 1024
     default = stage.launch(gpu.SINK_SYMBOLS, torch.zeros((r, n), dtype=torch.int32)).kernel
     assert default == "ans_symbols" + ("_blk" if fits_blk else "_smem" if fits_thread else "")
     for mode in ["global"] + (["smem"] if fits_thread else []) + (["blk"] if fits_blk else []):
