@@ -20,6 +20,7 @@ import io
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterable
@@ -204,6 +205,7 @@ def _finite_float(s: str) -> float:
     return v
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _DECODER = json.JSONDecoder(
     object_pairs_hook=_pairs_no_duplicates, parse_constant=_no_constant, parse_float=_finite_float
 )
@@ -221,6 +223,8 @@ def strict_json_loads(text: str, what: str) -> Any:
         raise FormatError(f"{what} is not valid JSON: {str(e)[:200]}") from None
     if text[end:].strip(" "):
         raise FormatError(f"{what} has trailing data after the JSON document (only spaces may follow)")
+    if _SURROGATE_ESCAPE.search(text) is None:  # the cheap test first: only escapes make surrogates
+        return obj
     try:  # JSON escapes can smuggle lone surrogates, which no UTF-8 text holds
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
