@@ -20,15 +20,20 @@ template <int SINK, int OUT, int GEN, int MODE>
 __device__ __forceinline__ void ans_kernel_body(const kvc::AnsParams& p) {
   extern __shared__ uint32_t kvc_ans_smem[];
   const uint32_t* base = p.cdf;
-  if (MODE == TAB_BLOCK) {  // one copy of table set 0 for the whole block (scope 0 only)
-    for (uint32_t i = threadIdx.x; i < (uint32_t)p.blk_words; i += blockDim.x) kvc_ans_smem[i] = __ldg(p.cdf + i);
+  const uint16_t* bucket = nullptr;
+  if (MODE == TAB_BLOCK) {  // one copy of table set 0 (and its bucket index) for the whole block
+    const uint32_t nc = (uint32_t)p.blk_words, nb = (uint32_t)p.bucket_words;
+    for (uint32_t i = threadIdx.x; i < nc; i += blockDim.x) kvc_ans_smem[i] = __ldg(p.cdf + i);
+    const uint32_t* bsrc = (const uint32_t*)p.bucket;  // 4-byte aligned (a torch allocation)
+    for (uint32_t i = threadIdx.x; i < nb; i += blockDim.x) kvc_ans_smem[nc + i] = __ldg(bsrc + i);
     __syncthreads();
     base = kvc_ans_smem;
+    if (nb) bucket = (const uint16_t*)(kvc_ans_smem + nc);
   }
   const uint32_t s = blockIdx.x * blockDim.x + threadIdx.x;
   if (s >= (uint32_t)p.n_streams) return;
   uint32_t* tab = MODE == TAB_THREAD ? kvc_ans_smem + threadIdx.x * (uint32_t)p.cs : nullptr;
-  p.status[s] = kvc::ans_decode_stream<SINK, OUT, GEN>(p, s, tab, base);
+  p.status[s] = kvc::ans_decode_stream<SINK, OUT, GEN>(p, s, tab, base, bucket);
 }
 
 #define KVC_ANS_KERNEL(NAME, SINK, OUT, GEN)                                                     \
@@ -38,7 +43,7 @@ __device__ __forceinline__ void ans_kernel_body(const kvc::AnsParams& p) {
   extern "C" __global__ void __launch_bounds__(128) NAME##_smem(const kvc::AnsParams p) {      \
     ans_kernel_body<SINK, OUT, GEN, TAB_THREAD>(p);                                             \
   }                                                                                             \
-  extern "C" __global__ void __launch_bounds__(128) NAME##_blk(const kvc::AnsParams p) {       \
+  extern "C" __global__ void __launch_bounds__(128, 4) NAME##_blk(const kvc::AnsParams p) {       \
     ans_kernel_body<SINK, OUT, GEN, TAB_BLOCK>(p);                                              \
   }
 

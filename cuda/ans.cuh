@@ -59,12 +59,30 @@ KVC_HD uint32_t ans_find(const uint32_t* cdf, uint32_t half, uint32_t q) {
   return s;
 }
 
-// Pop one symbol with the padded cumulative table cdf (see ans_find).
-KVC_HD uint32_t ans_pop(AnsStream& st, const uint32_t* cdf, uint32_t half) {
+// One row's table: the padded cumulative frequencies, and optionally a bucket index (the
+// _blk kernels): bkt[b] is the symbol containing q = b << shift, the start of bucket b, so the
+// symbol of any q in that bucket is bkt[q >> shift] or a few past it -- one shared-memory read
+// plus (usually) no step instead of the LOG steps of the search.
+struct AnsTable {
+  const uint32_t* cdf;
+  const uint16_t* bkt;  // null: binary search
+  uint32_t half, shift;
+};
+
+KVC_HD uint32_t ans_lookup(const AnsTable& tb, uint32_t q) {
+  if (tb.bkt != nullptr) {
+    uint32_t s = tb.bkt[q >> tb.shift];
+    while (tb.cdf[s + 1] <= q) ++s;
+    return s;
+  }
+  return ans_find(tb.cdf, tb.half, q);
+}
+
+KVC_HD uint32_t ans_pop(AnsStream& st, const AnsTable& tb) {
   const uint32_t q = (uint32_t)st.x & ANS_QMASK;
-  const uint32_t s = ans_find(cdf, half, q);
-  const uint32_t c0 = cdf[s];
-  const uint32_t f = cdf[s + 1] - c0;
+  const uint32_t s = ans_lookup(tb, q);
+  const uint32_t c0 = tb.cdf[s];
+  const uint32_t f = tb.cdf[s + 1] - c0;
   st.x = (st.x >> ANS_PREC) * f + (q - c0);
   if ((uint32_t)(st.x >> 32) == 0 && st.pos > 0) {
     st.x = (st.x << 32) | st.next;
@@ -104,6 +122,8 @@ struct AnsParams {
   int32_t code_off, code_max;          // aux_mode 2: codes outside [0, code_max] are corrupt
   int32_t blk_words;                   // _blk kernels: words of table set 0 copied to shared memory
   int32_t cs, half;                    // padded table stride 2^LOG + 1 and 2^(LOG-1) (see ans_find)
+  const uint16_t* bucket;              // _blk kernels, optional: [K, 2^bucket_bits] (see AnsTable)
+  int32_t bucket_bits, bucket_words;   // 0: no bucket index; words of the index in shared memory
 };
 
 template <int OUT>
@@ -266,9 +286,8 @@ KVC_HD void put_out(typename OutWord<OUT>::type* o, float v) {
 }
 
 template <int OUT, bool CHANNEL>
-KVC_HD void kivi_row_fast(const AnsParams& p, AnsStream& st, const uint32_t* cdf, uint32_t r, uint32_t t0, uint32_t t1) {
+KVC_HD void kivi_row_fast(const AnsParams& p, AnsStream& st, const AnsTable& tb, uint32_t r, uint32_t t0, uint32_t t1) {
   const uint32_t R = (uint32_t)p.R, group = (uint32_t)p.group;
-  const uint32_t half = (uint32_t)p.half;
   typename OutWord<OUT>::type* o = (typename OutWord<OUT>::type*)p.out + ((uint64_t)t0 * R + r);
   uint32_t k, gr = 0, kstep = 0;
   if (CHANNEL) {  // params [ceil(T/g), H, D]: token t uses row t / g
@@ -287,7 +306,7 @@ KVC_HD void kivi_row_fast(const AnsParams& p, AnsStream& st, const uint32_t* cdf
     zf = ans_half(load2(p.zero + k));
   }
   for (uint32_t j = t0; j < t1; ++j) {
-    const uint32_t sym = ans_pop(st, cdf, half);
+    const uint32_t sym = ans_pop(st, tb);
     put_out<OUT>(o, clamp_out_ans<OUT>(add_rn(mul_rn((float)sym, sf), zf)));
     o += R;
     bool reload;
@@ -309,14 +328,14 @@ KVC_HD void kivi_row_fast(const AnsParams& p, AnsStream& st, const uint32_t* cdf
 }
 
 template <int OUT>
-KVC_HD bool toksym_row_fast(const AnsParams& p, AnsStream& st, const uint32_t* cdf, uint32_t r, uint32_t t0, uint32_t t1) {
+KVC_HD bool toksym_row_fast(const AnsParams& p, AnsStream& st, const AnsTable& tb, uint32_t r, uint32_t t0, uint32_t t1) {
   const uint32_t R = (uint32_t)p.R;
-  const uint32_t half = (uint32_t)p.half, max_code = (uint32_t)p.max_code;
+  const uint32_t max_code = (uint32_t)p.max_code;
   typename OutWord<OUT>::type* o = (typename OutWord<OUT>::type*)p.out + ((uint64_t)t0 * R + r);
   const uint16_t* sp = p.scale + t0;
   bool ok = true;
   for (uint32_t j = t0; j < t1; ++j) {
-    const uint32_t sym = ans_pop(st, cdf, half);
+    const uint32_t sym = ans_pop(st, tb);
     ok = ok && sym <= max_code;
     put_out<OUT>(o, mul_rn((float)((int32_t)sym - p.mid), ans_half(load2(sp))));
     o += R;
@@ -331,7 +350,8 @@ KVC_HD bool toksym_row_fast(const AnsParams& p, AnsStream& st, const uint32_t* c
 // GEN = 0 takes the fast row loops for SINK_KIVI / SINK_TOKSYM (token of column j is j, no
 // anchors); GEN = 1 the general sink (anchors, deltas, any token mapping).
 template <int SINK, int OUT, int GEN>
-KVC_HD int32_t ans_decode_stream(const AnsParams& p, uint32_t s, uint32_t* tab, const uint32_t* cdf_base) {
+KVC_HD int32_t ans_decode_stream(const AnsParams& p, uint32_t s, uint32_t* tab, const uint32_t* cdf_base,
+                                 const uint16_t* bucket_base) {
   const uint32_t ng = (uint32_t)p.n_groups;
   const uint32_t c = s / ng, g = s - c * ng;
   const uint32_t G = (uint32_t)p.G, C = (uint32_t)p.C;
@@ -351,19 +371,24 @@ KVC_HD int32_t ans_decode_stream(const AnsParams& p, uint32_t s, uint32_t* tab, 
       for (uint32_t k = 0; k < cs; ++k) tab[k] = load4(src + k);
       cdf = tab;
     }
+    AnsTable tb;
+    tb.cdf = cdf;
+    tb.half = half;
+    tb.shift = ANS_PREC - (uint32_t)p.bucket_bits;
+    tb.bkt = bucket_base != nullptr ? bucket_base + ((uint64_t)ti << p.bucket_bits) : nullptr;
     if constexpr (SINK == SINK_KIVI && GEN == 0) {
-      if (p.axis == 0) kivi_row_fast<OUT, true>(p, st, cdf, r, t0, t1);
-      else kivi_row_fast<OUT, false>(p, st, cdf, r, t0, t1);
+      if (p.axis == 0) kivi_row_fast<OUT, true>(p, st, tb, r, t0, t1);
+      else kivi_row_fast<OUT, false>(p, st, tb, r, t0, t1);
       continue;
     }
     if constexpr (SINK == SINK_TOKSYM && GEN == 0) {
-      if (!toksym_row_fast<OUT>(p, st, cdf, r, t0, t1)) bad = ANS_BAD_SYMBOL;
+      if (!toksym_row_fast<OUT>(p, st, tb, r, t0, t1)) bad = ANS_BAD_SYMBOL;
       continue;
     }
     SinkState ss;
     sink_begin<SINK>(p, ss, r, t0);
     for (uint32_t j = t0; j < t1; ++j) {
-      const uint32_t sym = ans_pop(st, cdf, half);
+      const uint32_t sym = ans_pop(st, tb);
       if (sym > (uint32_t)p.max_code) bad = ANS_BAD_SYMBOL;
       if (!sink_put<SINK, OUT>(p, ss, r, sym)) bad = ANS_BAD_SYMBOL;
     }

@@ -86,15 +86,18 @@ void kvc_ans_host(const kvc::AnsParams* p, int sink, int out, int mode, int gen)
   std::vector<uint32_t> tab((size_t)p->cs);
   std::vector<uint32_t> blk(mode == 2 ? (size_t)p->blk_words : 0);
   for (size_t i = 0; i < blk.size(); ++i) blk[i] = p->cdf[i];
+  std::vector<uint16_t> bkt(mode == 2 ? (size_t)p->bucket_words * 2 : 0);
+  for (size_t i = 0; i < bkt.size(); ++i) bkt[i] = p->bucket[i];
   uint32_t* t = mode == 1 ? tab.data() : nullptr;
   const uint32_t* base = mode == 2 ? blk.data() : p->cdf;
+  const uint16_t* bucket = bkt.empty() ? nullptr : bkt.data();
 #define KVC_ANS_RUN(SINK, GEN)                                                                     \
-  (out == 0 ? kvc::ans_decode_stream<SINK, kvc::OUT_F32, GEN>(*p, s, t, base)                     \
-            : out == 1 ? kvc::ans_decode_stream<SINK, kvc::OUT_F16, GEN>(*p, s, t, base)          \
-                       : kvc::ans_decode_stream<SINK, kvc::OUT_BF16, GEN>(*p, s, t, base))
+  (out == 0 ? kvc::ans_decode_stream<SINK, kvc::OUT_F32, GEN>(*p, s, t, base, bucket)                     \
+            : out == 1 ? kvc::ans_decode_stream<SINK, kvc::OUT_F16, GEN>(*p, s, t, base, bucket)          \
+                       : kvc::ans_decode_stream<SINK, kvc::OUT_BF16, GEN>(*p, s, t, base, bucket))
   for (uint32_t s = 0; s < (uint32_t)p->n_streams; ++s) {
     int32_t r;
-    if (sink == kvc::SINK_SYMBOLS) r = kvc::ans_decode_stream<kvc::SINK_SYMBOLS, kvc::OUT_F32, 1>(*p, s, t, base);
+    if (sink == kvc::SINK_SYMBOLS) r = kvc::ans_decode_stream<kvc::SINK_SYMBOLS, kvc::OUT_F32, 1>(*p, s, t, base, bucket);
     else if (sink == kvc::SINK_KIVI) r = gen ? KVC_ANS_RUN(kvc::SINK_KIVI, 1) : KVC_ANS_RUN(kvc::SINK_KIVI, 0);
     else r = gen ? KVC_ANS_RUN(kvc::SINK_TOKSYM, 1) : KVC_ANS_RUN(kvc::SINK_TOKSYM, 0);
     p->status[s] = r;

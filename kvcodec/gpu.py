@@ -763,6 +763,8 @@ def _gpu_kivi(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: t
 
 # ---------------------------------------------------------------------------- ANS stages
 ANS_THREADS = 128
+#: Bits of the bucket index of the _blk kernels (256 entries per table).
+BUCKET_BITS = 8
 #: Shared memory a block may use without opting in; the _smem kernels need blockDim*(A+1)*4.
 _SMEM_DEFAULT_LIMIT = 48 * 1024
 SINK_SYMBOLS, SINK_KIVI, SINK_TOKSYM = 0, 1, 2
@@ -782,6 +784,7 @@ class AnsParams(ctypes.Structure):
                                         "tmul", "tdiv", "tadd", "out_is_t", "base_group")],
         ("aux", ctypes.c_void_p),
         *[(n, ctypes.c_int32) for n in ("aux_mode", "code_off", "code_max", "blk_words", "cs", "half")],
+        ("bucket", ctypes.c_void_p), ("bucket_bits", ctypes.c_int32), ("bucket_words", ctypes.c_int32),
     ]
 
 
@@ -817,13 +820,27 @@ class DeviceStage:
         self.cdf = to_device(cdf, dev)
         self.table_of = to_device(np.ascontiguousarray(table_of), dev)
         self.status = torch.zeros(max(1, lay.n_streams), dtype=torch.int32, device=dev)
+        self._cdf_host = cdf if lay.scope == 0 else None
+        self._dev = dev
+        self._bucket: tuple[torch.Tensor, int] | None = None
+
+    def bucket(self, bits: int) -> torch.Tensor:
+        """The bucket index of table set 0: ``uint16 [K, 2**bits]``, entry ``b`` = the symbol whose
+        interval holds ``b << (24 - bits)`` (formats/ANS.md allows any exact symbol search)."""
+        if self._bucket is None or self._bucket[1] != bits:
+            lay = self.layout
+            cdf = self._cdf_host[: lay.K, : lay.A + 1].astype(np.int64)
+            starts = np.arange(1 << bits, dtype=np.int64) << (24 - bits)
+            b = np.stack([np.searchsorted(row, starts, side="right") - 1 for row in cdf]).astype(np.uint16)
+            self._bucket = (to_device(np.ascontiguousarray(b), self._dev), bits)
+        return self._bucket[0]
 
     def launch(self, sink: int, out: torch.Tensor, out_dtype: torch.dtype | None = None, *,
                scale: torch.Tensor | None = None, zero: torch.Tensor | None = None, base: torch.Tensor | None = None,
                heads: int = 0, dim: int = 0, group: int = 1, axis: int = 0, mid: int = 0, max_code: int | None = None,
                tmul: int = 1, tdiv: int = 0, tadd: int = 0, out_is_t: int = 1, base_group: int = 1,
                aux: torch.Tensor | None = None, aux_mode: int = 0, code_off: int = 0, code_max: int = 0,
-               tables: str | None = None) -> Launch:
+               tables: str | None = None, use_bucket: bool = True) -> Launch:
         """The launch that decodes every stream into ``out`` through ``sink``.
 
         ``tables`` forces where the kernel reads the tables (``"blk"``, ``"smem"``, ``"global"``);
@@ -833,12 +850,14 @@ class DeviceStage:
         lay = self.layout
         ptr = (lambda t: t.data_ptr() if t is not None else 0)
         blk_words = lay.K * self.cs
-        p = AnsParams(self.words.data_ptr(), self.offsets.data_ptr(), self.cdf.data_ptr(), self.table_of.data_ptr(),
-                      self.status.data_ptr(), out.data_ptr(), ptr(scale), ptr(zero), ptr(base),
-                      lay.R, lay.N, lay.C, lay.G, lay.A, lay.n_groups, lay.n_streams, lay.scope,
-                      heads, dim, group, axis, mid, lay.A - 1 if max_code is None else max_code,
-                      tmul, tdiv, tadd, out_is_t, base_group, ptr(aux), aux_mode, code_off, code_max, blk_words,
-                      self.cs, self.half)
+        # bucket index for the _blk kernels: 2**bits entries per table (bits <= P: finer buckets
+        # than the table's own quantum would not help), as many bits as fit next to the tables
+        bits = 0
+        if lay.scope == 0 and lay.A <= 65535:
+            for b in range(min(lay.P, BUCKET_BITS), 3, -1):
+                if (blk_words + lay.K * (1 << b) // 2) * 4 <= _SMEM_DEFAULT_LIMIT:
+                    bits = b
+                    break
         if tables is None:
             if lay.scope == 0 and blk_words * 4 <= _SMEM_DEFAULT_LIMIT:
                 tables = "blk"
@@ -848,7 +867,17 @@ class DeviceStage:
                 tables = "global"
         if tables == "blk" and (lay.scope != 0 or blk_words * 4 > _SMEM_DEFAULT_LIMIT):
             raise DeviceError("block-shared tables need one table set of at most 48 KB")
-        smem = {"blk": blk_words * 4, "smem": ANS_THREADS * self.cs * 4, "global": 0}[tables]
+        if tables != "blk" or not use_bucket:
+            bits = 0
+        bkt = self.bucket(bits) if bits else None
+        bucket_words = lay.K * (1 << bits) // 2 if bits else 0
+        p = AnsParams(self.words.data_ptr(), self.offsets.data_ptr(), self.cdf.data_ptr(), self.table_of.data_ptr(),
+                      self.status.data_ptr(), out.data_ptr(), ptr(scale), ptr(zero), ptr(base),
+                      lay.R, lay.N, lay.C, lay.G, lay.A, lay.n_groups, lay.n_streams, lay.scope,
+                      heads, dim, group, axis, mid, lay.A - 1 if max_code is None else max_code,
+                      tmul, tdiv, tadd, out_is_t, base_group, ptr(aux), aux_mode, code_off, code_max, blk_words,
+                      self.cs, self.half, ptr(bkt), bits, bucket_words)
+        smem = {"blk": (blk_words + bucket_words) * 4, "smem": ANS_THREADS * self.cs * 4, "global": 0}[tables]
         if sink == SINK_SYMBOLS:
             name = "ans_symbols"
         else:
@@ -856,7 +885,7 @@ class DeviceStage:
             general = (tmul, tdiv, tadd) != (1, 0, 0) or aux_mode != 0 or base is not None or not out_is_t
             kind = ("kivi" if sink == SINK_KIVI else "toksym") + ("x" if general else "")
             name = f"ans_{kind}_{_out_name(out_dtype or out.dtype)}"
-        keep = [self.words, self.offsets, self.cdf, self.table_of, self.status, out, scale, zero, base, aux]
+        keep = [self.words, self.offsets, self.cdf, self.table_of, self.status, out, scale, zero, base, aux, bkt]
         return Launch("ans.cu", name + ("" if tables == "global" else "_" + tables), lay.n_streams, [p], keep=keep,
                       block=ANS_THREADS, smem=smem)
 

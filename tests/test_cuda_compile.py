@@ -345,6 +345,8 @@ def _random_stage(seed, r, n, a, **cfg):
     (4, 200, 300, {"chunk": 50, "precision": 16}),                      # big alphabet: global tables
     (9, 130, 12, {"chunk": 32, "tables": "cluster", "n_tables": 3}),    # row_table
     (3, 100, 8, {"chunk": 16, "scope": "chunk", "precision": 24}),      # a table set per chunk, P=24
+    (5, 400, 40, {"chunk": 100, "precision": 24}),                      # P=24: coarse buckets, skewed
+    (6, 300, 5, {"chunk": 64, "precision": 3}),                         # P < bucket bits
     (6, 0, 4, {"chunk": 16}),                                           # no tokens
     (1, 1, 3, {}),                                                      # one symbol
     (40, 64, 255, {"chunk": 32, "tables": "cluster", "n_tables": 8}),  # cachegen anchors: big A, blk
@@ -360,13 +362,15 @@ def test_ans_stage_host_build_matches_reference(harness, r, n, a, cfg):
     fits_thread = gpu.ANS_THREADS * stage.cs * 4 <= 48 * 1024
     default = stage.launch(gpu.SINK_SYMBOLS, torch.zeros((r, n), dtype=torch.int32)).kernel
     assert default == "ans_symbols" + ("_blk" if fits_blk else "_smem" if fits_thread else "")
-    for mode in ["global"] + (["smem"] if fits_thread else []) + (["blk"] if fits_blk else []):
+    modes = [("global", True)] + ([("smem", True)] if fits_thread else []) + \
+        ([("blk", True), ("blk", False)] if fits_blk else [])
+    for mode, bucket in modes:
         out = torch.full((r, n), -1, dtype=torch.int32)
-        launch = stage.launch(gpu.SINK_SYMBOLS, out, tables=mode)
+        launch = stage.launch(gpu.SINK_SYMBOLS, out, tables=mode, use_bucket=bucket)
         if lay.n_streams:
             run_on_host(harness, launch)
         stage.check("test")
-        assert np.array_equal(out.numpy(), x), mode
+        assert np.array_equal(out.numpy(), x), (mode, bucket)
 
 
 def test_ans_stage_host_build_rejects_corrupt_streams(harness):
