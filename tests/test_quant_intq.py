@@ -190,3 +190,24 @@ def test_signed_zero_min_is_normalised():
     x = torch.tensor([-0.0, 0.0, -0.0]).reshape(1, 1, 3)
     for q in (intq_quantize_reference(x, 2, "token", 3), fast.intq_quantize_fast(x, 2, "token", 3)):
         assert not torch.signbit(q.zero).any() and not torch.signbit(q.scale).any()
+
+
+def test_huge_declared_group_decodes_without_overallocation():
+    """A file may declare any group; one at least as long as the axis is a single group, and
+    decoding must not allocate group-proportional memory (found by eval/fuzz_format.py)."""
+    import tracemalloc
+
+    from kvcodec.quant import intq_dequantize_reference, intq_quantize_reference
+    from kvcodec.quant.fast import intq_dequantize_fast
+
+    x = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(3))
+    for axis in ("channel", "token"):
+        small = intq_quantize_reference(x, 4, axis, 8)
+        huge = small._replace(group=2**40)
+        tracemalloc.start()
+        a = intq_dequantize_fast(huge)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak < 1 << 20
+        assert torch.equal(a, intq_dequantize_fast(small))
+        assert torch.equal(intq_dequantize_reference(huge), intq_dequantize_reference(small))

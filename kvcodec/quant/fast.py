@@ -222,9 +222,11 @@ def _grouped_np(x: np.ndarray, axis: str, group: int) -> np.ndarray:
 
 def _expand_params_np(p: np.ndarray, shape: tuple[int, int, int], axis: str, group: int) -> np.ndarray:
     t, h, d = shape
+    # A group at least as long as the axis is a single group: capping the repeat count keeps the
+    # result identical and bounds memory by the output size whatever ``group`` a file declares.
     if axis == "channel":
-        return np.repeat(p, group, axis=0)[:t]
-    return np.repeat(p, group, axis=2)[:, :, :d]
+        return np.repeat(p, min(group, max(t, 1)), axis=0)[:t]
+    return np.repeat(p, min(group, max(d, 1)), axis=2)[:, :, :d]
 
 
 def intq_quantize_fast(x: torch.Tensor, bits: int, axis: str = "token", group: int = 32) -> IntQTensor:

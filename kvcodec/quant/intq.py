@@ -109,9 +109,11 @@ def _ungroup(g: torch.Tensor, axis: str) -> torch.Tensor:
 def expand_params(p: torch.Tensor, shape: tuple[int, int, int], axis: str, group: int) -> torch.Tensor:
     """Broadcast a per-group plane to the full ``[T, H, D]`` shape."""
     t, h, d = shape
+    # A group at least as long as the axis is one group: capping the repeat keeps the result and
+    # bounds memory by the output size, whatever ``group`` a (hostile) file declares.
     if axis == "channel":
-        return p.repeat_interleave(group, dim=0)[:t]
-    return p.repeat_interleave(group, dim=2)[:, :, :d]
+        return p.repeat_interleave(min(group, max(t, 1)), dim=0)[:t]
+    return p.repeat_interleave(min(group, max(d, 1)), dim=2)[:, :, :d]
 
 
 def intq_quantize_reference(
