@@ -14,6 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("input", help="raw dump with tensors layers.<i>.k / layers.<i>.v [T, H, D]")
     p.add_argument("output", help="KVC file to write (atomically)")
     p.add_argument("--codec", default="fp8-e4m3", help="codec name or JSON config (default fp8-e4m3)")
+    p.add_argument("--tokens-per-chunk", type=int, default=0,
+                   help="split each tensor into chunks of this many tokens (0: one chunk)")
     p.add_argument("--json", action="store_true", help="print a JSON summary to stdout")
     p.set_defaults(func=run)
 
@@ -21,11 +23,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..cache import KVCache
     from ..codec import get_codec
+    from ..format import write_file
 
     codec = get_codec(args.codec)
     cache = KVCache.from_safetensors(args.input)
     t0 = time.perf_counter()
-    data = codec.encode(cache, path=args.output)
+    # streams layer by layer into a spool beside the output, then renames atomically
+    nbytes = write_file(codec, cache, args.output, tokens_per_chunk=args.tokens_per_chunk)
     dt = time.perf_counter() - t0
     summary = {
         "input": os.fspath(args.input),
@@ -33,16 +37,16 @@ def run(args: argparse.Namespace) -> int:
         "codec": codec.get_config(),
         "layers": cache.num_layers,
         "tokens": cache.num_tokens,
-        "bytes": len(data),
-        "bits_per_element": 8 * len(data) / max(1, cache.num_elements),
-        "ratio_vs_fp16": cache.fp16_bytes() / max(1, len(data)),
+        "bytes": nbytes,
+        "bits_per_element": 8 * nbytes / max(1, cache.num_elements),
+        "ratio_vs_fp16": cache.fp16_bytes() / max(1, nbytes),
         "seconds": dt,
     }
     if args.json:
         print_json(summary)
     else:
         print(
-            f"{summary['output']}: {len(data)} bytes, {summary['bits_per_element']:.3f} bits/element, "
+            f"{summary['output']}: {nbytes} bytes, {summary['bits_per_element']:.3f} bits/element, "
             f"{summary['ratio_vs_fp16']:.2f}x smaller than fp16 ({codec.codec_id}, {dt:.2f} s)"
         )
     return 0
