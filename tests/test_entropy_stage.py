@@ -117,3 +117,38 @@ def test_random_bitflips_same_verdict_all_decoders():
                 res.append("err")
         assert res[0] == res[1] == res[2]
         assert res[0] != x.tolist()
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st_  # noqa: E402
+
+from kvcodec.errors import KVCodecError  # noqa: E402
+
+
+@settings(max_examples=120, deadline=None)
+@given(st_.data())
+def test_fuzz_planes_never_crash_and_decoders_agree(data):
+    """Random (mostly invalid) planes: every decoder raises a KVCodecError or returns the same
+    symbols; nothing else escapes, and nothing large is allocated (R, N are small here)."""
+    r, n = data.draw(st_.integers(0, 6)), data.draw(st_.integers(0, 20))
+    meta = np.array([data.draw(st_.sampled_from([1, 1, 1, 2])), r, n, data.draw(st_.integers(0, 8)),
+                     data.draw(st_.integers(0, 3)), data.draw(st_.integers(0, 25)), data.draw(st_.integers(0, 6)),
+                     data.draw(st_.integers(0, 7)), data.draw(st_.integers(0, 2)), data.draw(st_.integers(0, 4))],
+                    dtype=np.uint32)
+    words = np.array(data.draw(st_.lists(st_.integers(0, 2**32 - 1), max_size=12)), dtype=np.uint32)
+    offsets = np.array(data.draw(st_.lists(st_.integers(0, 12), max_size=10)), dtype=np.uint32)
+    a = max(2, int(meta[6]))
+    tables = np.array(data.draw(st_.lists(st_.integers(0, 70000), min_size=a, max_size=a * 3)), dtype=np.int64)
+    tables = tables[: (len(tables) // a) * a].reshape(1, -1, a)
+    planes = {"meta": meta, "words": words, "offsets": offsets,
+              "tables": tables.astype(np.uint16 if int(meta[5]) <= 16 else np.uint32)}
+    if data.draw(st_.booleans()):
+        planes["row_table"] = np.array(data.draw(st_.lists(st_.integers(0, 3), min_size=r, max_size=r)),
+                                       dtype=np.uint8)[None]
+    verdicts = []
+    for method in ("constriction", "reference", "numpy"):
+        try:
+            verdicts.append(EntropyStage().decode(planes, method=method).tolist())
+        except KVCodecError:
+            verdicts.append("error")
+    assert verdicts[0] == verdicts[1] == verdicts[2]
