@@ -78,3 +78,37 @@ def test_default_model_and_cache():
     # The same tokens through a second prefill give the same cache, bit for bit.
     again = capture_mod.capture(model, tok, token_ids=cache.token_ids)
     assert again.equal(cache)
+
+
+def test_eval_and_capture_cli_reject_bad_arguments(tmp_path, capsys):
+    from kvcodec.cli import main
+
+    assert main(["eval", "--help"]) == 0
+    assert "--continuation" in capsys.readouterr().out
+    assert main(["eval", "--context", "0", "--codecs", "raw"]) == 1
+    assert "must be >= 1" in capsys.readouterr().err
+    assert main(["eval", "--suite", str(tmp_path / "missing.json")]) == 1
+    assert "cannot read suite" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"codecs": ["raw"], "contxt": 5}')
+    assert main(["eval", "--suite", str(bad)]) == 1
+    assert "unknown keys ['contxt']" in capsys.readouterr().err
+    assert main(["capture", "--text", str(tmp_path / "none.txt"), "--out", str(tmp_path / "o")]) == 1
+    assert "cannot read text file" in capsys.readouterr().err
+    assert main(["capture"]) == 2  # --out is required
+
+
+def test_published_suites_are_valid():
+    from pathlib import Path
+
+    from kvcodec.commands.eval import load_suite
+    from kvcodec.harness.evaluate import expand_settings
+
+    suites = sorted((Path(__file__).resolve().parents[1] / "eval" / "suites").glob("*.json"))
+    assert {p.stem for p in suites} >= {"default", "sweep", "quick"}
+    for p in suites:
+        s = load_suite(str(p))
+        if s["codecs"] != "all":
+            assert expand_settings(s["codecs"], sweep=s.get("sweep", False))
+    default = load_suite(str(suites[0].parent / "default.json"))
+    assert (default["context"], default["continuation"]) == (2048, 512)

@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
 
     require_eval()
     suite = load_suite(args.suite) if args.suite else {}
-    context = args.context or suite.get("context") or DEFAULT_CONTEXT
-    continuation = args.continuation or suite.get("continuation") or DEFAULT_CONTINUATION
+    context = _first(args.context, suite.get("context"), DEFAULT_CONTEXT)
+    continuation = _first(args.continuation, suite.get("continuation"), DEFAULT_CONTINUATION)
     sweep = bool(args.sweep or suite.get("sweep", False))
     model_arg = args.model if args.model is not None else suite.get("model")
     text_arg = args.text if args.text is not None else suite.get("text")
@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
         codecs = list_codecs()
     if not isinstance(codecs, list) or not codecs:
         raise ConfigError("no codecs to evaluate")
-    if context < 1 or continuation < 1:
-        raise InputError("--context and --continuation must be >= 1")
+    if not isinstance(context, int) or not isinstance(continuation, int) or context < 1 or continuation < 1:
+        raise InputError(f"context and continuation must be >= 1 tokens (got {context!r}, {continuation!r})")
     settings = expand_settings(codecs, sweep=sweep)  # fail fast on unknown names
 
     t0 = time.perf_counter()
@@ -142,6 +142,11 @@ def run(args: argparse.Namespace) -> int:
           f"{', '.join(paths.values())}" + (f"; failed: {', '.join(failed)}" if failed else ""),
           file=sys.stderr)
     return 0
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is not None (0 is a value, and an invalid one we report)."""
+    return next(v for v in values if v is not None)
 
 
 def _command_from_args(args: argparse.Namespace) -> str:
