@@ -112,3 +112,13 @@ def test_published_suites_are_valid():
             assert expand_settings(s["codecs"], sweep=s.get("sweep", False))
     default = load_suite(str(suites[0].parent / "default.json"))
     assert (default["context"], default["continuation"]) == (2048, 512)
+
+
+@pytest.mark.parametrize("name", ["capture", "evaluate", "models", "report"])
+def test_harness_docstring_examples(name):
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(f"kvcodec.harness.{name}")
+    res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert res.failed == 0

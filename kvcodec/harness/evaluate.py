@@ -217,7 +217,8 @@ class Evaluator:
         """Encode, decode and score one codec; return one result record (see :mod:`.report`)."""
         codec = get_codec(codec)
         cfg = codec.get_config()
-        rec: dict[str, Any] = {"name": name or _config_name(cfg), "family": cfg["id"], "config": cfg}
+        rec: dict[str, Any] = {"name": name or _config_name(cfg), "family": family_of(codec),
+                               "config": cfg}
         try:
             self._score(codec, rec)
         except Exception as e:  # noqa: BLE001
@@ -301,7 +302,37 @@ def _mean_over_layers(per_layer: list[dict[str, list[float | None]]]) -> dict[st
 
 
 
-# ---------------------------------------------------------------------- suites and sweeps
+# ---------------------------------------------------------------------- families, suites, sweeps
+#: Parameters that move a codec along its rate–distortion curve. Settings that differ only in
+#: these belong to one family (one curve in the RD plot); any other non-default parameter
+#: starts a family of its own (for example ``kivi-ans(delta=8)``). Ids not listed: ``bits``.
+FAMILY_KNOBS: dict[str, set[str]] = {
+    "kivi": {"bits"},
+    "kivi-ans": {"bits"},
+    "fp8": {"format"},
+    "kvc": {"k_step", "v_step", "rho", "k_gamma"},
+    "cachegen": {"levels", "anchor_levels"},
+    "cachegen-lmcache": {"early_bins", "late_bins"},
+}
+
+
+def family_of(codec: Codec) -> str:
+    """The RD-curve family of a codec: its id, plus any non-default parameter that is not one of
+    the id's knobs (:data:`FAMILY_KNOBS`).
+
+    Example:
+        >>> import kvcodec
+        >>> family_of(kvcodec.get_codec("kivi-2")), family_of(kvcodec.get_codec("kivi-2-delta-ans"))
+        ('kivi', 'kivi-ans(delta=8)')
+    """
+    cid = codec.codec_id
+    knobs = FAMILY_KNOBS.get(cid, {"bits"})
+    extra = [f"{k}={v}" for k, v in sorted(codec.params.items())
+             if k not in knobs and v != type(codec).defaults.get(k)]
+    return f"{cid}({','.join(extra)})" if extra else cid
+
+
+
 #: Sweep knobs per codec id: parameter overrides tried with ``--sweep`` on top of each preset's
 #: config. Ids not listed run at their preset only. Invalid combinations are skipped.
 SWEEPS: dict[str, list[dict[str, Any]]] = {
@@ -377,4 +408,4 @@ def run_suite(
     if bar is not None:
         bar.close()
     return results
-__all__ = ["SWEEPS", "Evaluator", "expand_settings", "record_queries", "run_suite"]
+__all__ = ["FAMILY_KNOBS", "SWEEPS", "Evaluator", "family_of", "expand_settings", "record_queries", "run_suite"]
