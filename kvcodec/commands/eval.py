@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"context and continuation must be >= 1 tokens (got {context!r}, {continuation!r})")
     settings = expand_settings(codecs, sweep=sweep)  # fail fast on unknown names
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     date = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     print(f"kvcodec eval: loading model and reference run (context {context}, "
           f"continuation {continuation}) ...", file=sys.stderr)
@@ -121,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         if Path(sys.argv[0]).name in ("kvcodec", "__main__.py") else _command_from_args(args),
         "date": date,
         "wall_seconds": time.perf_counter() - t0,
+        # CPU time of all our threads: on a shared machine wall time also counts other jobs.
+        "cpu_seconds": time.process_time() - cpu0,
         "machine": machine_info(),
         "versions": versions(),
         "run": {**ev.describe(), "default_model": is_default(model_arg), "sweep": sweep,

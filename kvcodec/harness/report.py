@@ -5,6 +5,7 @@ The results JSON (``schema = "kvcodec.eval/1"``)::
     {
       "schema": "kvcodec.eval/1",
       "command": "kvcodec eval ...", "date": "2026-...Z", "wall_seconds": 812.4,
+      "cpu_seconds": 530.2,
       "machine": {"platform": ..., "processor": ..., "cpus": 2, "torch_threads": 2},
       "versions": {"kvcodec": ..., "torch": ..., "transformers": ...},
       "run": {"model": {...identity...}, "geometry": {...}, "text": {...}, "context": 2048,
@@ -133,7 +134,8 @@ def markdown_report(doc: dict[str, Any]) -> str:
         f"# kvcodec eval — {model.get('model_id', '?')}",
         "",
         f"- command: `{doc.get('command', '')}`",
-        f"- date: {doc.get('date', '')}; wall time {doc.get('wall_seconds', 0):.0f} s",
+        f"- date: {doc.get('date', '')}; wall time {doc.get('wall_seconds', 0):.0f} s, "
+        f"CPU time {doc.get('cpu_seconds', 0):.0f} s (all threads)",
         f"- machine: {doc.get('machine', {}).get('cpus')} CPUs, {doc.get('machine', {}).get('platform')}",
         f"- model: {model.get('model_id')} ({model.get('revision')}), config {model.get('config_hash')}",
         f"- text: {run.get('text', {}).get('name')}; context {run.get('context')} tokens, "
