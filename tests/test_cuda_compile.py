@@ -391,3 +391,31 @@ def test_ans_stage_host_build_rejects_corrupt_streams(harness):
         run_on_host(harness, stage.launch(gpu.SINK_SYMBOLS, torch.zeros((4, 200), dtype=torch.int32)))
         with pytest.raises(StreamError):
             stage.check("test")
+
+
+def test_missing_bindings_raise_device_error_naming_the_extra(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_cuda(name, *args, **kwargs):
+        if name.startswith("cuda"):
+            raise ImportError("No module named 'cuda'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_cuda)
+    with pytest.raises(DeviceError, match=r"kvcodec\[cuda\]"):
+        gpu.nvrtc_version()
+    with pytest.raises(DeviceError, match=r"kvcodec\[cuda\]"):
+        gpu.compile_cubin("dequant.cu", 90)
+
+
+def test_decode_on_cuda_without_a_gpu_is_a_clear_error():
+    import kvcodec
+    from conftest import make_cache
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the no-GPU error path is not reachable here")
+    blob = kvcodec.get_codec("fp8-e4m3").encode(make_cache(layers=1, tokens=3))
+    with pytest.raises(DeviceError, match="device='cpu'"):
+        kvcodec.decode(blob, device="cuda")
