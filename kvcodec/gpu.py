@@ -867,6 +867,8 @@ class DeviceStage:
                 tables = "global"
         if tables == "blk" and (lay.scope != 0 or blk_words * 4 > _SMEM_DEFAULT_LIMIT):
             raise DeviceError("block-shared tables need one table set of at most 48 KB")
+        if tables == "smem" and ANS_THREADS * self.cs * 4 > _SMEM_DEFAULT_LIMIT:
+            raise DeviceError("per-thread tables need at most 48 KB of shared memory per block")
         if tables != "blk" or not use_bucket:
             bits = 0
         bkt = self.bucket(bits) if bits else None

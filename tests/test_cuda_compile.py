@@ -419,3 +419,35 @@ def test_decode_on_cuda_without_a_gpu_is_a_clear_error():
     blob = kvcodec.get_codec("fp8-e4m3").encode(make_cache(layers=1, tokens=3))
     with pytest.raises(DeviceError, match="device='cpu'"):
         kvcodec.decode(blob, device="cuda")
+
+
+def test_ans_stage_host_build_random_geometries(harness):
+    """Random stage geometries and table modes, every table placement, against the reference."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(r=st.integers(1, 9), n=st.integers(0, 90), a=st.integers(2, 70), p=st.integers(7, 24),
+           chunk=st.integers(0, 40), g=st.integers(1, 4), tables=st.sampled_from(["row", "shared", "cluster"]),
+           scope=st.sampled_from(["all", "chunk"]), seed=st.integers(0, 2**16))
+    def check(r, n, a, p, chunk, g, tables, scope, seed):
+        if a > 1 << p:
+            return
+        cfg = {"precision": p, "chunk": chunk, "rows_per_stream": g, "tables": tables, "n_tables": 3, "scope": scope}
+        x, st_, planes = _random_stage(seed, r, n, a, **cfg)
+        stage = gpu.DeviceStage(planes, torch.device("cpu"))
+        lay = stage.layout
+        modes = [("global", True)]
+        if gpu.ANS_THREADS * stage.cs * 4 <= 48 * 1024:
+            modes.append(("smem", True))
+        if lay.scope == 0 and lay.K * stage.cs * 4 <= 48 * 1024:
+            modes += [("blk", True), ("blk", False)]
+        for mode, bucket in modes:
+            out = torch.full((r, n), -1, dtype=torch.int32)
+            launch = stage.launch(gpu.SINK_SYMBOLS, out, tables=mode, use_bucket=bucket)
+            if lay.n_streams:
+                run_on_host(harness, launch)
+            stage.check("test")
+            assert np.array_equal(out.numpy(), x), (cfg, mode, bucket)
+
+    check()
