@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", default=None, help="UTF-8 text file (default: built-in Jargon File excerpt)")
     ap.add_argument("--quick", action="store_true", help="presets and baselines only")
     ap.add_argument("--out", default="eval/results/kvc_rd")
+    ap.add_argument("--rerender", action="store_true", help="only rewrite <out>.md/.png from <out>.json")
     args = ap.parse_args(argv)
+    if args.rerender:
+        rerender(Path(args.out).with_suffix(".json"))
+        return 0
 
     import kvcodec
     from kvcodec.harness.capture import read_text
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     runs += [("kvc-preset", p, p) for p in PRESETS]
     if not args.quick:
         runs += [("kvc-ablation", name, cfg) for name, cfg in ABLATION]
-        runs += [("kvc-sweep", None, cfg) for cfg in SWEEP]
+        runs += [("kvc-sweep", _short(cfg), cfg) for cfg in SWEEP]
     records = []
     for kind, name, codec in runs:
         t0 = time.perf_counter()
@@ -129,6 +133,25 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out}.json/.md/.png")
     return 0
+
+
+def _short(cfg: dict) -> str:
+    """A sweep point's name: the parameters that differ from the kvc defaults."""
+    from kvcodec.codecs.kvc import KVCCodec
+
+    diff = {k: v for k, v in cfg.items() if k != "id" and KVCCodec.defaults.get(k) != v}
+    return "kvc(" + ", ".join(f"{k}={v}" for k, v in diff.items()) + ")"
+
+
+def rerender(json_path: Path) -> None:
+    """Rewrite the Markdown and PNG of an existing result JSON (no model run)."""
+    res = json.loads(json_path.read_text())
+    for r in res["records"]:
+        if r["kind"] == "kvc-sweep":
+            r["name"] = _short(r["config"])
+    json_path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    json_path.with_suffix(".md").write_text(markdown(res))
+    plot(res, json_path.with_suffix(".png"))
 
 
 def _speed(records: list[dict]) -> dict[str, float]:
@@ -165,7 +188,7 @@ def markdown(res: dict) -> str:
         dppl = 100.0 * nt["delta_ppl"] / nt["ppl_ref"] if nt.get("ppl_ref") else float("nan")
         enc = f"{r['encode_seconds']:.2f}" + (f" ({r['encode_seconds'] / ref['encode']:.2f}×)" if ref else "")
         dec = f"{r['decode_seconds']:.2f}" + (f" ({r['decode_seconds'] / ref['decode']:.2f}×)" if ref else "")
-        name = r["name"] if r["kind"] != "kvc-sweep" else r["name"].replace("kvc(", "kvc(").replace(",", ", ")
+        name = r["name"]
         lines.append(
             f"| {r['kind']} | {name} | {r['bits_per_element']:.3f} | {r['ratio_vs_fp16']:.1f} | "
             f"{nt['kl_mean']:.5f} | {nt['kl_p99']:.4f} | {nt['top1_agreement']:.4f} | {dppl:+.2f} | {enc} | {dec} |"
@@ -193,14 +216,15 @@ def plot(res: dict, path: Path) -> None:
         if r["kind"] == "kvc-preset":
             ax.annotate(r["name"], (r["bits_per_element"], max(r["next_token"]["kl_mean"], 1e-6)), fontsize=7)
     for i, r in enumerate(x for x in recs if x["kind"] == "baseline"):
-        ax.plot(r["bits_per_element"], max(r["next_token"]["kl_mean"], 1e-6), "s", color=f"C{i % 3}" if i < 3 else f"C{i + 1}", label=r["name"])
+        ax.plot(r["bits_per_element"], max(r["next_token"]["kl_mean"], 1e-6), "s", color=f"C{i if i < 3 else i + 1}",
+                label=r["name"])
     ab = [r for r in recs if r["kind"] == "kvc-ablation"]
     ax.plot([r["bits_per_element"] for r in ab], [max(r["next_token"]["kl_mean"], 1e-6) for r in ab], "x", color="gray", label="kvc ablation")
     for y, lab in ((0.002, "transparent"), (0.01, "near-lossless"), (0.05, "aggressive")):
         ax.axhline(y, ls=":", color="gray", lw=0.8)
-        ax.text(0.05, y * 1.05, lab, fontsize=7, color="gray")
-    ax.set_xscale("log")
+        ax.text(0.99, y * 1.05, lab, fontsize=7, color="gray", ha="right", transform=ax.get_yaxis_transform())
     ax.set_yscale("log")
+    ax.set_xlim(left=0)
     ax.set_xlabel("bits per element (all-in)")
     ax.set_ylabel("mean next-token KL (nats)")
     ax.set_title(f"SmolLM2-135M, ctx {res['setup']['context']}, {res['setup']['continuation']} scored tokens")
