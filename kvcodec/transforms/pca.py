@@ -1,11 +1,13 @@
 """Per-head principal axes (the Karhunen–Loève transform) and the coding gain they buy.
 
 KVTC decorrelates each head with a PCA basis calibrated once per model. Measured on SmolLM2
-(eval/kvc_rd.py records it): on K *after* RoPE the basis of one text buys only ~0.15 bit per
-element at equal MSE over per-channel coding when fitted on the very cache it codes, and almost
-nothing when calibrated on other text, because RoPE rotates every channel pair at its own
-frequency; a per-cache basis costs ``16 * D / T`` bits per element to ship (0.67 at D=64,
-T=1536). That is why the ``kvc`` presets do not use it; the functions stay as the measuring tool.
+(eval/results/kvc_rd.md, 1536 tokens): fitted on the very cache it codes, the per-head basis buys
+only ~0.18 bit per element (high-rate coding gain) over per-channel coding for K (after RoPE) and
+for V; a basis calibrated on other text bought ~0.03 bit on post-RoPE K in our scratch runs (RoPE
+rotates every channel pair at its own frequency; pre-RoPE K gains ~0.3–0.5 bit but needs the RoPE
+parameters to undo). Shipping per-cache float16 bases costs ``16 * D / T`` bits per element
+(0.67 at D=64, T=1536). That is why the ``kvc`` presets do not use PCA; these functions stay as
+the measuring tool.
 
 Example:
     >>> import numpy as np
