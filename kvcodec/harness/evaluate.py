@@ -287,7 +287,10 @@ def _config_name(cfg: dict[str, Any]) -> str:
                 return name
         except KVCodecError:
             continue
-    extra = ",".join(f"{k}={v}" for k, v in cfg.items() if k != "id")
+    from ..codec import _CODECS
+
+    defaults = _CODECS[cfg["id"]].defaults if cfg["id"] in _CODECS else {}
+    extra = ",".join(f"{k}={v}" for k, v in cfg.items() if k != "id" and defaults.get(k) != v)
     return f"{cfg['id']}({extra})" if extra else cfg["id"]
 
 
@@ -369,14 +372,19 @@ def expand_settings(
         codec = get_codec(c)
         add(c if isinstance(c, str) and not c.strip().startswith("{") else _config_name(codec.get_config()), codec)
     if sweep:
-        for _, base in list(out):
+        for base_name, base in list(out):
             cfg = base.get_config()
             for override in sweeps.get(cfg["id"], []):
                 try:
                     variant = get_codec({**cfg, **override})
                 except KVCodecError:
                     continue
-                add(_config_name(variant.get_config()), variant)
+                # A registered preset keeps its name; otherwise the base name plus the change.
+                name = _config_name(variant.get_config())
+                if "(" in name:
+                    changed = ",".join(f"{k}={v}" for k, v in override.items() if cfg.get(k) != v)
+                    name = f"{base_name}[{changed}]"
+                add(name, variant)
     return out
 
 
