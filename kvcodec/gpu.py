@@ -934,15 +934,11 @@ def _stage_symbols(dev: torch.device, stage: DeviceStage, where: str, check: boo
 
 @register_gpu_decoder("kivi-ans")
 def _gpu_kivi_ans(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> DecodePlan:
-    from .quant.intq import AXES, intq_param_shape
+    from .codecs.entropy_variants import check_kivi_ans_params
+    from .quant.intq import intq_param_shape
 
     where = _where(ctx)
-    pr = enc.params
-    ok = pr.get("axis") in AXES and all(isinstance(pr.get(k), int) and not isinstance(pr.get(k), bool)
-                                        for k in ("bits", "group", "delta"))
-    if not ok or not 1 <= pr["bits"] <= 8 or pr["group"] < 1 or pr["delta"] < 0:
-        raise FormatError(f"{where}: bad kivi-ans params {pr!r}")
-    bits, group, axis, dl = pr["bits"], pr["group"], pr["axis"], pr["delta"]
+    bits, group, axis, dl = check_kivi_ans_params(enc.params, where)
     t, h, d = ctx.shape
     c = h * d
     _check_size(ctx.shape)

@@ -53,6 +53,18 @@ def _decode_stage(planes, prefix, rows, n, alphabet, where) -> np.ndarray:
         raise type(e)(f"{where}: {prefix}stage: {e}") from None
 
 
+def check_kivi_ans_params(pr: dict, where: str) -> tuple[int, int, str, int]:
+    """Validate a kivi-ans tensor's params from a file; return ``(bits, group, axis, delta)``.
+
+    Shared by the CPU decoder and the GPU decoder so both refuse exactly the same files.
+    """
+    ok = pr.get("axis") in AXES and all(isinstance(pr.get(k), int) and not isinstance(pr.get(k), bool)
+                                        for k in ("bits", "group", "delta"))
+    if not ok or not 1 <= pr["bits"] <= 8 or pr["group"] < 1 or pr["delta"] < 0:
+        raise FormatError(f"{where}: bad kivi-ans params {pr!r}")
+    return pr["bits"], pr["group"], pr["axis"], pr["delta"]
+
+
 @register_codec
 class KIVIANSCodec(Codec):
     """KIVI quantization with ANS-coded codes (optionally anchor-delta coded); see the module
@@ -110,11 +122,7 @@ class KIVIANSCodec(Codec):
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
         where = f"layers.{ctx.layer}.{ctx.role}"
         pr = enc.params
-        ok = pr.get("axis") in AXES and all(isinstance(pr.get(k), int) and not isinstance(pr.get(k), bool)
-                                            for k in ("bits", "group", "delta"))
-        if not ok or not 1 <= pr["bits"] <= 8 or pr["group"] < 1 or pr["delta"] < 0:
-            raise FormatError(f"{where}: bad kivi-ans params {pr!r}")
-        bits, group, axis, dl = pr["bits"], pr["group"], pr["axis"], pr["delta"]
+        bits, group, axis, dl = check_kivi_ans_params(pr, where)
         t, h, d = ctx.shape
         c = h * d
         if dl:
