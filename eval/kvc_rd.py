@@ -16,6 +16,8 @@ Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default ``eval/results/kv
 Usage:
     python eval/kvc_rd.py                       # full run (~30 min on 2 busy cores)
     python eval/kvc_rd.py --context 512 --continuation 128 --quick --out /tmp/kvc_rd
+    # preset rows only, plus extra kvc configurations (a JSON list) for a targeted search:
+    python eval/kvc_rd.py --quick --no-baselines --configs '[{"id": "kvc", "k_step": 0.22, "v_step": 0.66}]'
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ ABLATION = [
     ("kvc: + V steps 3x K steps", {"id": "kvc", "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3}),
     ("kvc: + dead zone rho 0.35", {"id": "kvc", "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3, "rho": 0.35}),
 ]
-PRESETS = ["kvc-transparent", "kvc-near", "kvc-aggressive"]
+PRESETS = ["kvc", "kvc-transparent", "kvc-near", "kvc-aggressive"]
 SWEEP = [
     {"id": "kvc", "k_step": s, "v_step": round(s * 3.0, 3)} for s in (0.2, 0.35, 0.6, 1.0, 1.6)
 ]
@@ -82,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--continuation", type=int, default=512)
     ap.add_argument("--text", default=None, help="UTF-8 text file (default: built-in Jargon File excerpt)")
     ap.add_argument("--quick", action="store_true", help="presets and baselines only")
+    ap.add_argument("--no-baselines", action="store_true", help="skip the baseline codecs")
+    ap.add_argument("--no-presets", action="store_true", help="skip the kvc presets")
+    ap.add_argument("--configs", default=None,
+                    help='extra kvc configurations to evaluate, a JSON list of dicts (kind "kvc-point")')
     ap.add_argument("--out", default="eval/results/kvc_rd")
     ap.add_argument("--rerender", action="store_true", help="only rewrite <out>.md/.png from <out>.json")
     args = ap.parse_args(argv)
@@ -100,8 +106,13 @@ def main(argv: list[str] | None = None) -> int:
                    text_name=args.text or "jargon-4.4.7-excerpt (built-in)")
     known = set(kvcodec.list_codecs())
     missing = [b for b in BASELINES if b not in known]
-    runs: list[tuple[str, str, object]] = [("baseline", b, b) for b in BASELINES if b in known]
-    runs += [("kvc-preset", p, p) for p in PRESETS]
+    runs: list[tuple[str, str, object]] = []
+    if not args.no_baselines:
+        runs += [("baseline", b, b) for b in BASELINES if b in known]
+    if not args.no_presets:
+        runs += [("kvc-preset", p, p) for p in PRESETS]
+    if args.configs:
+        runs += [("kvc-point", _short(cfg), cfg) for cfg in json.loads(args.configs)]
     if not args.quick:
         runs += [("kvc-ablation", name, cfg) for name, cfg in ABLATION]
         runs += [("kvc-sweep", _short(cfg), cfg) for cfg in SWEEP]
@@ -147,7 +158,7 @@ def rerender(json_path: Path) -> None:
     """Rewrite the Markdown and PNG of an existing result JSON (no model run)."""
     res = json.loads(json_path.read_text())
     for r in res["records"]:
-        if r["kind"] == "kvc-sweep":
+        if r["kind"] in ("kvc-sweep", "kvc-point"):
             r["name"] = _short(r["config"])
     json_path.write_text(json.dumps(res, indent=1, default=str) + "\n")
     json_path.with_suffix(".md").write_text(markdown(res))
@@ -209,7 +220,7 @@ def plot(res: dict, path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(8, 5.5))
     recs = [r for r in res["records"] if not r.get("error")]
-    kv = sorted((r for r in recs if r["kind"] in ("kvc-sweep", "kvc-preset")), key=lambda r: r["bits_per_element"])
+    kv = sorted((r for r in recs if r["kind"] in ("kvc-sweep", "kvc-preset", "kvc-point")), key=lambda r: r["bits_per_element"])
     ax.plot([r["bits_per_element"] for r in kv], [max(r["next_token"]["kl_mean"], 1e-6) for r in kv],
             "o-", color="C3", label="kvc (sweep + presets)")
     for r in recs:
