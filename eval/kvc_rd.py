@@ -204,6 +204,8 @@ def markdown(res: dict) -> str:
             f"| {r['kind']} | {name} | {r['bits_per_element']:.3f} | {r['ratio_vs_fp16']:.1f} | "
             f"{nt['kl_mean']:.5f} | {nt['kl_p99']:.4f} | {nt['top1_agreement']:.4f} | {dppl:+.2f} | {enc} | {dec} |"
         )
+    if res.get("notes"):
+        lines += ["", *(f"- {note}" for note in res["notes"])]
     lines += ["", "Targets (issue 7): transparent KL ≤ 0.002 at ≤ 2.5 b/e; near-lossless KL ≤ 0.01 and "
               "ΔPPL ≤ 1% at ≤ 1.6 b/e; aggressive KL ≤ 0.05 at ≤ 0.8 b/e.", ""]
     return "\n".join(lines)
