@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -30,6 +31,10 @@ SOURCE_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in SOURCE_DTYPES.items()}
+
+#: Metadata key of a raw dump holding identity, RoPE state and layer kinds (JSON).
+RAW_META_KEY = "kvcodec.cache"
+_LEGACY_META_KEY = "kvcodec.capture"  # written by early harness captures
 
 #: Tensor roles inside a layer. Full attention stores ``k`` and ``v``; MLA stores ``kv``.
 ROLES = ("k", "v", "kv")
@@ -215,7 +220,9 @@ class KVCache:
     def to_safetensors(self, path: str | os.PathLike[str]) -> None:
         """Write a raw dump: tensors ``layers.{i}.k`` / ``layers.{i}.v`` (MLA: ``layers.{i}.kv``).
 
-        Token ids and positions, when present, are stored as ``token_ids`` and ``positions``.
+        Token ids and positions, when present, are stored as ``token_ids`` and ``positions``; the
+        model identity, RoPE state and layer kinds as JSON under the metadata key
+        ``kvcodec.cache``, so :meth:`from_safetensors` restores the whole cache.
         The write is atomic (temporary file, fsync, rename).
         """
         from safetensors.torch import save
@@ -227,8 +234,15 @@ class KVCache:
             tensors["token_ids"] = self.token_ids.to(torch.int64).contiguous()
         if self.positions is not None:
             tensors["positions"] = self.positions.to(torch.int64).contiguous()
+        info = {
+            "model": self.model.to_dict(),
+            "rope_applied": bool(self.rope_applied),
+            "rope": self.rope,
+            "layer_info": [dataclasses.asdict(li) for li in self.layer_info],
+        }
         meta = {"kvcodec.raw": "1", "model_id": self.model.model_id,
-                "rope_applied": "1" if self.rope_applied else "0"}
+                "rope_applied": "1" if self.rope_applied else "0",
+                RAW_META_KEY: json.dumps(info, sort_keys=True, default=str)}
         atomic_write_bytes(path, save(tensors, metadata=meta))
 
     @classmethod
@@ -279,17 +293,30 @@ class KVCache:
         missing = [i for i in range(n) if i not in layers]
         if missing:
             raise InputError(f"{source}: layers {missing[:5]} are missing (layers must be 0..{n - 1})")
-        return cls(
+        cache = cls(
             layers=[layers[i] for i in range(n)],
             token_ids=extra.get("token_ids"),
             positions=extra.get("positions"),
             model=ModelIdentity(model_id=meta.get("model_id", "")),
             rope_applied=meta.get("rope_applied", "1") != "0",
         )
+        raw = meta.get(RAW_META_KEY) or meta.get(_LEGACY_META_KEY)
+        if raw:
+            try:
+                info = json.loads(raw)
+                cache.model = ModelIdentity.from_dict(info.get("model"))
+                cache.rope_applied = bool(info.get("rope_applied", True))
+                cache.rope = dict(info.get("rope") or {})
+                infos = [LayerInfo(kind=str(d["kind"]), window=int(d.get("window", 0)))
+                         for d in info.get("layer_info", [])]
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                raise InputError(f"{source}: bad {RAW_META_KEY} metadata: {e}") from None
+            if len(infos) == cache.num_layers:
+                cache.layer_info = infos
+        return cache
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:
-    import json
     import struct
 
     n = struct.unpack("<Q", data[:8])[0]

@@ -64,3 +64,25 @@ def test_missing_layer_rejected(tmp_path):
                "layers.2.k": torch.zeros(1, 1, 2), "layers.2.v": torch.zeros(1, 1, 2)}, tmp_path / "x")
     with pytest.raises(InputError, match="layers \\[1\\] are missing"):
         KVCache.from_safetensors(tmp_path / "x")
+
+
+def test_raw_dump_keeps_identity_rope_and_layer_kinds(tmp_path):
+    from kvcodec import LayerInfo, ModelIdentity
+
+    c = make_cache(layers=2)
+    c.model = ModelIdentity(model_id="m", revision="r1", config_hash="abc", tokenizer="tok")
+    c.layer_info = [LayerInfo("sliding", 8), LayerInfo("full", 0)]
+    c.rope, c.rope_applied = {"theta": 10000.0}, False
+    c.to_safetensors(tmp_path / "c.safetensors")
+    d = KVCache.from_safetensors(tmp_path / "c.safetensors")
+    assert d.model == c.model and d.layer_info == c.layer_info
+    assert d.rope == c.rope and d.rope_applied is False
+
+
+def test_raw_dump_with_bad_metadata_is_rejected(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"layers.0.k": torch.zeros(1, 1, 2), "layers.0.v": torch.zeros(1, 1, 2)},
+              tmp_path / "x", metadata={"kvcodec.cache": "{not json"})
+    with pytest.raises(InputError, match="bad kvcodec.cache metadata"):
+        KVCache.from_safetensors(tmp_path / "x")

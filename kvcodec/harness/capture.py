@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from importlib import resources
@@ -26,12 +25,11 @@ from typing import Any
 
 import torch
 
-from ..cache import DTYPE_NAMES, SOURCE_DTYPES, KVCache, LayerInfo, ModelIdentity
+from ..cache import DTYPE_NAMES, SOURCE_DTYPES, KVCache, ModelIdentity
 from ..errors import InputError
 
 #: File name of the vendored Jargon File excerpt (see kvcodec/data/PROVENANCE.md).
 DEFAULT_TEXT_FILE = "jargon_4.4.7_excerpt.txt"
-_META_KEY = "kvcodec.capture"
 
 
 def default_text() -> str:
@@ -186,65 +184,20 @@ def capture(
 
 # ---------------------------------------------------------------------- raw dumps with identity
 def save_raw(cache: KVCache, path: str | os.PathLike[str]) -> None:
-    """Write a raw safetensors dump (``layers.{i}.k`` ...) with the identity, RoPE state and
-    layer kinds in its metadata (key ``kvcodec.capture``, JSON), atomically.
+    """Write a raw safetensors dump with identity, RoPE state and layer kinds, atomically.
 
-    The file stays readable by :meth:`KVCache.from_safetensors`; :func:`load_raw` also restores
-    the metadata.
+    Same as :meth:`KVCache.to_safetensors`, kept as the harness's name for it.
     """
-    from safetensors.torch import save
-
-    from ..format.atomic import atomic_write_bytes
-
-    tensors = {f"layers.{i}.{r}": t.contiguous() for i, r, t in cache.tensors()}
-    if cache.token_ids is not None:
-        tensors["token_ids"] = cache.token_ids.to(torch.int64).contiguous()
-    if cache.positions is not None:
-        tensors["positions"] = cache.positions.to(torch.int64).contiguous()
-    info = {
-        "model": cache.model.to_dict(),
-        "rope_applied": bool(cache.rope_applied),
-        "rope": cache.rope,
-        "layer_info": [dataclasses.asdict(li) for li in cache.layer_info],
-        "dtype": DTYPE_NAMES[cache.dtype],
-    }
-    meta = {"kvcodec.raw": "1", "model_id": cache.model.model_id,
-            "rope_applied": "1" if cache.rope_applied else "0",
-            _META_KEY: json.dumps(info, sort_keys=True, default=str)}
-    atomic_write_bytes(path, save(tensors, metadata=meta))
+    cache.to_safetensors(path)
 
 
 def load_raw(path: str | os.PathLike[str]) -> KVCache:
-    """Read a raw dump; restore identity, RoPE and layer kinds when :func:`save_raw` wrote them.
+    """Read a raw dump with its identity, RoPE state and layer kinds (:meth:`KVCache.from_safetensors`).
 
     Raises:
         InputError: the file is missing or not a valid raw dump.
     """
-    from ..cache import _safetensors_metadata
-
-    cache = KVCache.from_safetensors(path)
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little")
-            meta = _safetensors_metadata(head + f.read(min(n, 100_000_000)))
-    except OSError:
-        return cache
-    raw = meta.get(_META_KEY)
-    if not raw:
-        return cache
-    try:
-        info = json.loads(raw)
-        cache.model = ModelIdentity.from_dict(info.get("model"))
-        cache.rope_applied = bool(info.get("rope_applied", True))
-        cache.rope = dict(info.get("rope") or {})
-        li = [LayerInfo(kind=str(d["kind"]), window=int(d.get("window", 0)))
-              for d in info.get("layer_info", [])]
-    except (ValueError, TypeError, KeyError) as e:
-        raise InputError(f"{os.fspath(path)}: bad {_META_KEY} metadata: {e}") from None
-    if len(li) == cache.num_layers:
-        cache.layer_info = li
-    return cache
+    return KVCache.from_safetensors(path)
 
 
 def default_cache(context: int = 2048, dtype: torch.dtype = torch.float16) -> KVCache:
