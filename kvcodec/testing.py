@@ -167,6 +167,23 @@ def value_cases(
     return out
 
 
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when two tensors have the same dtype, shape and bits (so -0 != 0 and NaNs compare by bits).
+
+    Example:
+        >>> bits_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+        False
+    """
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        iv = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(iv), b.contiguous().view(iv))
+    return torch.equal(a, b)
+
+
 __all__ = [
     "FORMATS",
     "FORMAT_EDGES",
@@ -176,6 +193,7 @@ __all__ = [
     "SOURCE_MAX",
     "SOURCE_SUBNORMAL",
     "SPECIAL_VALUES",
+    "bits_equal",
     "rounding_ties",
     "value_cases",
 ]

@@ -244,13 +244,7 @@ def test_minifloat_decode_keeps_shape():
 from kvcodec.quant import fast  # noqa: E402
 
 
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype.is_floating_point:
-        iv = {2: torch.int16, 4: torch.int32}[a.element_size()]
-        return torch.equal(a.view(iv), b.view(iv))
-    return torch.equal(a, b)
+from kvcodec.testing import bits_equal  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])

@@ -175,13 +175,7 @@ def test_decode_multiplies_in_the_documented_order():
 from kvcodec.quant import fast  # noqa: E402
 
 
-def _bits_equal(a, b):
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype.is_floating_point:
-        iv = {2: torch.int16, 4: torch.int32}[a.element_size()]
-        return torch.equal(a.view(iv), b.view(iv))
-    return torch.equal(a, b)
+from kvcodec.testing import bits_equal as _bits_equal  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", SOURCE_DTYPES)
