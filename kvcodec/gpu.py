@@ -989,13 +989,9 @@ def _cachegen_scale(enc: "EncodedTensor", where: str, t: int) -> np.ndarray:
 
 
 def _recorded(ctx: "TensorContext", name: str, where: str) -> int:
-    g = ctx.globals.get(name)
-    if g is None:
-        raise FormatError(f"{where}: global plane {name!r} (recorded quantization bins) is missing")
-    g = np.asarray(g)
-    if g.dtype != np.int32 or g.ndim != 2 or g.shape[1] != 2 or ctx.layer >= g.shape[0]:
-        raise FormatError(f"{where}: global plane {name!r} must be int32 [layers, 2], got {g.dtype}{list(g.shape)}")
-    return int(g[ctx.layer, 1 if ctx.role == "v" else 0])
+    from .codecs.cachegen import recorded_value
+
+    return recorded_value(ctx, name, where)
 
 
 @register_gpu_decoder("cachegen-lmcache")

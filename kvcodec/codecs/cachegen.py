@@ -110,8 +110,10 @@ def _global_plane(ctx: TensorContext, name: str, where: str) -> np.ndarray:
     return g
 
 
-def _role_col(role: str) -> int:
-    return 1 if role == "v" else 0  # MLA latent 'kv' follows the K rule
+def recorded_value(ctx: TensorContext, name: str, where: str) -> int:
+    """The value a file recorded for this tensor in global plane ``name`` (int32 ``[layers, 2]``:
+    column 0 for K, 1 for V; an MLA latent ``kv`` follows the K rule). Shared with the GPU decoder."""
+    return int(_global_plane(ctx, name, where)[ctx.layer, 1 if ctx.role == "v" else 0])
 
 
 def _scale_plane(enc: EncodedTensor, where: str, t: int) -> torch.Tensor:
@@ -184,7 +186,7 @@ class CacheGenCodec(Codec):
     def encode_tensor(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
         p = self.params
         where = f"layers.{ctx.layer}.{ctx.role}"
-        levels = int(_global_plane(ctx, "cachegen_levels", where)[ctx.layer, _role_col(ctx.role)])
+        levels = recorded_value(ctx, "cachegen_levels", where)
         t, h, d = x.shape
         xf = x.float().reshape(t, h * d)
         g = p["group"]
@@ -204,7 +206,7 @@ class CacheGenCodec(Codec):
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
         where = f"layers.{ctx.layer}.{ctx.role}"
-        rec = int(_global_plane(ctx, "cachegen_levels", where)[ctx.layer, _role_col(ctx.role)])
+        rec = recorded_value(ctx, "cachegen_levels", where)
         pr = enc.params
         g, la = pr.get("group"), pr.get("anchor_levels")
         if pr.get("levels") != rec or not isinstance(g, int) or g < 1 or not isinstance(la, int) or la < 3 or la % 2 == 0:
@@ -269,7 +271,7 @@ class CacheGenLMCacheCodec(Codec):
 
     def encode_tensor(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
         where = f"layers.{ctx.layer}.{ctx.role}"
-        bins = int(_global_plane(ctx, "cachegen_bins", where)[ctx.layer, _role_col(ctx.role)])
+        bins = recorded_value(ctx, "cachegen_bins", where)
         t, h, d = x.shape
         codes, scale = symmetric_token_quantize(x.float().reshape(t, h * d), bins - 1)
         planes = {"scale": scale.numpy()}
@@ -278,7 +280,7 @@ class CacheGenLMCacheCodec(Codec):
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
         where = f"layers.{ctx.layer}.{ctx.role}"
-        rec = int(_global_plane(ctx, "cachegen_bins", where)[ctx.layer, _role_col(ctx.role)])
+        rec = recorded_value(ctx, "cachegen_bins", where)
         if enc.params.get("bins") != rec or rec < 4 or rec % 2:
             raise FormatError(f"{where}: cachegen-lmcache params {enc.params!r} disagree with recorded bins {rec}")
         t, h, d = ctx.shape
