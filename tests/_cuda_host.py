@@ -16,6 +16,20 @@ import torch
 
 from kvcodec import gpu
 
+#: Codec configs every GPU decoder is checked with (host build and device), odd sizes included.
+GPU_CODEC_CONFIGS = [
+    {"id": "fp8", "format": "e4m3"}, {"id": "fp8", "format": "e5m2", "k_granularity": "channel"},
+    {"id": "fp8", "k_granularity": "block", "block": 16}, {"id": "fp8", "k_granularity": "block", "block": 24},
+    {"id": "fp8", "k_granularity": "token"}, {"id": "fp8", "k_granularity": "tensor"},
+    {"id": "nvfp4"},
+    {"id": "kivi", "bits": 4}, {"id": "kivi", "bits": 2, "group": 16}, {"id": "kivi", "bits": 3, "group": 5},
+    {"id": "kivi", "bits": 8, "residual": 4}, {"id": "kivi", "bits": 1, "group": 64}, {"id": "kivi", "bits": 5},
+    {"id": "kivi-ans", "bits": 4}, {"id": "kivi-ans", "bits": 2, "chunk": 8, "group": 5},
+    {"id": "kivi-ans", "bits": 4, "delta": 8, "chunk": 16}, {"id": "kivi-ans", "bits": 3, "tables": "cluster", "n_tables": 3},
+    {"id": "cachegen-lmcache", "chunk": 8}, {"id": "cachegen"}, {"id": "cachegen", "group": 1},
+    {"id": "cachegen", "group": 4, "chunk": 5, "anchor_levels": 31},
+]
+
 _OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 

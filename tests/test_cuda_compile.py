@@ -21,7 +21,7 @@ import torch
 from kvcodec import gpu
 from kvcodec.errors import DeviceError, FormatError
 
-from _cuda_host import build_harness, convert, run_on_host
+from _cuda_host import GPU_CODEC_CONFIGS, build_harness, convert, run_on_host
 
 ARCHS = (90, 80)
 #: Static shared memory a block may use without opting in (both sm_80 and sm_90).
@@ -303,18 +303,7 @@ SHAPES = [(33, 3, 64), (17, 2, 40), (1, 1, 16), (0, 2, 32), (5, 1, 7)]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
-@pytest.mark.parametrize("config", [
-    {"id": "fp8", "format": "e4m3"}, {"id": "fp8", "format": "e5m2", "k_granularity": "channel"},
-    {"id": "fp8", "k_granularity": "block", "block": 16}, {"id": "fp8", "k_granularity": "block", "block": 24},
-    {"id": "fp8", "k_granularity": "token"}, {"id": "fp8", "k_granularity": "tensor"},
-    {"id": "nvfp4"},
-    {"id": "kivi", "bits": 4}, {"id": "kivi", "bits": 2, "group": 16}, {"id": "kivi", "bits": 3, "group": 5},
-    {"id": "kivi", "bits": 8, "residual": 4}, {"id": "kivi", "bits": 1, "group": 64}, {"id": "kivi", "bits": 5},
-    {"id": "kivi-ans", "bits": 4}, {"id": "kivi-ans", "bits": 2, "chunk": 8, "group": 5},
-    {"id": "kivi-ans", "bits": 4, "delta": 8, "chunk": 16}, {"id": "kivi-ans", "bits": 3, "tables": "cluster", "n_tables": 3},
-    {"id": "cachegen-lmcache", "chunk": 8}, {"id": "cachegen"}, {"id": "cachegen", "group": 1},
-    {"id": "cachegen", "group": 4, "chunk": 5, "anchor_levels": 31},
-])
+@pytest.mark.parametrize("config", GPU_CODEC_CONFIGS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gpu_decoder_host_build_matches_reference(host_runner, config, dtype, shape):

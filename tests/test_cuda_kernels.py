@@ -20,6 +20,8 @@ import kvcodec
 from kvcodec import gpu
 from kvcodec.codec import TensorContext
 from kvcodec.errors import InputError, StreamError
+
+from _cuda_host import GPU_CODEC_CONFIGS  # noqa: E402
 from kvcodec.testing import SHAPES, value_cases
 
 #: KVCODEC_GPU_DRYRUN=1 runs this module without a GPU: every launch goes through the host
@@ -48,19 +50,7 @@ def _dryrun_host_runner(tmp_path_factory):
     yield
     mp.undo()
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-CONFIGS = [
-    {"id": "fp8", "format": "e4m3"}, {"id": "fp8", "format": "e5m2", "k_granularity": "channel"},
-    {"id": "fp8", "k_granularity": "block", "block": 16}, {"id": "fp8", "k_granularity": "block", "block": 24},
-    {"id": "fp8", "k_granularity": "token"}, {"id": "fp8", "k_granularity": "tensor"},
-    {"id": "nvfp4"},
-    {"id": "kivi", "bits": 4}, {"id": "kivi", "bits": 2, "group": 16}, {"id": "kivi", "bits": 3, "group": 5},
-    {"id": "kivi", "bits": 8, "residual": 4}, {"id": "kivi", "bits": 1, "group": 64}, {"id": "kivi", "bits": 5},
-    {"id": "kivi-ans", "bits": 4}, {"id": "kivi-ans", "bits": 2, "chunk": 8, "group": 5},
-    {"id": "kivi-ans", "bits": 4, "delta": 8, "chunk": 16}, {"id": "kivi-ans", "bits": 3, "tables": "cluster", "n_tables": 3},
-    {"id": "cachegen-lmcache", "chunk": 8}, {"id": "cachegen"}, {"id": "cachegen", "group": 1},
-    {"id": "cachegen", "group": 4, "chunk": 5, "anchor_levels": 31},
-    {"id": "raw"}, {"id": "fp16"},
-]
+CONFIGS = GPU_CODEC_CONFIGS + [{"id": "raw"}, {"id": "fp16"}]
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
