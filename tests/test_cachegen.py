@@ -120,8 +120,8 @@ def test_stage_planes_decode_bit_exact_with_reference_on_codec_output():
 
 @pytest.mark.model
 def test_real_smollm2_cache_bit_exact_and_near_entropy():
-    """On a real SmolLM2-135M cache: constriction, the integer reference and the numpy decoder
-    agree bit for bit on every codec's streams; the payload is within 1% of the ideal code length
+    """On a real SmolLM2-135M cache: the native C decoder, constriction, the integer reference and
+    the numpy decoder agree bit for bit on every codec's streams; the payload is within 1% of the ideal code length
     under the coded tables (plus ~32-46 bits per stream of ANS flush)."""
     pytest.importorskip("transformers")
     from kvcodec.harness import default_cache
@@ -137,9 +137,10 @@ def test_real_smollm2_cache_bit_exact_and_near_entropy():
                     sub = take_prefix(enc.planes, prefix)
                     if not sub:
                         continue
-                    x = EntropyStage().decode(sub)
+                    x = EntropyStage().decode(sub)  # native where it builds
                     ref_rows = slice(0, 48)  # the pure-Python reference on a subset of streams: speed
                     assert np.array_equal(EntropyStage().decode(sub, method="numpy"), x)
+                    assert np.array_equal(EntropyStage().decode(sub, method="constriction"), x)
                     lay = StageLayout(sub["meta"])
                     sub_small = _restrict(sub, lay, ref_rows)
                     assert np.array_equal(EntropyStage().decode(sub_small, method="reference"), x[ref_rows]), (name, i, r)

@@ -120,9 +120,12 @@ def test_stage_vector(name):
     planes = {k: np.array(p["data"], dtype=p["dtype"]).reshape(p["shape"]) for k, p in v["planes"].items()}
     x = np.array(v["symbols"], dtype=np.int64)
     st = EntropyStage(**v["config"])
-    for method in ("constriction", "reference", "numpy"):
+    from kvcodec import native
+
+    for method in ("constriction", "reference", "numpy") + (("native",) if native.available() else ()):
         assert np.array_equal(st.decode(planes, method=method), x)
-    again = st.encode(x, alphabet=int(planes["meta"][6]))
-    assert sorted(again) == sorted(planes)
-    for k in planes:
-        assert again[k].dtype == planes[k].dtype and np.array_equal(again[k], planes[k]), k
+    for enc_method in ("constriction",) + (("native",) if native.available() else ()):
+        again = st.encode(x, alphabet=int(planes["meta"][6]), method=enc_method)
+        assert sorted(again) == sorted(planes)
+        for k in planes:
+            assert again[k].dtype == planes[k].dtype and np.array_equal(again[k], planes[k]), k

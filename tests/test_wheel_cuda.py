@@ -1,4 +1,4 @@
-"""An installed wheel finds the CUDA kernel sources.
+"""An installed wheel finds the CUDA kernel sources (and carries the native CPU coder's C source).
 
 The kernels live in the top-level cuda/ folder; pyproject force-includes it as kvcodec/_cuda and
 kvcodec.gpu looks there first. This test builds the wheel, checks every kernel source is inside
@@ -45,6 +45,8 @@ def test_wheel_carries_and_finds_kernel_sources(tmp_path):
             name = f"kvcodec/_cuda/{p.name}"
             assert name in names, f"{name} missing from {wheel.name}"
             assert z.read(name) == p.read_bytes(), f"{name} differs from cuda/{p.name}"
+        # the native CPU coder's C source, compiled on first use (kvcodec/native)
+        assert z.read("kvcodec/native/kvc_cpu.c") == (ROOT / "kvcodec" / "native" / "kvc_cpu.c").read_bytes()
         site = tmp_path / "site"
         z.extractall(site)
     # a fresh interpreter, outside the checkout, with only the unpacked wheel on its path

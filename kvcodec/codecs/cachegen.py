@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import native
 from ..cache import KVCache
 from ..codec import Codec, EncodedTensor, TensorContext, register_codec, register_preset
 from ..entropy.stage import EntropyStage, add_prefix, take_prefix
@@ -95,9 +96,10 @@ def _check_stage_params(codec: Codec) -> None:
         raise ConfigError(f"codec {codec.codec_id!r}: {e}") from None
 
 
-def _rows(codes: torch.Tensor) -> np.ndarray:
-    """``[T, C]`` codes -> ``[C, T]`` rows (one row per channel: its own distribution)."""
-    return np.ascontiguousarray(codes.numpy().T)
+def _tokens(codes: torch.Tensor) -> np.ndarray:
+    """``[T, C]`` codes as the stage's token-major symbols (rows = channels: one distribution
+    per channel), narrowed to 16 bits (levels are at most 4095)."""
+    return codes.numpy().astype(np.uint16)
 
 
 def _global_plane(ctx: TensorContext, name: str, where: str) -> np.ndarray:
@@ -126,13 +128,16 @@ def _scale_plane(enc: EncodedTensor, where: str, t: int) -> torch.Tensor:
     return st
 
 
-def _decode_rows(planes: dict[str, np.ndarray], prefix: str, rows: int, n: int, alphabet: int, where: str) -> torch.Tensor:
+def _decode_tokens(planes: dict[str, np.ndarray], prefix: str, rows: int, n: int, alphabet: int, where: str) -> np.ndarray:
+    """A stage's codes as ``[n, rows]`` (token-major, uint8 or uint16)."""
     try:
-        x = EntropyStage().decode(take_prefix(planes, prefix), expected=(rows, n, alphabet))
+        return EntropyStage().decode(take_prefix(planes, prefix), expected=(rows, n, alphabet), layout="tokens")
     except FormatError as e:
         raise type(e)(f"{where}: {prefix}stage: {e}") from None
-    # narrow before transposing (alphabets here are < 2**15): the strided copy moves 2 bytes per code
-    return torch.from_numpy(np.ascontiguousarray(x.astype(np.int16).T))
+
+
+def _to_torch(codes: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(codes.astype(np.int16))  # alphabets here are < 2**15
 
 
 # ---------------------------------------------------------------------- cachegen (paper)
@@ -200,8 +205,8 @@ class CacheGenCodec(Codec):
         st = EntropyStage(**_stage_params(p))
         sa = EntropyStage(**{**_stage_params(p), "tables": "cluster", "n_tables": p["anchor_tables"]})
         planes = {"scale": scale.numpy()}
-        planes.update(add_prefix(sa.encode(_rows(anc_codes), alphabet=p["anchor_levels"]), "anc_"))
-        planes.update(add_prefix(st.encode(_rows(dl_codes), alphabet=levels), "ans_"))
+        planes.update(add_prefix(sa.encode(_tokens(anc_codes), alphabet=p["anchor_levels"], layout="tokens"), "anc_"))
+        planes.update(add_prefix(st.encode(_tokens(dl_codes), alphabet=levels, layout="tokens"), "ans_"))
         return EncodedTensor(planes, {"levels": levels, "group": g, "anchor_levels": p["anchor_levels"]})
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
@@ -215,12 +220,22 @@ class CacheGenCodec(Codec):
         scale = _scale_plane(enc, where, t)
         is_anchor = torch.arange(t) % g == 0
         na = int(is_anchor.sum())
-        anc = _decode_rows(enc.planes, "anc_", h * d, na, la, where)
-        dl = _decode_rows(enc.planes, "ans_", h * d, t - na, rec, where)
-        anc_hat = symmetric_token_dequantize(anc, scale[is_anchor], la)
+        anc = _decode_tokens(enc.planes, "anc_", h * d, na, la, where)
+        dl = _decode_tokens(enc.planes, "ans_", h * d, t - na, rec, where)
+        if native.available():  # the same float32 arithmetic in one pass per stage, cast in place
+            s32 = scale.numpy().astype(np.float32)
+            tok = np.arange(t)
+            anc_hat = torch.empty((na, h * d), dtype=torch.float32)
+            out = torch.empty((t, h * d), dtype=ctx.dtype)
+            native.rows_affine(anc, np.arange(na), s32[tok % g == 0], (la - 1) // 2, anc_hat, max_code=la - 1)
+            native.rows_affine(anc, tok[tok % g == 0], s32[tok % g == 0], (la - 1) // 2, out, max_code=la - 1)
+            native.rows_affine(dl, tok[tok % g != 0], s32[tok % g != 0], (rec - 1) // 2, out, max_code=rec - 1,
+                               base=anc_hat.numpy(), brow=tok[tok % g != 0] // g)
+            return out.reshape(t, h, d)
+        anc_hat = symmetric_token_dequantize(_to_torch(anc), scale[is_anchor], la)
         out = torch.empty(t, h * d, dtype=torch.float32)
         out[is_anchor] = anc_hat
-        out[~is_anchor] = anc_hat[torch.arange(t)[~is_anchor] // g] + symmetric_token_dequantize(dl, scale[~is_anchor], rec)
+        out[~is_anchor] = anc_hat[torch.arange(t)[~is_anchor] // g] + symmetric_token_dequantize(_to_torch(dl), scale[~is_anchor], rec)
         return out.reshape(t, h, d).to(ctx.dtype)
 
 
@@ -275,7 +290,7 @@ class CacheGenLMCacheCodec(Codec):
         t, h, d = x.shape
         codes, scale = symmetric_token_quantize(x.float().reshape(t, h * d), bins - 1)
         planes = {"scale": scale.numpy()}
-        planes.update(add_prefix(self._stage().encode(_rows(codes), alphabet=bins), "ans_"))
+        planes.update(add_prefix(self._stage().encode(_tokens(codes), alphabet=bins, layout="tokens"), "ans_"))
         return EncodedTensor(planes, {"bins": bins})
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
@@ -285,10 +300,15 @@ class CacheGenLMCacheCodec(Codec):
             raise FormatError(f"{where}: cachegen-lmcache params {enc.params!r} disagree with recorded bins {rec}")
         t, h, d = ctx.shape
         scale = _scale_plane(enc, where, t)
-        codes = _decode_rows(enc.planes, "ans_", h * d, t, rec, where)
-        if codes.numel() and int(codes.max()) > rec - 2:
+        codes = _decode_tokens(enc.planes, "ans_", h * d, t, rec, where)
+        if native.available():
+            out = torch.empty((t, h * d), dtype=ctx.dtype)
+            if native.rows_affine(codes, np.arange(t), scale.numpy().astype(np.float32), (rec - 2) // 2, out,
+                                  max_code=rec - 2):
+                return out.reshape(t, h, d)
+        if codes.size and int(codes.max()) > rec - 2:
             raise FormatError(f"{where}: code {int(codes.max())} outside the {rec - 1} levels")
-        return symmetric_token_dequantize(codes, scale, rec - 1).reshape(t, h, d).to(ctx.dtype)
+        return symmetric_token_dequantize(_to_torch(codes), scale, rec - 1).reshape(t, h, d).to(ctx.dtype)
 
 
 register_preset("cachegen", {"id": "cachegen"},

@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import native
 from ..codec import Codec, EncodedTensor, TensorContext, register_codec, register_preset
 from ..entropy.stage import EntropyStage, add_prefix, take_prefix
 from ..errors import ConfigError, FormatError
@@ -47,8 +48,9 @@ def _stage_params(p):
 
 
 def _decode_stage(planes, prefix, rows, n, alphabet, where) -> np.ndarray:
+    """The stage's symbols in token-major order ``[n, rows]`` (uint8 / uint16)."""
     try:
-        return EntropyStage().decode(take_prefix(planes, prefix), expected=(rows, n, alphabet))
+        return EntropyStage().decode(take_prefix(planes, prefix), expected=(rows, n, alphabet), layout="tokens")
     except FormatError as e:
         raise type(e)(f"{where}: {prefix}stage: {e}") from None
 
@@ -106,17 +108,18 @@ class KIVIANSCodec(Codec):
         t, h, d = x.shape
         axis = self.axis(ctx.role)
         q = intq_quantize_fast(x, bits, axis, group)  # bit-exact with intq_quantize_reference (H1's tests)
-        rows = np.ascontiguousarray(q.codes.numpy().reshape(t, h * d).T.astype(np.int32))
+        codes = q.codes.numpy().reshape(t, h * d)  # token-major [T, C]: the stage reads it as is
         planes = {"scale": q.scale.numpy(), "zero": q.zero.numpy()}
         st = EntropyStage(**_stage_params(p))
         if dl:
             is_anchor = np.arange(t) % dl == 0
-            anc = rows[:, is_anchor]
-            diff = rows[:, ~is_anchor] - rows[:, (np.arange(t)[~is_anchor] // dl) * dl] + (1 << bits) - 1
-            planes.update(add_prefix(st.encode(np.ascontiguousarray(anc), alphabet=1 << bits), "anc_"))
-            planes.update(add_prefix(st.encode(np.ascontiguousarray(diff), alphabet=(1 << (bits + 1)) - 1), "ans_"))
+            anc = codes[is_anchor]
+            diff = (codes[~is_anchor].astype(np.int16) - codes[(np.arange(t)[~is_anchor] // dl) * dl]
+                    + ((1 << bits) - 1)).astype(np.uint16)
+            planes.update(add_prefix(st.encode(anc, alphabet=1 << bits, layout="tokens"), "anc_"))
+            planes.update(add_prefix(st.encode(diff, alphabet=(1 << (bits + 1)) - 1, layout="tokens"), "ans_"))
         else:
-            planes.update(add_prefix(st.encode(rows, alphabet=max(2, 1 << bits)), "ans_"))
+            planes.update(add_prefix(st.encode(codes, alphabet=max(2, 1 << bits), layout="tokens"), "ans_"))
         return EncodedTensor(planes, {"axis": axis, "bits": bits, "group": group, "delta": dl})
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
@@ -125,26 +128,28 @@ class KIVIANSCodec(Codec):
         bits, group, axis, dl = check_kivi_ans_params(pr, where)
         t, h, d = ctx.shape
         c = h * d
-        if dl:
-            is_anchor = np.arange(t) % dl == 0
-            na = int(is_anchor.sum())
-            anc = _decode_stage(enc.planes, "anc_", c, na, 1 << bits, where)
-            diff = _decode_stage(enc.planes, "ans_", c, t - na, (1 << (bits + 1)) - 1, where)
-            rows = np.zeros((c, t), dtype=np.int64)
-            rows[:, is_anchor] = anc
-            rows[:, ~is_anchor] = diff.astype(np.int64) - ((1 << bits) - 1) + rows[:, (np.arange(t)[~is_anchor] // dl) * dl]
-        else:
-            rows = _decode_stage(enc.planes, "ans_", c, t, max(2, 1 << bits), where)
-        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= 1 << bits):
-            raise FormatError(f"{where}: decoded codes outside [0, 2**{bits})")
-        # narrow before transposing: the strided copy moves 1 byte per code, not 4 or 8
-        codes = torch.from_numpy(np.ascontiguousarray(rows.astype(np.uint8).T)).reshape(t, h, d)
         ps = intq_param_shape((t, h, d), axis, group)
         scale = plane_as_tensor(enc, ctx, "scale", np.float16, ps)
         zero = plane_as_tensor(enc, ctx, "zero", np.float16, ps)
         if scale.numel() and not bool((torch.isfinite(scale) & torch.isfinite(zero)).all()):
             raise FormatError(f"{where}: kivi-ans scale/zero must be finite")
-        return intq_dequantize_fast(IntQTensor(codes, scale, zero, bits, axis, group), ctx.dtype)
+        if dl:
+            is_anchor = np.arange(t) % dl == 0
+            na = int(is_anchor.sum())
+            anc = _decode_stage(enc.planes, "anc_", c, na, 1 << bits, where)
+            diff = _decode_stage(enc.planes, "ans_", c, t - na, (1 << (bits + 1)) - 1, where)
+            full = np.zeros((t, c), dtype=np.int16)
+            full[is_anchor] = anc
+            full[~is_anchor] = diff.astype(np.int16) - ((1 << bits) - 1) + anc[np.arange(t)[~is_anchor] // dl]
+            if full.size and (int(full.min()) < 0 or int(full.max()) >= 1 << bits):
+                raise FormatError(f"{where}: decoded codes outside [0, 2**{bits})")
+        else:  # the stage's alphabet is exactly the 2**bits codes
+            full = _decode_stage(enc.planes, "ans_", c, t, max(2, 1 << bits), where)
+        codes = full.astype(np.uint8, copy=False).reshape(t, h, d)
+        if native.available():
+            return native.intq_dequantize(codes, scale.numpy().astype(np.float32), zero.numpy().astype(np.float32),
+                                          axis, group, ctx.dtype)
+        return intq_dequantize_fast(IntQTensor(torch.from_numpy(codes), scale, zero, bits, axis, group), ctx.dtype)
 
 
 register_preset("kivi-4-ans", {"id": "kivi-ans", "bits": 4},

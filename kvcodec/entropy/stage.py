@@ -140,18 +140,16 @@ class EntropyStage:
         return f"EntropyStage(**{json.dumps(self.config, sort_keys=True)})"
 
     # ------------------------------------------------------------------ tables
-    def fit_tables(self, symbols: np.ndarray, alphabet: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Fit one table set to ``symbols[R, N]``: returns ``(tables uint32 [K, A], row_table)``.
+    def fit_tables(self, symbols: np.ndarray, alphabet: int, layout: str = "rows") -> tuple[np.ndarray, np.ndarray | None]:
+        """Fit one table set to ``symbols[R, N]`` (``[N, R]`` with ``layout="tokens"``): returns
+        ``(tables uint32 [K, A], row_table)``.
 
         ``row_table`` is ``None`` for ``"row"``/``"shared"`` modes (identity / all zero), else
         ``uint8``/``uint16 [R]``.
         """
-        x = np.asarray(symbols)
-        r, n = x.shape
-        a = int(alphabet)
+        hist = _histograms(symbols, int(alphabet), layout)
+        r = hist.shape[0]
         p = self.config["precision"]
-        flat = (np.arange(r, dtype=np.int64)[:, None] * a + x).ravel()
-        hist = np.bincount(flat, minlength=r * a).reshape(r, a)
         mode = self.config["tables"]
         if mode == "shared" or (mode == "cluster" and r <= 1):
             return build_tables(hist.sum(axis=0, keepdims=True), p), None
@@ -166,6 +164,8 @@ class EntropyStage:
         alphabet: int | None = None,
         tables: np.ndarray | None = None,
         row_table: np.ndarray | None = None,
+        method: str = "auto",
+        layout: str = "rows",
     ) -> dict[str, np.ndarray]:
         """Code ``symbols[R, N]`` (integers in ``[0, alphabet)``); return the planes.
 
@@ -176,22 +176,47 @@ class EntropyStage:
                 caller, e.g. once per file); then ``row_table`` gives each row's table (or the
                 identity / all-zero rule of formats/ANS.md applies).
             row_table: with external tables, the table index of each row ``[R]``.
+            method: ``"auto"`` (the native C coder when it builds, else constriction),
+                ``"native"`` or ``"constriction"``; every method gives identical bytes.
+            layout: ``"rows"`` (``symbols`` is ``[R, N]``) or ``"tokens"`` (``[N, R]``, the cache's
+                token-major order: no transposing copy on the native path).
 
         Raises:
             InputError: symbols not 2-D integers in range.
         """
         _need()
+        if method not in ("auto", "native", "constriction"):
+            raise ConfigError(f"unknown encode method {method!r}")
+        if layout not in ("rows", "tokens"):
+            raise ConfigError(f"unknown layout {layout!r} (rows or tokens)")
         x = np.asarray(symbols)
         if x.ndim != 2 or (x.size and x.dtype.kind not in "iu"):
             raise InputError(f"entropy stage needs a 2-D integer symbol array, got {x.dtype}{list(x.shape)}")
-        r, n = x.shape
-        lo, hi = (int(x.min()), int(x.max())) if x.size else (0, 0)
-        a = max(2, hi + 1) if alphabet is None else int(alphabet)
+        from .. import native
+
+        use_native = method == "native" or (method == "auto" and native.available())
+        if not use_native:
+            if layout == "tokens":
+                x = x.T
+            layout = "rows"
+            x = np.ascontiguousarray(x, dtype=np.int32)
+        r, n = x.shape if layout == "rows" else x.shape[::-1]
         p = self.config["precision"]
+        if alphabet is None or not use_native:
+            lo, hi = (int(x.min()), int(x.max())) if x.size else (0, 0)
+        else:  # the native histogram / encoder check the range themselves
+            lo, hi = 0, 0
+        a = max(2, hi + 1) if alphabet is None else int(alphabet)
         if lo < 0 or hi >= a or a < 2 or a > (1 << p):
             raise InputError(f"symbols must lie in [0, {a}) with 2 <= A <= 2**{p}; got range [{lo}, {hi}]")
-        x = np.ascontiguousarray(x, dtype=np.int32)
+        try:
+            return self._encode(x, r, n, a, tables, row_table, use_native, layout)
+        except StreamError as e:
+            raise InputError(f"entropy stage: {e}") from None
+
+    def _encode(self, x, r, n, a, tables, row_table, use_native, layout) -> dict[str, np.ndarray]:
         cfg = self.config
+        p = cfg["precision"]
         c = cfg["chunk"] if cfg["chunk"] > 0 else max(1, n)
         g = cfg["rows_per_stream"]
         n_chunks, n_groups = -(-n // c), -(-r // g)
@@ -206,9 +231,10 @@ class EntropyStage:
             sets = [(t, None if row_table is None else np.asarray(row_table))]
             flags |= FLAG_EXTERNAL_TABLES
         elif cfg["scope"] == "all":
-            sets = [self.fit_tables(x, a)]
+            sets = [self.fit_tables(x, a, layout)]
         else:
-            sets = [self.fit_tables(x[:, i * c:(i + 1) * c], a) for i in range(n_chunks)]
+            sets = [self.fit_tables(x[:, i * c:(i + 1) * c] if layout == "rows" else x[i * c:(i + 1) * c], a, layout)
+                    for i in range(n_chunks)]
         if sets:
             k = int(sets[0][0].shape[0])
         else:  # no chunks (N = 0): the table count the mode would give
@@ -229,6 +255,16 @@ class EntropyStage:
             rts.append(rt)
         if flags & FLAG_ROW_TABLE:
             rts = [np.arange(r) if (rt is None and k == r) else (np.zeros(r, np.int64) if rt is None else rt) for rt in rts]
+        meta = np.array([ANS_STAGE_VERSION, r, n, c, g, p, a, k, _SCOPES[cfg["scope"]], flags], dtype=np.uint32)
+        if sets and use_native:
+            from .. import native
+
+            lay = StageLayout(meta)
+            tsets = np.stack([np.asarray(t, dtype=np.uint32) for t, _ in sets])
+            rows = np.stack([(np.arange(r) if len(t) == r else np.zeros(r, np.int64)) if rt is None else rt
+                             for (t, _), rt in zip(sets, rts)])
+            w_all, offsets = native.encode_stage(lay, x, tsets, rows, layout=layout)
+            return self._planes(meta, w_all, offsets, sets, rts, flags, k, r, a, p)
         # index of each (set, row) into the flat list of models
         models = [constriction_models(tset) for tset, _ in sets]
         words: list[np.ndarray] = []
@@ -249,15 +285,14 @@ class EntropyStage:
                 words.append(w)
                 s += 1
                 offsets[s] = offsets[s - 1] + len(w)
-        total = int(offsets[-1])
-        if total >= 1 << 32:
+        w_all = np.concatenate(words).astype(np.uint32) if words else np.zeros(0, np.uint32)
+        return self._planes(meta, w_all, offsets, sets, rts, flags, k, r, a, p)
+
+    @staticmethod
+    def _planes(meta, w_all, offsets, sets, rts, flags, k, r, a, p) -> dict[str, np.ndarray]:
+        if int(offsets[-1]) >= 1 << 32:
             raise InputError("entropy stage output exceeds 2**32 words; use smaller tensors")
-        meta = np.array([ANS_STAGE_VERSION, r, n, c, g, p, a, k, _SCOPES[cfg["scope"]], flags], dtype=np.uint32)
-        planes = {
-            "meta": meta,
-            "words": np.concatenate(words).astype(np.uint32) if words else np.zeros(0, np.uint32),
-            "offsets": offsets.astype(np.uint32),
-        }
+        planes = {"meta": meta, "words": w_all, "offsets": offsets.astype(np.uint32)}
         if not flags & FLAG_EXTERNAL_TABLES:
             tab = np.stack([t for t, _ in sets]) if sets else np.ones((0, k, a), np.uint32)
             planes["tables"] = encode_tables(tab, p)
@@ -272,19 +307,24 @@ class EntropyStage:
         planes: dict[str, np.ndarray],
         tables: np.ndarray | None = None,
         row_table: np.ndarray | None = None,
-        method: str = "constriction",
+        method: str = "auto",
         expected: tuple[int, int, int] | None = None,
+        layout: str = "rows",
     ) -> np.ndarray:
         """Decode the planes back to ``int32 [R, N]``.
 
         Args:
             planes: the planes from :meth:`encode` (read from a file: validated here).
             tables, row_table: the external tables, if the stage was encoded with them.
-            method: ``"constriction"`` (fast path), ``"numpy"`` (vectorised across streams) or
-                ``"reference"`` (the pure-integer spec; slow).
+            method: ``"auto"`` (the native C decoder when it builds, else constriction),
+                ``"native"``, ``"constriction"``, ``"numpy"`` (vectorised across streams) or
+                ``"reference"`` (the pure-integer spec; slow). All give identical results.
             expected: ``(R, N, A)`` the caller knows from elsewhere (the manifest's tensor
                 shape): checked before anything is allocated, so a forged ``meta`` cannot make
                 the decoder allocate ``R * N`` symbols it was never meant to.
+            layout: ``"rows"`` returns ``int32 [R, N]``; ``"tokens"`` the transpose ``[N, R]`` as
+                ``uint8`` (``A <= 256``), ``uint16`` (``A <= 65536``) or ``int32`` — the codecs'
+                token-major order, which the native decoder writes directly.
 
         Raises:
             FormatError: planes missing or inconsistent. StreamError: a stream is corrupt or not
@@ -297,15 +337,31 @@ class EntropyStage:
             if (lay.R, lay.N, lay.A) != tuple(int(v) for v in expected):
                 raise FormatError(f"ANS stage is [{lay.R}, {lay.N}] over {lay.A} symbols, expected "
                                   f"[{expected[0]}, {expected[1]}] over {expected[2]}")
+        if layout not in ("rows", "tokens"):
+            raise ConfigError(f"unknown layout {layout!r} (rows or tokens)")
+        if method not in ("auto", "native", "constriction", "numpy", "reference"):
+            raise ConfigError(f"unknown decode method {method!r}")
         lay, words, offsets, tsets, rts = parse_planes(planes, tables, row_table)
+        if method in ("auto", "native"):
+            from .. import native
+
+            if method == "native" or native.available():
+                return native.decode_stage(lay, words, offsets, tsets, rts, layout=layout)
+            method = "constriction"
+        out = self._decode_rows(lay, words, offsets, tsets, rts, method)
+        if layout == "rows":
+            return out
+        dt = np.uint8 if lay.A <= 256 else np.uint16 if lay.A <= 65536 else np.int32
+        return np.ascontiguousarray(out.astype(dt).T)
+
+    @staticmethod
+    def _decode_rows(lay, words, offsets, tsets, rts, method) -> np.ndarray:
         if method == "reference":
             return _decode_reference(lay, words, offsets, tsets, rts)
         if method == "numpy":
             from .ans_vec import decode_stage_numpy
 
             return decode_stage_numpy(lay, words, offsets, tsets, rts)
-        if method != "constriction":
-            raise ConfigError(f"unknown decode method {method!r}")
         _need()
         out = np.zeros((lay.R, lay.N), dtype=np.int32)
         models = [constriction_models(tset) for tset in tsets]
@@ -425,6 +481,20 @@ def ideal_bits(symbols: np.ndarray, planes: dict[str, np.ndarray], tables: np.nd
         rows = rts[si]
         total += float((lay.P - logf[rows[:, None], x[:, t0:t1]]).sum())
     return total
+
+
+def _histograms(symbols: np.ndarray, a: int, layout: str) -> np.ndarray:
+    """``int64 [R, A]`` counts of each row's symbols (native when available, else numpy)."""
+    from .. import native
+
+    if native.available():
+        return native.histograms(symbols, a, layout)
+    x = np.asarray(symbols)
+    if layout == "tokens":
+        x = x.T
+    r = x.shape[0]
+    flat = (np.arange(r, dtype=np.int64)[:, None] * a + x).ravel()
+    return np.bincount(flat, minlength=r * a).reshape(r, a)
 
 
 def _cluster_tables(hist: np.ndarray, k: int, precision: int) -> tuple[np.ndarray, np.ndarray]:

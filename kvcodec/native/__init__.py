@@ -1,0 +1,332 @@
+"""Native CPU coder: the ANS stage encoder and decoder in C (kvcodec/native/kvc_cpu.c).
+
+The C source ships inside the package. On first use it is compiled with the system C compiler
+(``$CC``, else ``cc``/``gcc``/``clang``) into a shared library cached under
+``$KVCODEC_CACHE_DIR/native`` (default ``~/.cache/kvcodec/native``), keyed by the source, the
+compiler's version and the flags, and loaded with :mod:`ctypes` — no build step at install time,
+no Python headers, no extra dependency. Its output is bit-identical to the executable spec
+(:mod:`kvcodec.entropy.ans_ref`; tests/test_native.py), so it is purely a speed-up: when no
+compiler is available, kvcodec falls back to constriction and numpy with the same results.
+
+``KVCODEC_NATIVE`` controls it: ``auto`` (default: use it when it builds), ``0`` (never),
+``1`` (require it: :func:`lib` raises :class:`~kvcodec.errors.DependencyError` if it cannot build).
+
+Example:
+    >>> from kvcodec import native
+    >>> native.status()["mode"] in ("auto", "0", "1")
+    True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import DependencyError, StreamError
+
+SOURCE = Path(__file__).with_name("kvc_cpu.c")
+#: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
+CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
+ABI_VERSION = 3
+
+# status codes of kvc_cpu.c
+_OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
+OUT_I32_RN, OUT_U16_NR, OUT_U8_NR = 0, 1, 2
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"lib": None, "error": None, "tried": False, "path": None}
+
+
+def _mode() -> str:
+    m = os.environ.get("KVCODEC_NATIVE", "auto").strip().lower()
+    return m if m in ("0", "1") else "auto"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc and shutil.which(cc.split()[0]):
+        return cc.split()[0]
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
+            return name
+    return None
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("KVCODEC_CACHE_DIR")
+    return Path(base) if base else Path.home() / ".cache" / "kvcodec"
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise DependencyError("no C compiler found (cc, gcc or clang; or set $CC)")
+    try:
+        ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise DependencyError(f"C compiler {cc!r} does not run: {e}") from None
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + "\0".join([ver, *CFLAGS, platform.machine(), platform.system()]).encode()).hexdigest()[:20]
+    name = f"kvc_cpu-{key}{'.dll' if os.name == 'nt' else '.so'}"
+    out_dir = _cache_root() / "native"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / name
+        if not os.access(out_dir, os.W_OK) and not probe.exists():
+            raise OSError("not writable")
+    except OSError:
+        out_dir = Path(tempfile.gettempdir()) / f"kvcodec-native-{os.getuid() if hasattr(os, 'getuid') else 0}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+    so = out_dir / name
+    if not so.exists():
+        # compile to a private name, then rename: concurrent builders never see a partial file
+        fd, tmp = tempfile.mkstemp(prefix=".kvc_cpu-", suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            res = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+            if res.returncode != 0:
+                raise DependencyError(f"compiling {SOURCE.name} with {cc} failed: {res.stderr.strip()[:500]}")
+            os.replace(tmp, so)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(so))
+    if lib.kvn_abi_version() != ABI_VERSION:
+        raise DependencyError(f"{so} has ABI {lib.kvn_abi_version()}, expected {ABI_VERSION}")
+    p = ctypes.c_void_p
+    lib.kvn_ans_decode.argtypes = [p, p, p, p, p, p, ctypes.c_int, p]
+    lib.kvn_ans_decode.restype = ctypes.c_int
+    i64, i32, f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+    lib.kvn_ans_encode.argtypes = [p, p, p, p, ctypes.c_int, i64, i64, p, i64, p]
+    lib.kvn_ans_encode.restype = ctypes.c_int
+    lib.kvn_hist.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, i64, i64, p]
+    lib.kvn_hist.restype = ctypes.c_int
+    lib.kvn_convert.argtypes = [ctypes.c_int, ctypes.c_int, p, p, i64]
+    lib.kvn_convert.restype = None
+    lib.kvn_intq_dequant.argtypes = [p, i64, i64, i64, ctypes.c_int, i64, p, p, f32, ctypes.c_int, p]
+    lib.kvn_intq_dequant.restype = ctypes.c_int
+    lib.kvn_set_hw_f16.argtypes = [ctypes.c_int]
+    lib.kvn_set_hw_f16.restype = ctypes.c_int
+    lib.kvn_rows_affine.argtypes = [p, ctypes.c_int, i64, i64, p, p, i32, i32, p, p, ctypes.c_int, p]
+    lib.kvn_rows_affine.restype = ctypes.c_int
+    _state["path"] = str(so)
+    return lib
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded native library, or ``None`` when disabled or unavailable (``auto`` mode).
+
+    Raises:
+        DependencyError: ``KVCODEC_NATIVE=1`` and the library cannot be built.
+    """
+    mode = _mode()
+    if mode == "0":
+        return None
+    with _lock:
+        if not _state["tried"]:
+            _state["tried"] = True
+            try:
+                _state["lib"] = _build()
+            except (DependencyError, OSError) as e:
+                _state["error"] = str(e)
+    if _state["lib"] is None and mode == "1":
+        raise DependencyError(f"KVCODEC_NATIVE=1 but the native CPU coder is unavailable: {_state['error']}")
+    return _state["lib"]
+
+
+def available() -> bool:
+    """True when the native coder is enabled and builds on this machine."""
+    try:
+        return lib() is not None
+    except DependencyError:
+        return False
+
+
+def status() -> dict[str, Any]:
+    """``{"mode", "available", "path", "error"}``: what the native coder is doing and why."""
+    ok = available()
+    return {"mode": _mode(), "available": ok, "path": _state["path"], "error": None if ok else _state["error"]}
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def _flat_tables(lay, tsets: np.ndarray, rts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    tabs = np.ascontiguousarray(np.asarray(tsets, dtype=np.uint32).reshape(-1, lay.A))
+    table_of = np.asarray(rts, dtype=np.int64) + (np.arange(lay.n_sets, dtype=np.int64)[:, None] * lay.K)
+    geom = np.array([lay.R, lay.N, lay.C, lay.G, lay.P, lay.A, tabs.shape[0], lay.scope], dtype=np.int64)
+    return geom, tabs, np.ascontiguousarray(table_of, dtype=np.int32)
+
+
+_STATUS_TEXT = {
+    _ZERO_WORD: "stream ends in a zero word",
+    _NOT_CONSUMED: "not consumed exactly (corrupt or wrong index)",
+}
+
+
+def decode_stage(lay, words: np.ndarray, offsets: np.ndarray, tsets: np.ndarray, rts: np.ndarray,
+                 layout: str = "rows") -> np.ndarray:
+    """Decode validated stage planes (see :func:`kvcodec.entropy.stage.parse_planes`).
+
+    ``layout="rows"`` returns ``int32 [R, N]`` (as every other decoder); ``"tokens"`` returns the
+    transpose ``[N, R]`` in the narrowest unsigned dtype holding the alphabet (``uint8`` or
+    ``uint16``) — the cache's own token-major order, with no transposing copy afterwards.
+
+    Raises:
+        StreamError: a stream is corrupt or not consumed exactly (the first such stream).
+    """
+    lb = lib()
+    if lb is None:
+        raise DependencyError("native CPU coder unavailable")
+    geom, tabs, table_of = _flat_tables(lay, tsets, rts)
+    if layout == "rows":
+        out, kind = np.zeros((lay.R, lay.N), dtype=np.int32), OUT_I32_RN
+    elif lay.A <= 256:
+        out, kind = np.zeros((lay.N, lay.R), dtype=np.uint8), OUT_U8_NR
+    elif lay.A <= 65536:
+        out, kind = np.zeros((lay.N, lay.R), dtype=np.uint16), OUT_U16_NR
+    else:
+        return np.ascontiguousarray(decode_stage(lay, words, offsets, tsets, rts, "rows").T)
+    w = np.ascontiguousarray(words, dtype=np.uint32)
+    off = np.ascontiguousarray(offsets, dtype=np.uint32)
+    bad = np.full(1, -1, dtype=np.int64)
+    rc = lb.kvn_ans_decode(_ptr(geom), _ptr(w), _ptr(off), _ptr(tabs), _ptr(table_of), _ptr(out), kind, _ptr(bad))
+    if rc == _NOMEM:
+        raise MemoryError("native ANS decoder: out of memory")
+    if rc != _OK:
+        raise StreamError(f"ANS stream {int(bad[0])} {_STATUS_TEXT.get(rc, f'failed ({rc})')}")
+    return out
+
+
+_SYM_KIND = {np.dtype(np.int32): OUT_I32_RN, np.dtype(np.uint16): OUT_U16_NR, np.dtype(np.uint8): OUT_U8_NR}
+
+
+def symbol_view(symbols: np.ndarray, layout: str = "rows") -> tuple[np.ndarray, int, int, int]:
+    """``(array, kind, row_stride, token_stride)`` of a symbol matrix for the C functions:
+    ``layout="rows"`` is ``[R, N]``, ``"tokens"`` is ``[N, R]``; int32, uint16 and uint8 are
+    passed as they are, other integer dtypes are converted to int32 first."""
+    x = np.asarray(symbols)
+    if x.dtype not in _SYM_KIND:
+        if x.size and (x.dtype.kind not in "iu" or int(x.min()) < 0 or int(x.max()) >= 2**31):
+            raise StreamError("symbols must be non-negative integers below 2**31")
+        x = x.astype(np.int32)
+    x = np.ascontiguousarray(x)
+    n_cols = x.shape[1] if x.ndim == 2 else 0
+    return (x, _SYM_KIND[x.dtype], n_cols, 1) if layout == "rows" else (x, _SYM_KIND[x.dtype], 1, n_cols)
+
+
+def histograms(symbols: np.ndarray, alphabet: int, layout: str = "rows", t0: int = 0, t1: int | None = None) -> np.ndarray:
+    """``int64 [R, A]`` symbol counts per row over tokens ``[t0, t1)``.
+
+    Raises:
+        StreamError: a symbol outside ``[0, alphabet)``.
+    """
+    lb = lib()
+    if lb is None:
+        raise DependencyError("native CPU coder unavailable")
+    x, kind, sr, st = symbol_view(symbols, layout)
+    r, n = (x.shape if layout == "rows" else x.shape[::-1])
+    t1 = n if t1 is None else t1
+    hist = np.zeros((r, alphabet), dtype=np.int64)
+    if lb.kvn_hist(_ptr(x), kind, r, sr, st, t0, t1, alphabet, _ptr(hist)) != _OK:
+        raise StreamError(f"symbols must lie in [0, {alphabet})")
+    return hist
+
+
+def encode_stage(lay, symbols: np.ndarray, tsets: np.ndarray, rts: np.ndarray,
+                 layout: str = "rows") -> tuple[np.ndarray, np.ndarray]:
+    """Encode ``symbols`` (``[R, N]``, or ``[N, R]`` with ``layout="tokens"``) with the stage
+    geometry ``lay``; return ``(words uint32 [W], offsets int64 [S + 1])``, identical to the
+    reference encoder.
+
+    Raises:
+        StreamError: a symbol outside the alphabet.
+    """
+    lb = lib()
+    if lb is None:
+        raise DependencyError("native CPU coder unavailable")
+    geom, tabs, table_of = _flat_tables(lay, tsets, rts)
+    x, kind, sr, st = symbol_view(symbols, layout)
+    cap = lay.R * lay.N + 2 * lay.n_streams + 1
+    words = np.empty(cap, dtype=np.uint32)
+    offsets = np.zeros(lay.n_streams + 1, dtype=np.int64)
+    rc = lb.kvn_ans_encode(_ptr(geom), _ptr(tabs), _ptr(table_of), _ptr(x), kind, sr, st, _ptr(words), cap,
+                           _ptr(offsets))
+    if rc == _NOMEM:
+        raise MemoryError("native ANS encoder: out of memory")
+    if rc == _BAD_SYMBOL:
+        raise StreamError(f"symbols must lie in [0, {lay.A})")
+    if rc != _OK:  # pragma: no cover - the capacity bound is exact
+        raise StreamError(f"native ANS encoder failed ({rc})")
+    return words[: int(offsets[-1])].copy(), offsets
+
+
+# ---------------------------------------------------------------------------- dequantization
+F_F32, F_F16, F_BF16 = 0, 1, 2
+
+
+def float_kind(dtype) -> int:
+    """The C element kind of a torch float dtype (float32, float16, bfloat16)."""
+    import torch
+
+    return {torch.float32: F_F32, torch.float16: F_F16, torch.bfloat16: F_BF16}[dtype]
+
+
+def intq_dequantize(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, axis: str, group: int, dtype):
+    """KIVI dequantization of ``uint8 codes [T, H, D]`` into a new torch tensor of ``dtype``,
+    bit-identical to :func:`kvcodec.quant.fast.intq_dequantize_fast` (float32 ``code * scale +
+    zero``, clamped to the finite range of fp16/bf16, cast with round-to-nearest-even)."""
+    import torch
+
+    lb = lib()
+    if lb is None:
+        raise DependencyError("native CPU coder unavailable")
+    c = np.ascontiguousarray(codes, dtype=np.uint8)
+    t, h, d = c.shape
+    s = np.ascontiguousarray(scale, dtype=np.float32)
+    z = np.ascontiguousarray(zero, dtype=np.float32)
+    out = torch.empty((t, h, d), dtype=dtype)
+    fmax = 0.0 if dtype == torch.float32 else float(torch.finfo(dtype).max)
+    rc = lb.kvn_intq_dequant(_ptr(c), t, h, d, 0 if axis == "channel" else 1, group, _ptr(s), _ptr(z), fmax,
+                             float_kind(dtype), out.data_ptr())
+    if rc == _NOMEM:
+        raise MemoryError("native dequantization: out of memory")
+    return out
+
+
+def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int, out, *, max_code: int,
+                base: np.ndarray | None = None, brow: np.ndarray | None = None) -> bool:
+    """CacheGen-style dequantization into rows of ``out`` (a contiguous torch ``[rows, C]``
+    tensor): for code row ``j``, ``out[orow[j]] = f32(codes[j] - mid) * scale[j]`` (plus
+    ``base[brow[j]]`` first-operand-added when given), cast to ``out``'s dtype with RNE.
+    Returns False if a code exceeds ``max_code`` (the caller raises)."""
+    lb = lib()
+    if lb is None:
+        raise DependencyError("native CPU coder unavailable")
+    x, kind, _, _ = symbol_view(codes, "tokens")
+    n, c = x.shape
+    orow = np.ascontiguousarray(orow, dtype=np.int64)
+    sc = np.ascontiguousarray(scale, dtype=np.float32)
+    b = None if base is None else np.ascontiguousarray(base, dtype=np.float32)
+    br = None if brow is None else np.ascontiguousarray(brow, dtype=np.int64)
+    rc = lb.kvn_rows_affine(_ptr(x), kind, n, c, _ptr(orow), _ptr(sc), mid, max_code,
+                            None if b is None else _ptr(b), None if br is None else _ptr(br),
+                            float_kind(out.dtype), out.data_ptr())
+    if rc == _NOMEM:
+        raise MemoryError("native dequantization: out of memory")
+    return rc == _OK
+
+
+__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "lib", "rows_affine", "status",
+           "symbol_view"]

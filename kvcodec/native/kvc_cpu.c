@@ -1,0 +1,564 @@
+/* kvc_cpu.c -- native CPU coder for kvcodec's ANS entropy stages (formats/ANS.md).
+ *
+ * Plain C99 with no Python headers: kvcodec/native/__init__.py compiles it once with the system C
+ * compiler, caches the shared library and calls it through ctypes. It must agree bit for bit with
+ * the executable spec, kvcodec/entropy/ans_ref.py (tests/test_native.py checks this on random and
+ * real data, errors included):
+ *
+ *   stream: 64-bit state x, 32-bit words; the decoder pops words from the END of the stream.
+ *   decode: q = x & (2^24-1); s with C[s] <= q < C[s+1]; x = (x >> 24) * F[s] + q - C[s];
+ *           if x < 2^32 and words remain: x = x << 32 | next word.  End: no words left, x == 0.
+ *   encode: symbols last to first: if (x >> 40) >= F[s]: emit low word, x >>= 32;
+ *           x = (x / F[s]) << 24 | (C[s] + x % F[s]).  Flush: low word, then high word (if != 0).
+ *
+ * Stage geometry (ANS.md §3): symbols X[R, N]; stream s = c * n_groups + g holds rows
+ * [g*G, min(R, g*G+G)) over tokens [c*C, min(N, c*C+C)), row after row; the table of row r in
+ * chunk c is table_of[set * R + r] with set = scope ? c : 0, an index into the flat table list.
+ *
+ * Speed: symbols are found with a slot table (one load when its resolution equals the table
+ * precision; otherwise a few steps forward from the slot's first symbol), and LANES streams of the
+ * same shape are decoded in lockstep so their dependency chains overlap. The encoder divides by
+ * multiplying with a precomputed reciprocal (exact after one correction step).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { KVN_OK = 0, KVN_ZERO_WORD = 1, KVN_NOT_CONSUMED = 2, KVN_NOMEM = 3, KVN_BAD_SYMBOL = 4, KVN_OVERFLOW = 5 };
+enum { OUT_I32_RN = 0, OUT_U16_NR = 1, OUT_U8_NR = 2 }; /* int32 [R, N]; uint16 / uint8 [N, R] (transposed) */
+
+#define PREC 24
+#define QMASK ((1u << PREC) - 1u)
+#define LANES 4
+
+/* geometry vector passed from Python: R, N, C, G, P, A, n_tables, scope */
+typedef struct {
+  int64_t R, N, C, G, P, A, T, scope, n_groups, n_chunks, n_streams;
+} Geom;
+
+static void geom_read(const int64_t* g, Geom* o) {
+  o->R = g[0]; o->N = g[1]; o->C = g[2]; o->G = g[3]; o->P = g[4]; o->A = g[5]; o->T = g[6]; o->scope = g[7];
+  o->n_groups = (o->R + o->G - 1) / o->G;
+  o->n_chunks = o->N ? (o->N + o->C - 1) / o->C : 0;
+  o->n_streams = o->n_groups * o->n_chunks;
+}
+
+/* Cumulative tables at precision 24: cum[t * (A + 1) + s]. */
+static uint32_t* make_cum(const uint32_t* tables, const Geom* g) {
+  const int64_t A = g->A, sh = PREC - g->P;
+  uint32_t* cum = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(g->T * (A + 1)));
+  if (!cum) return NULL;
+  for (int64_t t = 0; t < g->T; ++t) {
+    uint32_t acc = 0;
+    uint32_t* c = cum + t * (A + 1);
+    const uint32_t* f = tables + t * A;
+    for (int64_t s = 0; s < A; ++s) {
+      c[s] = acc;
+      acc += f[s] << sh;
+    }
+    c[A] = acc; /* == 2^24 for a valid table (validated by the caller) */
+  }
+  return cum;
+}
+
+/* ------------------------------------------------------------------------------------ decode */
+typedef struct {
+  const uint32_t* w;
+  int64_t pos;
+  uint64_t x;
+} Stream;
+
+static int stream_init(Stream* st, const uint32_t* w, int64_t n) {
+  st->w = w;
+  st->pos = n;
+  st->x = 0;
+  if (n > 0) {
+    st->x = w[n - 1];
+    st->pos = n - 1;
+    if (st->x == 0) return KVN_ZERO_WORD;
+    if (st->pos > 0) { /* a single word is always < 2^32 */
+      st->x = (st->x << 32) | w[st->pos - 1];
+      st->pos -= 1;
+    }
+  }
+  return KVN_OK;
+}
+
+typedef struct {
+  const uint32_t* cum; /* A + 1 entries */
+  const uint16_t* lut; /* 2^b entries, or NULL: binary search */
+} Table;
+
+typedef struct {
+  uint32_t shift; /* 24 - b */
+  int exact;      /* b == P: the slot's symbol is the symbol */
+  int64_t A;
+} Lookup;
+
+static inline uint32_t find_symbol(const Table* tb, const Lookup* lk, uint32_t q) {
+  if (tb->lut) {
+    uint32_t s = tb->lut[q >> lk->shift];
+    if (!lk->exact)
+      while (tb->cum[s + 1] <= q) ++s;
+    return s;
+  }
+  uint32_t lo = 0, hi = (uint32_t)lk->A; /* cum[lo] <= q < cum[hi] */
+  while (hi - lo > 1) {
+    uint32_t mid = (lo + hi) >> 1;
+    if (tb->cum[mid] <= q) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+static inline uint32_t pop(Stream* st, const Table* tb, const Lookup* lk) {
+  const uint32_t q = (uint32_t)st->x & QMASK;
+  const uint32_t s = find_symbol(tb, lk, q);
+  const uint32_t c0 = tb->cum[s];
+  st->x = (st->x >> PREC) * (uint64_t)(tb->cum[s + 1] - c0) + (q - c0);
+  if (st->x < (1ull << 32) && st->pos > 0) {
+    st->pos -= 1;
+    st->x = (st->x << 32) | st->w[st->pos];
+  }
+  return s;
+}
+
+static inline void put(void* out, int kind, const Geom* g, int64_t r, int64_t t, uint32_t s) {
+  if (kind == OUT_U8_NR) ((uint8_t*)out)[t * g->R + r] = (uint8_t)s;
+  else if (kind == OUT_U16_NR) ((uint16_t*)out)[t * g->R + r] = (uint16_t)s;
+  else ((int32_t*)out)[r * g->N + t] = (int32_t)s;
+}
+
+/* Decode `nl` (1..LANES) streams of chunk c, groups g0 .. g0+nl-1, all with the same rows. */
+static int decode_lanes(const Geom* g, const uint32_t* words, const uint32_t* offsets, const Table* tabs,
+                        const Lookup* lk, const int32_t* table_of, int64_t c, int64_t g0, int nl, void* out,
+                        int kind, int64_t* bad) {
+  Stream st[LANES];
+  const int64_t t0 = c * g->C, t1 = t0 + g->C < g->N ? t0 + g->C : g->N;
+  const int64_t set = g->scope ? c : 0;
+  const int64_t nrows = (g0 * g->G + g->G < g->R ? g->G : g->R - g0 * g->G);
+  for (int l = 0; l < nl; ++l) {
+    const int64_t s = c * g->n_groups + g0 + l;
+    const int rc = stream_init(&st[l], words + offsets[s], (int64_t)offsets[s + 1] - (int64_t)offsets[s]);
+    if (rc != KVN_OK) {
+      *bad = s;
+      return rc;
+    }
+  }
+  for (int64_t k = 0; k < nrows; ++k) {
+    Table tb[LANES];
+    int64_t row[LANES];
+    for (int l = 0; l < nl; ++l) {
+      row[l] = (g0 + l) * g->G + k;
+      tb[l] = tabs[table_of[set * g->R + row[l]]];
+    }
+    if (nl == LANES) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint32_t s0 = pop(&st[0], &tb[0], lk);
+        const uint32_t s1 = pop(&st[1], &tb[1], lk);
+        const uint32_t s2 = pop(&st[2], &tb[2], lk);
+        const uint32_t s3 = pop(&st[3], &tb[3], lk);
+        put(out, kind, g, row[0], t, s0);
+        put(out, kind, g, row[1], t, s1);
+        put(out, kind, g, row[2], t, s2);
+        put(out, kind, g, row[3], t, s3);
+      }
+    } else {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int l = 0; l < nl; ++l) put(out, kind, g, row[l], t, pop(&st[l], &tb[l], lk));
+    }
+  }
+  for (int l = 0; l < nl; ++l) {
+    if (st[l].pos != 0 || st[l].x != 0) {
+      *bad = c * g->n_groups + g0 + l;
+      return KVN_NOT_CONSUMED;
+    }
+  }
+  return KVN_OK;
+}
+
+/* Decode a validated stage. geom: R, N, C, G, P, A, n_tables, scope. tables: [n_tables, A]
+ * frequencies at precision P; table_of: [n_sets, R]; out: see OUT_*. On error, *bad is the
+ * first failing stream (streams are checked in order). */
+int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* offsets, const uint32_t* tables,
+                   const int32_t* table_of, void* out, int kind, int64_t* bad) {
+  Geom g;
+  geom_read(geom, &g);
+  *bad = -1;
+  if (g.n_streams == 0) return KVN_OK;
+  uint32_t* cum = make_cum(tables, &g);
+  Table* tabs = (Table*)malloc(sizeof(Table) * (size_t)(g.T ? g.T : 1));
+  /* slot table resolution b: about as many slots per table as symbols it serves (building a
+   * table costs one step per slot, and small tables stay in L1), at least 2^6, at most the table
+   * precision and 2^12. */
+  const int64_t per_table = g.R * g.N / g.T;
+  int64_t b = 6;
+  while (b < 12 && ((int64_t)1 << (b + 1)) <= per_table) ++b;
+  if (b > g.P) b = g.P;
+  uint16_t* lut = NULL;
+  if (g.A <= 65536) lut = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(g.T << b));
+  if (!cum || !tabs || (g.A <= 65536 && !lut)) {
+    free(cum); free(tabs); free(lut);
+    return KVN_NOMEM;
+  }
+  Lookup lk;
+  lk.shift = (uint32_t)(PREC - b);
+  lk.exact = b == g.P;
+  lk.A = g.A;
+  for (int64_t t = 0; t < g.T; ++t) {
+    tabs[t].cum = cum + t * (g.A + 1);
+    tabs[t].lut = NULL;
+    if (lut) {
+      uint16_t* l = lut + (t << b);
+      const uint32_t* c = tabs[t].cum;
+      uint32_t s = 0;
+      for (int64_t j = 0; j < ((int64_t)1 << b); ++j) {
+        const uint32_t q0 = (uint32_t)j << lk.shift;
+        while (c[s + 1] <= q0) ++s;
+        l[j] = (uint16_t)s;
+      }
+      tabs[t].lut = l;
+    }
+  }
+  int rc = KVN_OK;
+  for (int64_t c = 0; c < g.n_chunks && rc == KVN_OK; ++c) {
+    /* full groups in batches of LANES; the last (ragged) group alone */
+    const int64_t full = (g.R % g.G == 0) ? g.n_groups : g.n_groups - 1;
+    int64_t g0 = 0;
+    for (; g0 + LANES <= full && rc == KVN_OK; g0 += LANES)
+      rc = decode_lanes(&g, words, offsets, tabs, &lk, table_of, c, g0, LANES, out, kind, bad);
+    for (; g0 < g.n_groups && rc == KVN_OK; ++g0)
+      rc = decode_lanes(&g, words, offsets, tabs, &lk, table_of, c, g0, 1, out, kind, bad);
+  }
+  free(cum);
+  free(tabs);
+  free(lut);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------------------ encode */
+static inline uint64_t mulhi64(uint64_t a, uint64_t b) {
+#ifdef __SIZEOF_INT128__
+  return (uint64_t)(((unsigned __int128)a * b) >> 64);
+#else
+  const uint64_t a0 = (uint32_t)a, a1 = a >> 32, b0 = (uint32_t)b, b1 = b >> 32;
+  const uint64_t p00 = a0 * b0, p01 = a0 * b1, p10 = a1 * b0, p11 = a1 * b1;
+  const uint64_t mid = (p00 >> 32) + (uint32_t)p01 + (uint32_t)p10;
+  return p11 + (p01 >> 32) + (p10 >> 32) + (mid >> 32);
+#endif
+}
+
+/* Encode a stage. sym: int32 [R, N] row-major, values already checked to lie in [0, A).
+ * words: capacity `cap` (R*N + 2*S always suffices: at most one word per symbol plus the
+ * two-word flush); offsets: int64 [S + 1]. Returns KVN_OVERFLOW if cap is too small. */
+static inline int32_t sym_at(const void* sym, int kind, int64_t i) {
+  if (kind == OUT_U8_NR) return ((const uint8_t*)sym)[i];
+  if (kind == OUT_U16_NR) return ((const uint16_t*)sym)[i];
+  return ((const int32_t*)sym)[i];
+}
+
+/* Histograms hist[r * A + s] (int64, accumulated) of rows [0, R) over tokens [t0, t1) of a
+ * symbol matrix with element kind `kind` (OUT_*: int32 / uint16 / uint8) and strides sr (row),
+ * st (token), in elements. KVN_BAD_SYMBOL if a symbol lies outside [0, A). */
+int kvn_hist(const void* sym, int kind, int64_t R, int64_t sr, int64_t st, int64_t t0, int64_t t1, int64_t A,
+             int64_t* hist) {
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t r = 0; r < R; ++r) {
+      const int32_t s = sym_at(sym, kind, r * sr + t * st);
+      if (s < 0 || s >= A) return KVN_BAD_SYMBOL;
+      hist[r * A + s] += 1;
+    }
+  }
+  return KVN_OK;
+}
+
+/* Encode a stage. sym: symbols X[r, t] at sym[r * sr + t * st] of element kind `kind` (OUT_*),
+ * values in [0, A) (else KVN_BAD_SYMBOL). words: capacity `cap` (R*N + 2*S always suffices: at
+ * most one word per symbol plus the two-word flush); offsets: int64 [S + 1]. */
+int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* table_of, const void* sym, int kind,
+                   int64_t sr, int64_t st, uint32_t* words, int64_t cap, int64_t* offsets) {
+  Geom g;
+  geom_read(geom, &g);
+  offsets[0] = 0;
+  if (g.n_streams == 0) return KVN_OK;
+  const int64_t A = g.A, sh = PREC - g.P;
+  /* per (table, symbol): frequency and start at precision 24, and floor((2^64 - 1) / F): then
+   * q' = mulhi(x, inv) is q or q - 1 (q = x / F), fixed by one comparison. */
+  uint32_t* fc = (uint32_t*)malloc(sizeof(uint32_t) * 2 * (size_t)(g.T * A));
+  uint64_t* inv = (uint64_t*)malloc(sizeof(uint64_t) * (size_t)(g.T * A));
+  if (!fc || !inv) {
+    free(fc); free(inv);
+    return KVN_NOMEM;
+  }
+  for (int64_t i = 0; i < g.T; ++i) {
+    uint32_t acc = 0;
+    for (int64_t s = 0; s < A; ++s) {
+      const uint32_t f = tables[i * A + s] << sh;
+      fc[2 * (i * A + s)] = f;
+      fc[2 * (i * A + s) + 1] = acc;
+      inv[i * A + s] = UINT64_MAX / f;
+      acc += f;
+    }
+  }
+  /* Streams are encoded in blocks of up to EBLOCK groups of one chunk: their symbols are first
+   * gathered into a row-major scratch block (reading the input in its own order: token-major
+   * input is read along rows of the cache, not down its columns), range-checked on the way. */
+  enum { EBLOCK = 32 };
+  const int64_t max_rows = EBLOCK * g.G < g.R ? EBLOCK * g.G : g.R;
+  const int64_t max_tok = g.C < g.N ? g.C : g.N;
+  int32_t* tmp = (int32_t*)malloc(sizeof(int32_t) * (size_t)(max_rows * max_tok + 1));
+  if (!tmp) {
+    free(fc); free(inv);
+    return KVN_NOMEM;
+  }
+  int64_t w = 0;
+  int rc = KVN_OK;
+  for (int64_t c = 0; c < g.n_chunks && rc == KVN_OK; ++c) {
+    const int64_t t0 = c * g.C, t1 = t0 + g.C < g.N ? t0 + g.C : g.N, nt = t1 - t0;
+    const int64_t set = g.scope ? c : 0;
+    for (int64_t gb = 0; gb < g.n_groups && rc == KVN_OK; gb += EBLOCK) {
+      const int64_t ge = gb + EBLOCK < g.n_groups ? gb + EBLOCK : g.n_groups;
+      const int64_t rb0 = gb * g.G, rb1 = ge * g.G < g.R ? ge * g.G : g.R;
+      int32_t lo = 0, hi = 0;
+      if (st == 1) {
+        for (int64_t r = rb0; r < rb1; ++r)
+          for (int64_t t = t0; t < t1; ++t) tmp[(r - rb0) * nt + (t - t0)] = sym_at(sym, kind, r * sr + t);
+      } else {
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t r = rb0; r < rb1; ++r) tmp[(r - rb0) * nt + (t - t0)] = sym_at(sym, kind, r * sr + t * st);
+      }
+      for (int64_t i = 0; i < (rb1 - rb0) * nt; ++i) {
+        lo = tmp[i] < lo ? tmp[i] : lo;
+        hi = tmp[i] > hi ? tmp[i] : hi;
+      }
+      if (lo < 0 || hi >= A) {
+        rc = KVN_BAD_SYMBOL;
+        break;
+      }
+      for (int64_t gi = gb; gi < ge; ++gi) {
+        const int64_t si = c * g.n_groups + gi;
+        const int64_t r0 = gi * g.G, r1 = r0 + g.G < g.R ? r0 + g.G : g.R;
+        if (w + (r1 - r0) * nt + 2 > cap) {
+          rc = KVN_OVERFLOW;
+          break;
+        }
+        uint64_t x = 0;
+        for (int64_t r = r1 - 1; r >= r0; --r) {
+          const int64_t base = (int64_t)table_of[set * g.R + r] * A;
+          const uint32_t* fcr = fc + 2 * base;
+          const uint64_t* invr = inv + base;
+          const int32_t* xs = tmp + (r - rb0) * nt;
+          for (int64_t t = nt - 1; t >= 0; --t) {
+            const int32_t s = xs[t];
+            const uint64_t f = fcr[2 * s], start = fcr[2 * s + 1];
+            if ((x >> 40) >= f) {
+              words[w++] = (uint32_t)x;
+              x >>= 32;
+            }
+            uint64_t q = mulhi64(x, invr[s]);
+            uint64_t rem = x - q * f;
+            if (rem >= f) {
+              q += 1;
+              rem -= f;
+            }
+            x = (q << PREC) | (start + rem);
+          }
+        }
+        while (x) {
+          words[w++] = (uint32_t)x;
+          x >>= 32;
+        }
+        offsets[si + 1] = w;
+      }
+    }
+  }
+  free(tmp);
+  free(fc);
+  free(inv);
+  return rc;
+}
+
+/* ------------------------------------------------------------------ float conversions */
+/* Element kinds of float arrays: float32, float16 bits, bfloat16 bits. */
+enum { F_F32 = 0, F_F16 = 1, F_BF16 = 2 };
+
+static inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+static inline float bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* float32 -> float16 bits, round to nearest even, overflow to inf (as torch's cast and numpy's
+ * astype); NaN becomes the quiet NaN 0x7e00 (never produced from valid files). F. Giesen's method
+ * written without branches (every path computed, then selected) so loops of it vectorise. */
+static inline uint16_t f32_to_f16(float f) {
+  uint32_t x = f32_bits(f);
+  const uint32_t sign = x & 0x80000000u;
+  x ^= sign;
+  /* normal: rebias the exponent by -112 (0xC8000000 mod 2^32), round the 13 dropped bits to even */
+  const uint32_t nrm = (x + 0xC8000FFFu + ((x >> 13) & 1u)) >> 13;
+  /* subnormal (< 2^-14): adding 0.5 puts the f16 quantum 2^-24 at float32's last bit, so the float
+   * add does the rounding */
+  const uint32_t sub = f32_bits(bits_f32(x) + 0.5f) - 0x3F000000u;
+  const uint32_t big = x > 0x7F800000u ? 0x7E00u : 0x7C00u; /* >= 2^16: inf (or NaN) */
+  uint32_t o = x < 0x38800000u ? sub : nrm;
+  o = x >= 0x47800000u ? big : o;
+  return (uint16_t)(o | (sign >> 16));
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* RNE on the dropped 16 bits (finite inputs) */
+  const uint32_t u = f32_bits(f);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* float16 bits -> float32, exact. */
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1f) return bits_f32(sign | 0x7f800000u | (m << 13));
+  if (e == 0) return bits_f32(sign) + (sign ? -1.0f : 1.0f) * (float)m * bits_f32(103u << 23); /* m * 2^-24 */
+  return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+static inline float load_f(const void* p, int kind, int64_t i) {
+  if (kind == F_F16) return f16_to_f32(((const uint16_t*)p)[i]);
+  if (kind == F_BF16) return bits_f32((uint32_t)((const uint16_t*)p)[i] << 16);
+  return ((const float*)p)[i];
+}
+
+/* Conversions for tests: kind F_F16 / F_BF16, float32 -> bits (dir 0) or bits -> float32 (dir 1). */
+
+
+/* ------------------------------------------------------------------ dequantization */
+/* Rows are computed in float32 into a scratch row (simple loops that vectorise), then stored as
+ * the output kind by store_row: float32 copy, bfloat16 rounding, or float16 -- with the F16C
+ * instruction (IEEE round to nearest even: the same bits as f32_to_f16) where the CPU has it. */
+static int use_hw_f16 = -1; /* -1: not decided yet; tests can force the software path */
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+__attribute__((target("avx,f16c"))) static void row_f16_hw(uint16_t* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128((__m128i*)(dst + i), h);
+  }
+  for (; i < n; ++i) dst[i] = f32_to_f16(src[i]);
+}
+static int have_hw_f16(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+}
+#else
+static void row_f16_hw(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_f16(src[i]);
+}
+static int have_hw_f16(void) { return 0; }
+#endif
+
+/* 1: use F16C when present (default), 0: always the portable conversion. Returns whether the
+ * hardware path is in use. */
+int kvn_set_hw_f16(int on) {
+  use_hw_f16 = on ? have_hw_f16() : 0;
+  return use_hw_f16;
+}
+
+static void store_row(void* out, int kind, int64_t o, const float* src, int64_t n) {
+  if (kind == F_F16) {
+    uint16_t* d = (uint16_t*)out + o;
+    if (use_hw_f16 < 0) use_hw_f16 = have_hw_f16();
+    if (use_hw_f16) {
+      row_f16_hw(d, src, n);
+    } else {
+      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
+    }
+  } else if (kind == F_BF16) {
+    uint16_t* d = (uint16_t*)out + o;
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+  } else {
+    memcpy((float*)out + o, src, sizeof(float) * (size_t)n);
+  }
+}
+
+static inline float clampf(float v, float m) { return v > m ? m : (v < -m ? -m : v); }
+
+/* KIVI (kvcodec.quant.intq): out[t, h, d] = f32(code) * scale + zero, clamped to +-fmax when
+ * fmax > 0 (fp16/bf16 outputs), then cast (out kind F_*). codes: uint8 [T, H, D]. scale/zero:
+ * float32; axis 0 ("channel"): [ceil(T/g), H, D], row t / g; axis 1 ("token"): [T, H, ceil(D/g)].
+ * Returns KVN_NOMEM if the scratch row cannot be allocated. */
+int kvn_intq_dequant(const uint8_t* codes, int64_t T, int64_t H, int64_t D, int axis, int64_t group,
+                     const float* scale, const float* zero, float fmax, int out_kind, void* out) {
+  const int64_t Cn = H * D, ng = (D + group - 1) / group;
+  const float m = fmax > 0.0f ? fmax : bits_f32(0x7f800000u); /* no clamp: +inf bound */
+  float* row = (float*)malloc(sizeof(float) * (size_t)(Cn > 0 ? Cn : 1));
+  if (!row) return KVN_NOMEM;
+  for (int64_t t = 0; t < T; ++t) {
+    const uint8_t* c = codes + t * Cn;
+    if (axis == 0) {
+      const float* s = scale + (t / group) * Cn;
+      const float* z = zero + (t / group) * Cn;
+      for (int64_t i = 0; i < Cn; ++i) row[i] = clampf((float)c[i] * s[i] + z[i], m);
+    } else {
+      for (int64_t h = 0; h < H; ++h) {
+        const float* s = scale + (t * H + h) * ng;
+        const float* z = zero + (t * H + h) * ng;
+        for (int64_t j = 0; j < ng; ++j) { /* one scale and zero per group of channels */
+          const int64_t d0 = j * group, d1 = d0 + group < D ? d0 + group : D;
+          const float sj = s[j], zj = z[j];
+          const uint8_t* cj = c + h * D;
+          float* rj = row + h * D;
+          for (int64_t d = d0; d < d1; ++d) rj[d] = clampf((float)cj[d] * sj + zj, m);
+        }
+      }
+    }
+    store_row(out, out_kind, t * Cn, row, Cn);
+  }
+  free(row);
+  return KVN_OK;
+}
+
+/* Per-token symmetric codes (CacheGen): for code row j (codes [n, C], kind OUT_U8_NR / OUT_U16_NR),
+ * v = f32(code - mid) * scale[j]; with base, v = base[brow[j], :] + v; written to output row
+ * orow[j] (out kind F_*, no clamp: the reference casts with .to(dtype)). Codes above max_code
+ * make it return KVN_BAD_SYMBOL (after finishing). */
+int kvn_rows_affine(const void* codes, int ckind, int64_t n, int64_t C, const int64_t* orow, const float* scale,
+                    int32_t mid, int32_t max_code, const float* base, const int64_t* brow, int out_kind, void* out) {
+  int32_t hi = 0;
+  float* row = (float*)malloc(sizeof(float) * (size_t)(C > 0 ? C : 1));
+  if (!row) return KVN_NOMEM;
+  for (int64_t j = 0; j < n; ++j) {
+    const float s = scale[j];
+    const float* b = base ? base + brow[j] * C : NULL;
+    if (ckind == OUT_U8_NR) {
+      const uint8_t* c = (const uint8_t*)codes + j * C;
+      for (int64_t i = 0; i < C; ++i) hi = c[i] > hi ? c[i] : hi;
+      for (int64_t i = 0; i < C; ++i) row[i] = (float)((int32_t)c[i] - mid) * s;
+    } else {
+      const uint16_t* c = (const uint16_t*)codes + j * C;
+      for (int64_t i = 0; i < C; ++i) hi = c[i] > hi ? c[i] : hi;
+      for (int64_t i = 0; i < C; ++i) row[i] = (float)((int32_t)c[i] - mid) * s;
+    }
+    if (b)
+      for (int64_t i = 0; i < C; ++i) row[i] = b[i] + row[i];
+    store_row(out, out_kind, orow[j] * C, row, C);
+  }
+  free(row);
+  return hi > max_code ? KVN_BAD_SYMBOL : KVN_OK;
+}
+
+/* Conversions for tests: kind F_F16 / F_BF16, float32 -> bits (dir 0, through store_row: the
+ * path the decoders use) or bits -> float32 (dir 1). */
+void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
+  if (dir == 0) {
+    store_row(out, kind, 0, (const float*)in, n);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) ((float*)out)[i] = load_f(in, kind, i);
+}
+
+/* ABI version: bump when a signature changes (the loader checks it). */
+int kvn_abi_version(void) { return 3; }

@@ -1,0 +1,224 @@
+"""The native C coder (kvcodec/native): bit-exact with the reference encoder and decoder, same
+errors, exact float conversions and dequantization, and a clean fallback without a compiler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvcodec
+from conftest import make_cache
+from kvcodec import native
+from kvcodec.entropy import EntropyStage, StageLayout
+from kvcodec.entropy.ans_ref import ans_decode_segments_reference
+from kvcodec.errors import DependencyError, InputError, StreamError
+from kvcodec.quant.fast import intq_dequantize_fast
+from kvcodec.quant.intq import IntQTensor, intq_param_shape
+
+pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine")
+
+
+def _random_stage(rng, big_alphabet=False):
+    r, n = int(rng.integers(1, 14)), int(rng.integers(0, 260))
+    a = int(rng.integers(2, 70000 if big_alphabet else 300))
+    p = int(rng.integers(max(1, (a - 1).bit_length()), 25))
+    cfg = {"precision": p, "chunk": int(rng.integers(0, 90)), "rows_per_stream": int(rng.integers(1, 5)),
+           "tables": str(rng.choice(["row", "shared", "cluster"])), "n_tables": int(rng.integers(1, 6)),
+           "scope": str(rng.choice(["all", "chunk"]))}
+    x = np.minimum(rng.geometric(float(rng.uniform(0.05, 0.9)), size=(r, n)) - 1, a - 1)
+    return EntropyStage(**cfg), x, a
+
+
+def test_native_builds_here():
+    """Where a C compiler exists the native coder must build (a silent fallback would hide it)."""
+    assert native.available(), native.status()
+    assert native.status()["path"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_encode_decode_bit_exact_with_reference(seed):
+    rng = np.random.default_rng(seed)
+    for trial in range(60):
+        st, x, a = _random_stage(rng, big_alphabet=trial % 15 == 0)
+        want = st.encode(x, alphabet=a, method="constriction")  # == the reference encoder (test_entropy)
+        for planes in (st.encode(x, alphabet=a, method="native"),
+                       st.encode(np.ascontiguousarray(x.T), alphabet=a, method="native", layout="tokens")):
+            assert sorted(planes) == sorted(want)
+            for k in want:
+                assert planes[k].dtype == want[k].dtype and np.array_equal(planes[k], want[k]), (trial, k)
+        assert np.array_equal(st.decode(want, method="native"), x)
+        tok = st.decode(want, method="native", layout="tokens")
+        assert tok.dtype == (np.uint8 if a <= 256 else np.uint16 if a <= 65536 else np.int32)
+        assert np.array_equal(tok, x.T)
+        if x.size <= 400:
+            assert np.array_equal(st.decode(want, method="reference"), x)
+
+
+def test_slot_table_resolutions():
+    """Precision above the slot-table resolution (per-chunk tables: coarse slots plus a forward
+    search) and at it (one lookup) decode the same."""
+    rng = np.random.default_rng(7)
+    x = np.minimum(rng.geometric(0.2, size=(64, 512)) - 1, 31)
+    for cfg in ({"precision": 16, "chunk": 16, "scope": "chunk"}, {"precision": 24, "chunk": 512},
+                {"precision": 12, "chunk": 64}, {"precision": 5, "chunk": 3}):
+        st = EntropyStage(**cfg)
+        planes = st.encode(x, alphabet=32, method="constriction")
+        assert np.array_equal(st.decode(planes, method="native"), x), cfg
+        assert np.array_equal(st.decode(planes, method="numpy"), x), cfg
+
+
+def test_corrupt_streams_same_verdict_and_stream_as_reference():
+    rng = np.random.default_rng(8)
+    x = rng.integers(0, 9, size=(9, 70))
+    st = EntropyStage(chunk=25, rows_per_stream=2)
+    planes = st.encode(x, alphabet=9)
+    for trial in range(60):
+        bad = {k: v.copy() for k, v in planes.items()}
+        if trial % 3 == 2 and bad["words"].size > 2:  # move a word between streams
+            s = int(rng.integers(1, bad["offsets"].size - 1))
+            if bad["offsets"][s] < bad["offsets"][s + 1]:
+                bad["offsets"][s] += 1
+        else:
+            i = int(rng.integers(bad["words"].size))
+            bad["words"][i] ^= np.uint32(1 << int(rng.integers(32)))
+        out = {}
+        for method in ("reference", "native", "constriction"):
+            try:
+                out[method] = st.decode(bad, method=method).tolist()
+            except StreamError as e:
+                out[method] = "error " + str(e).split(":")[0].split(" not")[0]
+        assert out["native"] == out["reference"], trial
+        assert isinstance(out["constriction"], str) == isinstance(out["reference"], str)
+
+
+def test_zero_last_word_and_exact_consumption():
+    f = np.array([3, 1], dtype=np.uint32)
+    st = EntropyStage(precision=2, chunk=0, tables="shared")
+    planes = st.encode(np.array([[0, 1, 0, 0, 1]]), alphabet=2)
+    bad = {k: v.copy() for k, v in planes.items()}
+    bad["words"] = np.append(bad["words"], np.uint32(0))
+    bad["offsets"][-1] += 1
+    with pytest.raises(StreamError, match="zero word"):
+        st.decode(bad, method="native")
+    with pytest.raises(StreamError, match="zero word"):
+        ans_decode_segments_reference(bad["words"], [(f, 5)])
+
+
+def test_out_of_range_symbols_rejected():
+    st = EntropyStage(chunk=8)
+    x = np.array([[0, 1, 2, 3]], dtype=np.uint8)
+    for layout, arr in (("rows", x), ("tokens", np.ascontiguousarray(x.T))):
+        with pytest.raises(InputError):
+            st.encode(arr, alphabet=3, method="native", layout=layout)
+    with pytest.raises(InputError):  # int64 values that would wrap in int32 are not taken
+        st.encode(np.array([[1, 2**32 + 1]]), alphabet=4, method="native")
+
+
+@pytest.fixture(params=["hw", "soft"])
+def f16_path(request):
+    """Both float16 conversions: F16C where the CPU has it, and the portable one."""
+    lb = native.lib()
+    on = lb.kvn_set_hw_f16(1 if request.param == "hw" else 0)
+    if request.param == "hw" and not on:
+        pytest.skip("this CPU has no F16C: only the portable conversion exists here")
+    yield request.param
+    lb.kvn_set_hw_f16(1)
+
+
+def test_float16_conversion_exact_against_torch(f16_path):
+    halves = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    f32 = np.empty(65536, dtype=np.float32)
+    native.lib().kvn_convert(1, 1, halves.ctypes.data, f32.ctypes.data, 65536)
+    want = torch.from_numpy(halves.view(np.int16)).view(torch.float16).float().numpy()
+    fin = np.isfinite(want)
+    assert np.array_equal(f32.view(np.uint32)[fin], want.view(np.uint32)[fin])
+    assert np.array_equal(np.isnan(f32), np.isnan(want))
+    # float32 -> float16: every half, the midpoints between neighbours and one ulp either side,
+    # the overflow boundary, and random values of every magnitude
+    fin_h = want[fin & (want >= 0)]
+    mids = (fin_h[:-1].astype(np.float64) + fin_h[1:]) / 2
+    cands = [want[fin], mids.astype(np.float32), np.array([65504, 65519.996, 65520, 65536, 1e30, 2**-25, 2**-26], np.float32)]
+    m32 = mids.astype(np.float32).view(np.uint32)
+    cands += [(m32 + 1).view(np.float32), (m32 - 1).view(np.float32)]
+    rnd = np.random.default_rng(9).integers(0, 2**32, size=200000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    cands.append(rnd[np.isfinite(rnd)])
+    x = np.concatenate(cands).astype(np.float32)
+    x = np.concatenate([x, -x])
+    got = np.empty(x.size, dtype=np.uint16)
+    native.lib().kvn_convert(1, 0, x.ctypes.data, got.ctypes.data, x.size)
+    assert np.array_equal(got, torch.from_numpy(x).to(torch.float16).view(torch.int16).numpy().view(np.uint16))
+    gotb = np.empty(x.size, dtype=np.uint16)
+    native.lib().kvn_convert(2, 0, x.ctypes.data, gotb.ctypes.data, x.size)
+    assert np.array_equal(gotb, torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("axis,shape,group", [("channel", (37, 3, 24), 16), ("token", (29, 2, 40), 32),
+                                             ("token", (5, 1, 7), 3), ("channel", (1, 2, 8), 64)])
+def test_intq_dequantize_matches_fast_path(dtype, axis, shape, group, f16_path):
+    rng = np.random.default_rng(10)
+    bits = 4
+    codes = rng.integers(0, 16, size=shape).astype(np.uint8)
+    ps = intq_param_shape(shape, axis, group)
+    scale = torch.from_numpy(rng.normal(0, 2, size=ps).astype(np.float16))
+    zero = torch.from_numpy(rng.normal(0, 50, size=ps).astype(np.float16))
+    scale[..., 0] = 60000  # exercise the clamp to the finite range
+    want = intq_dequantize_fast(IntQTensor(torch.from_numpy(codes), scale, zero, bits, axis, group), dtype)
+    got = native.intq_dequantize(codes, scale.numpy().astype(np.float32), zero.numpy().astype(np.float32),
+                                 axis, group, dtype)
+    assert got.dtype == dtype and torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                              want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rows_affine_matches_torch(dtype, f16_path):
+    rng = np.random.default_rng(11)
+    codes = rng.integers(0, 31, size=(20, 12)).astype(np.uint16)
+    scale = rng.uniform(0, 3000, size=20).astype(np.float16).astype(np.float32)
+    base = rng.normal(0, 1000, size=(4, 12)).astype(np.float32)
+    brow = np.arange(20) // 5
+    orow = rng.permutation(20)
+    out = torch.empty((20, 12), dtype=dtype)
+    assert native.rows_affine(codes, orow, scale, 15, out, max_code=30, base=base, brow=brow)
+    v = torch.from_numpy(base[brow]) + (torch.from_numpy(codes.astype(np.int64)) - 15).float() * torch.from_numpy(scale)[:, None]
+    want = torch.empty((20, 12), dtype=dtype)
+    want[torch.from_numpy(orow)] = v.to(dtype)
+    assert torch.equal(out.float(), want.float())
+    assert not native.rows_affine(codes, orow, scale, 15, out, max_code=29)
+
+
+ENTROPY_CODECS = ["kivi-4-ans", "kivi-2-ans", "kivi-4-delta-ans", "cachegen", "cachegen-lmcache", "kvc-near",
+                  {"id": "kivi-ans", "bits": 8, "delta": 3, "chunk": 7}, {"id": "cachegen", "group": 1}]
+
+
+@pytest.mark.parametrize("name", ENTROPY_CODECS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_codecs_same_bytes_and_values_without_native(name, dtype, monkeypatch):
+    """The fallback (constriction + numpy/torch) and the native path write the same file and
+    decode the same bits."""
+    cache = make_cache(layers=3, tokens=45, heads=2, dim=24, dtype=dtype, seed=3)
+    codec = kvcodec.get_codec(name)
+    blob = codec.encode(cache)
+    out = kvcodec.decode(blob)
+    monkeypatch.setenv("KVCODEC_NATIVE", "0")
+    assert not native.available()
+    assert codec.encode(cache) == blob
+    assert kvcodec.decode(blob).equal(out)
+
+
+def test_require_mode_raises_without_compiler(monkeypatch):
+    monkeypatch.setattr(native, "_state", {"lib": None, "error": None, "tried": False, "path": None})
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setenv("KVCODEC_NATIVE", "1")
+    with pytest.raises(DependencyError, match="no C compiler"):
+        native.lib()
+    monkeypatch.setenv("KVCODEC_NATIVE", "auto")
+    assert native.lib() is None and not native.available()
+    st = native.status()
+    assert st["available"] is False and "compiler" in st["error"]
+    # and everything still works through constriction
+    x = np.arange(12).reshape(3, 4) % 5
+    planes = EntropyStage(chunk=2).encode(x, alphabet=5)
+    assert np.array_equal(EntropyStage().decode(planes), x)
+    assert StageLayout(planes["meta"]).n_streams == 6
