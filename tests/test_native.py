@@ -222,3 +222,43 @@ def test_require_mode_raises_without_compiler(monkeypatch):
     planes = EntropyStage(chunk=2).encode(x, alphabet=5)
     assert np.array_equal(EntropyStage().decode(planes), x)
     assert StageLayout(planes["meta"]).n_streams == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_intq_quantize_matches_numpy_path(dtype, axis, monkeypatch, f16_path):
+    from kvcodec.quant.fast import intq_quantize_fast
+    from kvcodec.quant.intq import intq_quantize_reference
+
+    g = torch.Generator().manual_seed(12)
+    for bits, shape, group in [(4, (37, 3, 24), 16), (2, (29, 2, 40), 32), (8, (5, 1, 7), 3), (1, (64, 2, 8), 64),
+                               (3, (33, 1, 33), 5)]:
+        x = (torch.randn(shape, generator=g) * 3 + torch.arange(shape[2]) * 0.5).to(dtype)
+        x[0, 0, :3] = 0.0  # a constant group (scale 0) and a signed zero
+        x[1, 0, 0] = -0.0
+        x[2:4, 0, :] = x[2, 0, 0]
+        if dtype == torch.float32:
+            x[3, 0, 1] = 1e-42  # float32 subnormal
+        got = intq_quantize_fast(x, bits, axis, group)
+        with monkeypatch.context() as m:
+            m.setenv("KVCODEC_NATIVE", "0")
+            want = intq_quantize_fast(x, bits, axis, group)
+        for a, b in ((got.codes, want.codes), (got.scale, want.scale), (got.zero, want.zero)):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        if x.numel() < 2000:
+            ref = intq_quantize_reference(x, bits, axis, group)
+            assert torch.equal(ref.codes, got.codes) and torch.equal(ref.scale.view(torch.int16), got.scale.view(torch.int16))
+
+
+def test_intq_quantize_rejects_like_numpy_path(monkeypatch):
+    from kvcodec.quant.fast import intq_quantize_fast
+
+    for bad in (torch.tensor([[[1.0, float("nan")]]]), torch.tensor([[[1.0, float("inf")]]]),
+                torch.tensor([[[-7e4, 7e4]]])):
+        with pytest.raises(InputError) as e1:
+            intq_quantize_fast(bad, 4, "token", 32)
+        with monkeypatch.context() as m:
+            m.setenv("KVCODEC_NATIVE", "0")
+            with pytest.raises(InputError) as e2:
+                intq_quantize_fast(bad, 4, "token", 32)
+        assert str(e1.value) == str(e2.value)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import native
 from ..codec import Codec, EncodedTensor, TensorContext, register_codec, register_preset
 from ..entropy.stage import EntropyStage, add_prefix, take_prefix
 from ..errors import ConfigError, FormatError
@@ -146,9 +145,6 @@ class KIVIANSCodec(Codec):
         else:  # the stage's alphabet is exactly the 2**bits codes
             full = _decode_stage(enc.planes, "ans_", c, t, max(2, 1 << bits), where)
         codes = full.astype(np.uint8, copy=False).reshape(t, h, d)
-        if native.available():
-            return native.intq_dequantize(codes, scale.numpy().astype(np.float32), zero.numpy().astype(np.float32),
-                                          axis, group, ctx.dtype)
         return intq_dequantize_fast(IntQTensor(torch.from_numpy(codes), scale, zero, bits, axis, group), ctx.dtype)
 
 

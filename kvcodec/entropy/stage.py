@@ -518,7 +518,11 @@ def _cluster_tables(hist: np.ndarray, k: int, precision: int) -> tuple[np.ndarra
         if _ and (new == assign).all():
             break
         assign = new
-        centers = np.stack([h[assign == j].sum(0) + 0.5 if (assign == j).any() else centers[j] for j in range(k)])
+        # member sums of every cluster at once (integer counts: exact in float64, any order)
+        sums = np.zeros((k, a))
+        np.add.at(sums, assign, h)
+        used = np.bincount(assign, minlength=k) > 0
+        centers = np.where(used[:, None], sums + 0.5, centers)
     # empty clusters keep a table (from all rows) so every chunk's set has exactly k tables
     th = np.stack([hist[assign == j].sum(0) if (assign == j).any() else hist.sum(0) for j in range(k)])
     return build_tables(th, precision), assign.astype(np.uint8 if k <= 256 else np.uint16)

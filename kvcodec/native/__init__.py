@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -93,7 +93,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(prefix=".kvc_cpu-", suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            res = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+            res = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
             if res.returncode != 0:
                 raise DependencyError(f"compiling {SOURCE.name} with {cc} failed: {res.stderr.strip()[:500]}")
             os.replace(tmp, so)
@@ -115,6 +115,8 @@ def _build() -> ctypes.CDLL:
     lib.kvn_convert.restype = None
     lib.kvn_intq_dequant.argtypes = [p, i64, i64, i64, ctypes.c_int, i64, p, p, f32, ctypes.c_int, p]
     lib.kvn_intq_dequant.restype = ctypes.c_int
+    lib.kvn_intq_quant.argtypes = [p, ctypes.c_int, i64, i64, i64, ctypes.c_int, i64, ctypes.c_int, p, p, p]
+    lib.kvn_intq_quant.restype = ctypes.c_int
     lib.kvn_set_hw_f16.argtypes = [ctypes.c_int]
     lib.kvn_set_hw_f16.restype = ctypes.c_int
     lib.kvn_rows_affine.argtypes = [p, ctypes.c_int, i64, i64, p, p, i32, i32, p, p, ctypes.c_int, p]
@@ -305,6 +307,39 @@ def intq_dequantize(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, axis
     return out
 
 
+def intq_quantize(x, bits: int, axis: str, group: int):
+    """KIVI quantization of a ``[T, H, D]`` float16/bfloat16/float32 tensor in one native pass;
+    returns ``(codes uint8 [T, H, D], scale16, zero16)`` as torch tensors, bit-identical to
+    :func:`kvcodec.quant.fast.intq_quantize_fast`.
+
+    Raises:
+        InputError: NaN/Inf input, or a scale/zero beyond float16 (same messages as the fast path).
+    """
+    import torch
+
+    from ..errors import InputError
+    from ..quant.intq import intq_param_shape
+
+    lb = lib()
+    if lb is None:
+        raise DependencyError("native CPU coder unavailable")
+    xc = x.detach().cpu().contiguous()
+    t, h, d = xc.shape
+    codes = torch.empty((t, h, d), dtype=torch.uint8)
+    ps = intq_param_shape((t, h, d), axis, group)
+    scale = torch.empty(ps, dtype=torch.float16)
+    zero = torch.empty(ps, dtype=torch.float16)
+    rc = lb.kvn_intq_quant(xc.data_ptr(), float_kind(xc.dtype), t, h, d, 0 if axis == "channel" else 1, group, bits,
+                           scale.data_ptr(), zero.data_ptr(), codes.data_ptr())
+    if rc == 1:
+        raise InputError("input holds NaN or Inf values; refusing to quantize")
+    if rc == 2:
+        raise InputError("values too large for float16 scales/zeros (|x| or the group range exceeds 65504)")
+    if rc == _NOMEM:
+        raise MemoryError("native quantization: out of memory")
+    return codes, scale, zero
+
+
 def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int, out, *, max_code: int,
                 base: np.ndarray | None = None, brow: np.ndarray | None = None) -> bool:
     """CacheGen-style dequantization into rows of ``out`` (a contiguous torch ``[rows, C]``
@@ -328,5 +363,5 @@ def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int
     return rc == _OK
 
 
-__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "lib", "rows_affine", "status",
+__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "intq_quantize", "lib", "rows_affine", "status",
            "symbol_view"]

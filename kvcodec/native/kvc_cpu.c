@@ -22,6 +22,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 enum { KVN_OK = 0, KVN_ZERO_WORD = 1, KVN_NOT_CONSUMED = 2, KVN_NOMEM = 3, KVN_BAD_SYMBOL = 4, KVN_OVERFLOW = 5 };
@@ -193,6 +194,8 @@ int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
   const int64_t per_table = g.R * g.N / g.T;
   int64_t b = 6;
   while (b < 12 && ((int64_t)1 << (b + 1)) <= per_table) ++b;
+  /* exact slots (one lookup, no search) when they cost at most a few fills per symbol */
+  if (g.P <= 12 && (g.T << g.P) <= 4 * g.R * g.N + 65536) b = g.P;
   if (b > g.P) b = g.P;
   uint16_t* lut = NULL;
   if (g.A <= 65536) lut = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(g.T << b));
@@ -208,13 +211,14 @@ int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
     tabs[t].cum = cum + t * (g.A + 1);
     tabs[t].lut = NULL;
     if (lut) {
+      /* slot j holds the symbol whose interval contains j << shift: symbol s fills the slots
+       * from ceil(cum[s] / 2^shift) up to that of cum[s + 1] */
       uint16_t* l = lut + (t << b);
       const uint32_t* c = tabs[t].cum;
-      uint32_t s = 0;
-      for (int64_t j = 0; j < ((int64_t)1 << b); ++j) {
-        const uint32_t q0 = (uint32_t)j << lk.shift;
-        while (c[s + 1] <= q0) ++s;
-        l[j] = (uint16_t)s;
+      const uint32_t round = (1u << lk.shift) - 1u;
+      for (int64_t s = 0; s < g.A; ++s) {
+        const uint32_t j0 = (c[s] + round) >> lk.shift, j1 = (c[s + 1] + round) >> lk.shift;
+        for (uint32_t j = j0; j < j1; ++j) l[j] = (uint16_t)s;
       }
       tabs[t].lut = l;
     }
@@ -430,9 +434,6 @@ static inline float load_f(const void* p, int kind, int64_t i) {
   return ((const float*)p)[i];
 }
 
-/* Conversions for tests: kind F_F16 / F_BF16, float32 -> bits (dir 0) or bits -> float32 (dir 1). */
-
-
 /* ------------------------------------------------------------------ dequantization */
 /* Rows are computed in float32 into a scratch row (simple loops that vectorise), then stored as
  * the output kind by store_row: float32 copy, bfloat16 rounding, or float16 -- with the F16C
@@ -449,6 +450,11 @@ __attribute__((target("avx,f16c"))) static void row_f16_hw(uint16_t* dst, const 
   }
   for (; i < n; ++i) dst[i] = f32_to_f16(src[i]);
 }
+__attribute__((target("avx,f16c"))) static void row_f32_from_f16_hw(float* dst, const uint16_t* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+  for (; i < n; ++i) dst[i] = f16_to_f32(src[i]);
+}
 static int have_hw_f16(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
@@ -456,6 +462,9 @@ static int have_hw_f16(void) {
 #else
 static void row_f16_hw(uint16_t* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_f16(src[i]);
+}
+static void row_f32_from_f16_hw(float* dst, const uint16_t* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(src[i]);
 }
 static int have_hw_f16(void) { return 0; }
 #endif
@@ -481,6 +490,24 @@ static void store_row(void* out, int kind, int64_t o, const float* src, int64_t 
     for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
   } else {
     memcpy((float*)out + o, src, sizeof(float) * (size_t)n);
+  }
+}
+
+/* n values of a float16 / bfloat16 / float32 array from element o, as float32 (exact). */
+static void load_row(float* dst, const void* src, int kind, int64_t o, int64_t n) {
+  if (kind == F_F16) {
+    const uint16_t* h = (const uint16_t*)src + o;
+    if (use_hw_f16 < 0) use_hw_f16 = have_hw_f16();
+    if (use_hw_f16) {
+      row_f32_from_f16_hw(dst, h, n);
+    } else {
+      for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(h[i]);
+    }
+  } else if (kind == F_BF16) {
+    const uint16_t* h = (const uint16_t*)src + o;
+    for (int64_t i = 0; i < n; ++i) dst[i] = bits_f32((uint32_t)h[i] << 16);
+  } else {
+    memcpy(dst, (const float*)src + o, sizeof(float) * (size_t)n);
   }
 }
 
@@ -550,6 +577,95 @@ int kvn_rows_affine(const void* codes, int ckind, int64_t n, int64_t C, const in
   return hi > max_code ? KVN_BAD_SYMBOL : KVN_OK;
 }
 
+/* ------------------------------------------------------------------ quantization */
+/* KIVI quantization, bit-identical to kvcodec.quant.fast.intq_quantize_fast: per group,
+ * mn/mx = min/max (+0.0, so -0 becomes +0), scale16 = f16((mx - mn) / levels), zero16 = f16(mn),
+ * s, z = their float32 values, code = s > 0 ? clamp(rint((x - z) / s), 0, levels) : 0.
+ * x: [T, H, D] of kind F_*; axis 0 ("channel", K): groups of `group` tokens per channel, params
+ * [ceil(T/g), H, D]; axis 1 ("token", V): groups of `group` channels per (token, head), params
+ * [T, H, ceil(D/g)]. Returns 1 if x holds NaN/Inf, 2 if a scale or zero overflows float16,
+ * KVN_NOMEM; else KVN_OK. */
+int kvn_intq_quant(const void* x, int xkind, int64_t T, int64_t H, int64_t D, int axis, int64_t group, int bits,
+                   uint16_t* scale16, uint16_t* zero16, uint8_t* codes) {
+  const int64_t Cn = H * D, ng = (D + group - 1) / group;
+  const float levels = (float)((1 << bits) - 1);
+  const int64_t rows = axis == 0 ? (group < T ? group : T) : 1; /* token rows held at once */
+  float* buf = (float*)malloc(sizeof(float) * (size_t)((rows > 0 ? rows : 1) * (Cn > 0 ? Cn : 1) + 4 * (Cn > 0 ? Cn : 1)));
+  if (!buf) return KVN_NOMEM;
+  float* mn = buf + (rows > 0 ? rows : 1) * (Cn > 0 ? Cn : 1);
+  float* mx = mn + Cn;
+  float* sf = mx + Cn;
+  float* zf = sf + Cn;
+  int rc = KVN_OK;
+  if (axis == 0) {
+    for (int64_t t0 = 0; t0 < T && rc == KVN_OK; t0 += group) {
+      const int64_t nt = t0 + group < T ? group : T - t0, k = t0 / group;
+      for (int64_t j = 0; j < nt; ++j) load_row(buf + j * Cn, x, xkind, (t0 + j) * Cn, Cn);
+      for (int64_t i = 0; i < Cn; ++i) mn[i] = mx[i] = buf[i];
+      for (int64_t j = 0; j < nt; ++j) {
+        const float* r = buf + j * Cn;
+        for (int64_t i = 0; i < Cn; ++i) {
+          if (r[i] - r[i] != 0.0f) rc = 1; /* NaN or Inf */
+          mn[i] = r[i] < mn[i] ? r[i] : mn[i];
+          mx[i] = r[i] > mx[i] ? r[i] : mx[i];
+        }
+      }
+      if (rc != KVN_OK) break;
+      for (int64_t i = 0; i < Cn; ++i) {
+        const float lo = mn[i] + 0.0f, hi = mx[i] + 0.0f;
+        const uint16_t sh = f32_to_f16((hi - lo) / levels), zh = f32_to_f16(lo);
+        if ((sh & 0x7c00u) == 0x7c00u || (zh & 0x7c00u) == 0x7c00u) rc = 2;
+        scale16[k * Cn + i] = sh;
+        zero16[k * Cn + i] = zh;
+        sf[i] = f16_to_f32(sh);
+        zf[i] = f16_to_f32(zh);
+      }
+      if (rc != KVN_OK) break;
+      for (int64_t j = 0; j < nt; ++j) {
+        const float* r = buf + j * Cn;
+        uint8_t* c = codes + (t0 + j) * Cn;
+        for (int64_t i = 0; i < Cn; ++i) {
+          float q = sf[i] > 0.0f ? rintf((r[i] - zf[i]) / (sf[i] > 0.0f ? sf[i] : 1.0f)) : 0.0f;
+          q = q < 0.0f ? 0.0f : (q > levels ? levels : q);
+          c[i] = (uint8_t)q;
+        }
+      }
+    }
+  } else {
+    for (int64_t t = 0; t < T && rc == KVN_OK; ++t) {
+      load_row(buf, x, xkind, t * Cn, Cn);
+      for (int64_t h = 0; h < H && rc == KVN_OK; ++h) {
+        for (int64_t j = 0; j < ng; ++j) {
+          const int64_t d0 = j * group, d1 = d0 + group < D ? d0 + group : D;
+          const float* r = buf + h * D;
+          float lo = r[d0], hi = r[d0];
+          for (int64_t d = d0; d < d1; ++d) {
+            if (r[d] - r[d] != 0.0f) rc = 1;
+            lo = r[d] < lo ? r[d] : lo;
+            hi = r[d] > hi ? r[d] : hi;
+          }
+          if (rc != KVN_OK) break;
+          lo += 0.0f;
+          hi += 0.0f;
+          const uint16_t sh = f32_to_f16((hi - lo) / levels), zh = f32_to_f16(lo);
+          if ((sh & 0x7c00u) == 0x7c00u || (zh & 0x7c00u) == 0x7c00u) rc = 2;
+          scale16[(t * H + h) * ng + j] = sh;
+          zero16[(t * H + h) * ng + j] = zh;
+          const float s = f16_to_f32(sh), z = f16_to_f32(zh);
+          uint8_t* c = codes + t * Cn + h * D;
+          for (int64_t d = d0; d < d1; ++d) {
+            float q = s > 0.0f ? rintf((r[d] - z) / (s > 0.0f ? s : 1.0f)) : 0.0f;
+            q = q < 0.0f ? 0.0f : (q > levels ? levels : q);
+            c[d] = (uint8_t)q;
+          }
+        }
+      }
+    }
+  }
+  free(buf);
+  return rc;
+}
+
 /* Conversions for tests: kind F_F16 / F_BF16, float32 -> bits (dir 0, through store_row: the
  * path the decoders use) or bits -> float32 (dir 1). */
 void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
@@ -561,4 +677,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 3; }
+int kvn_abi_version(void) { return 4; }
