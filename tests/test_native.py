@@ -262,3 +262,19 @@ def test_intq_quantize_rejects_like_numpy_path(monkeypatch):
             with pytest.raises(InputError) as e2:
                 intq_quantize_fast(bad, 4, "token", 32)
         assert str(e1.value) == str(e2.value)
+
+
+@pytest.mark.parametrize("name", ["cachegen", "cachegen-lmcache"])
+def test_token_quantize_rejects_like_torch_path(name, monkeypatch):
+    for bad in (float("nan"), float("inf"), 3e38):
+        x = torch.randn(12, 2, 8, dtype=torch.float32)
+        x[5, 1, 3] = bad
+        cache = kvcodec.KVCache.from_tensors([(x, x.clone())] * 2)
+        codec = kvcodec.get_codec(name)
+        with pytest.raises(InputError) as e1:
+            codec.encode(cache)
+        with monkeypatch.context() as m:
+            m.setenv("KVCODEC_NATIVE", "0")
+            with pytest.raises(InputError) as e2:
+                codec.encode(cache)
+        assert str(e1.value) == str(e2.value)

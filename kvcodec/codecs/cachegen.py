@@ -193,21 +193,33 @@ class CacheGenCodec(Codec):
         where = f"layers.{ctx.layer}.{ctx.role}"
         levels = recorded_value(ctx, "cachegen_levels", where)
         t, h, d = x.shape
-        xf = x.float().reshape(t, h * d)
-        g = p["group"]
+        g, la = p["group"], p["anchor_levels"]
         is_anchor = torch.arange(t) % g == 0
-        anc_codes, anc_scale = symmetric_token_quantize(xf[is_anchor], p["anchor_levels"])
-        anc_hat = symmetric_token_dequantize(anc_codes, anc_scale, p["anchor_levels"])
-        ref = anc_hat[torch.arange(t)[~is_anchor] // g]  # each delta token's decoded anchor
-        dl_codes, dl_scale = symmetric_token_quantize(xf[~is_anchor] - ref, levels)
         scale = torch.zeros(t, dtype=torch.float16)
-        scale[is_anchor], scale[~is_anchor] = anc_scale, dl_scale
+        if native.available():  # the same arithmetic, one native pass per stage
+            xr = x.reshape(t, h * d)
+            tok = np.arange(t)
+            anc_rows, dl_rows = tok[tok % g == 0], tok[tok % g != 0]
+            anc_codes, anc_scale = native.token_quantize(xr, anc_rows, la)
+            anc_hat = torch.empty((anc_rows.size, h * d), dtype=torch.float32)
+            native.rows_affine(anc_codes, np.arange(anc_rows.size), anc_scale.astype(np.float32), (la - 1) // 2,
+                               anc_hat, max_code=la - 1)
+            dl_codes, dl_scale = native.token_quantize(xr, dl_rows, levels, base=anc_hat.numpy(), brow=dl_rows // g)
+            scale[is_anchor], scale[~is_anchor] = torch.from_numpy(anc_scale), torch.from_numpy(dl_scale)
+        else:
+            xf = x.float().reshape(t, h * d)
+            anc_c, anc_s = symmetric_token_quantize(xf[is_anchor], la)
+            anc_hat = symmetric_token_dequantize(anc_c, anc_s, la)
+            ref = anc_hat[torch.arange(t)[~is_anchor] // g]  # each delta token's decoded anchor
+            dl_c, dl_s = symmetric_token_quantize(xf[~is_anchor] - ref, levels)
+            scale[is_anchor], scale[~is_anchor] = anc_s, dl_s
+            anc_codes, dl_codes = _tokens(anc_c), _tokens(dl_c)
         st = EntropyStage(**_stage_params(p))
         sa = EntropyStage(**{**_stage_params(p), "tables": "cluster", "n_tables": p["anchor_tables"]})
         planes = {"scale": scale.numpy()}
-        planes.update(add_prefix(sa.encode(_tokens(anc_codes), alphabet=p["anchor_levels"], layout="tokens"), "anc_"))
-        planes.update(add_prefix(st.encode(_tokens(dl_codes), alphabet=levels, layout="tokens"), "ans_"))
-        return EncodedTensor(planes, {"levels": levels, "group": g, "anchor_levels": p["anchor_levels"]})
+        planes.update(add_prefix(sa.encode(anc_codes, alphabet=la, layout="tokens"), "anc_"))
+        planes.update(add_prefix(st.encode(dl_codes, alphabet=levels, layout="tokens"), "ans_"))
+        return EncodedTensor(planes, {"levels": levels, "group": g, "anchor_levels": la})
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
         where = f"layers.{ctx.layer}.{ctx.role}"
@@ -288,9 +300,13 @@ class CacheGenLMCacheCodec(Codec):
         where = f"layers.{ctx.layer}.{ctx.role}"
         bins = recorded_value(ctx, "cachegen_bins", where)
         t, h, d = x.shape
-        codes, scale = symmetric_token_quantize(x.float().reshape(t, h * d), bins - 1)
-        planes = {"scale": scale.numpy()}
-        planes.update(add_prefix(self._stage().encode(_tokens(codes), alphabet=bins, layout="tokens"), "ans_"))
+        if native.available():
+            codes, scale = native.token_quantize(x.reshape(t, h * d), np.arange(t), bins - 1)
+        else:
+            c32, s16 = symmetric_token_quantize(x.float().reshape(t, h * d), bins - 1)
+            codes, scale = _tokens(c32), s16.numpy()
+        planes = {"scale": scale}
+        planes.update(add_prefix(self._stage().encode(codes, alphabet=bins, layout="tokens"), "ans_"))
         return EncodedTensor(planes, {"bins": bins})
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:

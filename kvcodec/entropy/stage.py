@@ -519,9 +519,9 @@ def _cluster_tables(hist: np.ndarray, k: int, precision: int) -> tuple[np.ndarra
             break
         assign = new
         # member sums of every cluster at once (integer counts: exact in float64, any order)
-        sums = np.zeros((k, a))
-        np.add.at(sums, assign, h)
-        used = np.bincount(assign, minlength=k) > 0
+        member = (assign[None, :] == np.arange(k)[:, None]).astype(np.float64)
+        sums = member @ h
+        used = member.any(axis=1)
         centers = np.where(used[:, None], sums + 0.5, centers)
     # empty clusters keep a table (from all rows) so every chunk's set has exactly k tables
     th = np.stack([hist[assign == j].sum(0) if (assign == j).any() else hist.sum(0) for j in range(k)])

@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -117,6 +117,8 @@ def _build() -> ctypes.CDLL:
     lib.kvn_intq_dequant.restype = ctypes.c_int
     lib.kvn_intq_quant.argtypes = [p, ctypes.c_int, i64, i64, i64, ctypes.c_int, i64, ctypes.c_int, p, p, p]
     lib.kvn_intq_quant.restype = ctypes.c_int
+    lib.kvn_tok_quant.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, i32, p, p]
+    lib.kvn_tok_quant.restype = ctypes.c_int
     lib.kvn_set_hw_f16.argtypes = [ctypes.c_int]
     lib.kvn_set_hw_f16.restype = ctypes.c_int
     lib.kvn_rows_affine.argtypes = [p, ctypes.c_int, i64, i64, p, p, i32, i32, p, p, ctypes.c_int, p]
@@ -340,6 +342,38 @@ def intq_quantize(x, bits: int, axis: str, group: int):
     return codes, scale, zero
 
 
+def token_quantize(x, rows: np.ndarray, levels: int, base: np.ndarray | None = None,
+                   brow: np.ndarray | None = None):
+    """CacheGen's per-token symmetric quantization of rows ``rows`` of ``x`` (a ``[T, C]``
+    float16/bfloat16/float32 tensor), optionally minus ``base[brow[j]]`` (float32); returns
+    ``(codes uint16 [n, C] in [0, levels), scale16 float16 [n])`` as numpy arrays, bit-identical to
+    :func:`kvcodec.codecs.cachegen.symmetric_token_quantize`.
+
+    Raises:
+        InputError: a scale beyond float16 (or NaN input), the reference's message.
+    """
+    from ..errors import InputError
+
+    lb = lib()
+    if lb is None:
+        raise DependencyError("native CPU coder unavailable")
+    xc = x.detach().cpu().contiguous()
+    c = xc.shape[1]
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    n = rows.size
+    codes = np.empty((n, c), dtype=np.uint16)
+    scale = np.empty(n, dtype=np.float16)
+    b = None if base is None else np.ascontiguousarray(base, dtype=np.float32)
+    br = None if brow is None else np.ascontiguousarray(brow, dtype=np.int64)
+    rc = lb.kvn_tok_quant(xc.data_ptr(), float_kind(xc.dtype), n, c, _ptr(rows), None if b is None else _ptr(b),
+                          None if br is None else _ptr(br), (int(levels) - 1) // 2, _ptr(scale), _ptr(codes))
+    if rc == 2:
+        raise InputError("per-token scale exceeds float16 range (|x| too large)")
+    if rc == _NOMEM:
+        raise MemoryError("native quantization: out of memory")
+    return codes, scale
+
+
 def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int, out, *, max_code: int,
                 base: np.ndarray | None = None, brow: np.ndarray | None = None) -> bool:
     """CacheGen-style dequantization into rows of ``out`` (a contiguous torch ``[rows, C]``
@@ -363,5 +397,5 @@ def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int
     return rc == _OK
 
 
-__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "intq_quantize", "lib", "rows_affine", "status",
+__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "intq_quantize", "lib", "token_quantize", "rows_affine", "status",
            "symbol_view"]

@@ -260,6 +260,24 @@ static inline int32_t sym_at(const void* sym, int kind, int64_t i) {
   return ((const int32_t*)sym)[i];
 }
 
+/* One encoder step of lane L (symbols last to first; see the file header). */
+#define ENC_STEP(L)                                                  \
+  do {                                                               \
+    const int32_t s_ = xs[L][t];                                     \
+    const uint64_t f_ = fcr[L][2 * s_], c_ = fcr[L][2 * s_ + 1];     \
+    if ((x[L] >> 40) >= f_) {                                        \
+      *o[L]++ = (uint32_t)x[L];                                      \
+      x[L] >>= 32;                                                   \
+    }                                                                \
+    uint64_t q_ = mulhi64(x[L], invr[L][s_]);                        \
+    uint64_t r_ = x[L] - q_ * f_;                                    \
+    if (r_ >= f_) {                                                  \
+      q_ += 1;                                                       \
+      r_ -= f_;                                                      \
+    }                                                                \
+    x[L] = (q_ << PREC) | (c_ + r_);                                 \
+  } while (0)
+
 /* Histograms hist[r * A + s] (int64, accumulated) of rows [0, R) over tokens [t0, t1) of a
  * symbol matrix with element kind `kind` (OUT_*: int32 / uint16 / uint8) and strides sr (row),
  * st (token), in elements. KVN_BAD_SYMBOL if a symbol lies outside [0, A). */
@@ -310,8 +328,10 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
   const int64_t max_rows = EBLOCK * g.G < g.R ? EBLOCK * g.G : g.R;
   const int64_t max_tok = g.C < g.N ? g.C : g.N;
   int32_t* tmp = (int32_t*)malloc(sizeof(int32_t) * (size_t)(max_rows * max_tok + 1));
-  if (!tmp) {
-    free(fc); free(inv);
+  const int64_t lane_cap = g.G * max_tok + 2; /* words one stream can produce */
+  uint32_t* lw = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(LANES * lane_cap));
+  if (!tmp || !lw) {
+    free(tmp); free(lw); free(fc); free(inv);
     return KVN_NOMEM;
   }
   int64_t w = 0;
@@ -338,14 +358,51 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
         rc = KVN_BAD_SYMBOL;
         break;
       }
-      for (int64_t gi = gb; gi < ge; ++gi) {
+      int64_t gi = gb;
+      /* LANES full groups at a time: their dependency chains (multiply, compare, shift) overlap;
+       * each lane writes its words to its own scratch, copied out in stream order */
+      for (; gi + LANES <= ge && (gi + LANES) * g.G <= g.R && rc == KVN_OK; gi += LANES) {
+        uint64_t x[LANES] = {0};
+        uint32_t* o[LANES];
+        for (int l = 0; l < LANES; ++l) o[l] = lw + l * lane_cap;
+        for (int64_t k = g.G - 1; k >= 0; --k) {
+          const uint32_t* fcr[LANES];
+          const uint64_t* invr[LANES];
+          const int32_t* xs[LANES];
+          for (int l = 0; l < LANES; ++l) {
+            const int64_t r = (gi + l) * g.G + k;
+            const int64_t base = (int64_t)table_of[set * g.R + r] * A;
+            fcr[l] = fc + 2 * base;
+            invr[l] = inv + base;
+            xs[l] = tmp + (r - rb0) * nt;
+          }
+          for (int64_t t = nt - 1; t >= 0; --t) {
+            ENC_STEP(0); ENC_STEP(1); ENC_STEP(2); ENC_STEP(3);
+          }
+        }
+        for (int l = 0; l < LANES; ++l) {
+          while (x[l]) {
+            *o[l]++ = (uint32_t)x[l];
+            x[l] >>= 32;
+          }
+          const int64_t nw = o[l] - (lw + l * lane_cap);
+          if (w + nw > cap) {
+            rc = KVN_OVERFLOW;
+            break;
+          }
+          memcpy(words + w, lw + l * lane_cap, sizeof(uint32_t) * (size_t)nw);
+          w += nw;
+          offsets[c * g.n_groups + gi + l + 1] = w;
+        }
+      }
+      for (; gi < ge && rc == KVN_OK; ++gi) {
         const int64_t si = c * g.n_groups + gi;
         const int64_t r0 = gi * g.G, r1 = r0 + g.G < g.R ? r0 + g.G : g.R;
         if (w + (r1 - r0) * nt + 2 > cap) {
           rc = KVN_OVERFLOW;
           break;
         }
-        uint64_t x = 0;
+        uint64_t x1 = 0;
         for (int64_t r = r1 - 1; r >= r0; --r) {
           const int64_t base = (int64_t)table_of[set * g.R + r] * A;
           const uint32_t* fcr = fc + 2 * base;
@@ -354,27 +411,28 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
           for (int64_t t = nt - 1; t >= 0; --t) {
             const int32_t s = xs[t];
             const uint64_t f = fcr[2 * s], start = fcr[2 * s + 1];
-            if ((x >> 40) >= f) {
-              words[w++] = (uint32_t)x;
-              x >>= 32;
+            if ((x1 >> 40) >= f) {
+              words[w++] = (uint32_t)x1;
+              x1 >>= 32;
             }
-            uint64_t q = mulhi64(x, invr[s]);
-            uint64_t rem = x - q * f;
+            uint64_t q = mulhi64(x1, invr[s]);
+            uint64_t rem = x1 - q * f;
             if (rem >= f) {
               q += 1;
               rem -= f;
             }
-            x = (q << PREC) | (start + rem);
+            x1 = (q << PREC) | (start + rem);
           }
         }
-        while (x) {
-          words[w++] = (uint32_t)x;
-          x >>= 32;
+        while (x1) {
+          words[w++] = (uint32_t)x1;
+          x1 >>= 32;
         }
         offsets[si + 1] = w;
       }
     }
   }
+  free(lw);
   free(tmp);
   free(fc);
   free(inv);
@@ -666,6 +724,52 @@ int kvn_intq_quant(const void* x, int xkind, int64_t T, int64_t H, int64_t D, in
   return rc;
 }
 
+/* Per-token symmetric quantization (CacheGen), bit-identical to
+ * kvcodec.codecs.cachegen.symmetric_token_quantize: for output row j, y = x[xrow[j], :] (minus
+ * base[brow[j], :] when base is given, float32), scale16 = f16(max|y| / m), s = f32(scale16),
+ * code = (s > 0 ? clamp(rint(y / s), -m, m) : 0) + m. x: [rows, C] of kind F_*. Returns 2 if a
+ * row holds NaN or its scale overflows float16 (the reference's error), KVN_NOMEM, or KVN_OK. */
+int kvn_tok_quant(const void* x, int xkind, int64_t n, int64_t C, const int64_t* xrow, const float* base,
+                  const int64_t* brow, int32_t m, uint16_t* scale16, uint16_t* codes) {
+  float* y = (float*)malloc(sizeof(float) * (size_t)(C > 0 ? C : 1));
+  if (!y) return KVN_NOMEM;
+  const float mf = (float)m;
+  int rc = KVN_OK;
+  for (int64_t j = 0; j < n && rc == KVN_OK; ++j) {
+    load_row(y, x, xkind, xrow[j] * C, C);
+    if (base) {
+      const float* b = base + brow[j] * C;
+      for (int64_t i = 0; i < C; ++i) y[i] = y[i] - b[i];
+    }
+    float amax = 0.0f;
+    int nan = 0;
+    for (int64_t i = 0; i < C; ++i) {
+      const float a = fabsf(y[i]);
+      nan |= a != a;
+      amax = a > amax ? a : amax;
+    }
+    const uint16_t sh = f32_to_f16(amax / mf);
+    if (nan || (sh & 0x7c00u) == 0x7c00u) {
+      rc = 2;
+      break;
+    }
+    scale16[j] = sh;
+    const float s = f16_to_f32(sh);
+    uint16_t* c = codes + j * C;
+    if (s > 0.0f) {
+      for (int64_t i = 0; i < C; ++i) {
+        float q = rintf(y[i] / s);
+        q = q < -mf ? -mf : (q > mf ? mf : q);
+        c[i] = (uint16_t)(int32_t)(q + mf);
+      }
+    } else {
+      for (int64_t i = 0; i < C; ++i) c[i] = (uint16_t)m;
+    }
+  }
+  free(y);
+  return rc;
+}
+
 /* Conversions for tests: kind F_F16 / F_BF16, float32 -> bits (dir 0, through store_row: the
  * path the decoders use) or bits -> float32 (dir 1). */
 void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
@@ -677,4 +781,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 4; }
+int kvn_abi_version(void) { return 5; }
