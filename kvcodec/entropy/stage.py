@@ -497,6 +497,17 @@ def _histograms(symbols: np.ndarray, a: int, layout: str) -> np.ndarray:
     return np.bincount(flat, minlength=r * a).reshape(r, a)
 
 
+def _member_sums(h: np.ndarray, assign: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-cluster sums of the rows of ``h`` (float64 counts) and which clusters have members.
+
+    One weighted bincount, not a matrix product: the sums of integer counts are exact in any
+    order, and a wide product would start BLAS threads that crawl on a busy machine."""
+    r, a = h.shape
+    idx = (assign.astype(np.int64)[:, None] * a + np.arange(a)).ravel()
+    sums = np.bincount(idx, weights=h.ravel(), minlength=k * a).reshape(k, a)
+    return sums, np.bincount(assign, minlength=k) > 0
+
+
 def _cluster_tables(hist: np.ndarray, k: int, precision: int) -> tuple[np.ndarray, np.ndarray]:
     """KL k-means of row histograms into ``k`` shared tables (deterministic).
 
@@ -518,13 +529,11 @@ def _cluster_tables(hist: np.ndarray, k: int, precision: int) -> tuple[np.ndarra
         if _ and (new == assign).all():
             break
         assign = new
-        # member sums of every cluster at once (integer counts: exact in float64, any order)
-        member = (assign[None, :] == np.arange(k)[:, None]).astype(np.float64)
-        sums = member @ h
-        used = member.any(axis=1)
+        sums, used = _member_sums(h, assign, k)
         centers = np.where(used[:, None], sums + 0.5, centers)
     # empty clusters keep a table (from all rows) so every chunk's set has exactly k tables
-    th = np.stack([hist[assign == j].sum(0) if (assign == j).any() else hist.sum(0) for j in range(k)])
+    sums, used = _member_sums(h, assign, k)
+    th = np.where(used[:, None], sums, h.sum(0)[None, :]).astype(np.int64)
     return build_tables(th, precision), assign.astype(np.uint8 if k <= 256 else np.uint16)
 
 
