@@ -265,10 +265,10 @@ static inline int32_t sym_at(const void* sym, int kind, int64_t i) {
   do {                                                               \
     const int32_t s_ = xs[L][t];                                     \
     const uint64_t f_ = fcr[L][2 * s_], c_ = fcr[L][2 * s_ + 1];     \
-    if ((x[L] >> 40) >= f_) {                                        \
-      *o[L]++ = (uint32_t)x[L];                                      \
-      x[L] >>= 32;                                                   \
-    }                                                                \
+    const uint64_t e_ = (x[L] >> 40) >= f_; /* emit a word: branch-free */ \
+    *o[L] = (uint32_t)x[L];                                          \
+    o[L] += e_;                                                      \
+    x[L] >>= (e_ << 5);                                              \
     uint64_t q_ = mulhi64(x[L], invr[L][s_]);                        \
     uint64_t r_ = x[L] - q_ * f_;                                    \
     if (r_ >= f_) {                                                  \
