@@ -8,8 +8,14 @@ against the uncompressed cache, with top-1 agreement and ΔPPL beside it. Encode
 seconds are measured in the same process (compare them only as ratios).
 
 The kvc points include an ablation (each stage switched on one at a time at one step size) so the
-parts are measured one by one, and a sweep of step sizes for the curve. ``kvc`` uses no
-calibration data, so no text is excluded; the evaluation text is recorded by SHA-256.
+parts are measured one by one, and a sweep of step sizes for the curve. The evaluation text is
+recorded by SHA-256.
+
+Calibration (optional in kvc; the ``*-cal`` presets are tuned for it): query statistics
+(:mod:`kvcodec.harness.calibration`) are recorded on a HELD-OUT part of the same text — the tokens
+from ``--calib-skip`` (default 8192) on, while the evaluation uses the first ``context +
+continuation + 1`` tokens — and written to a file outside the repository (the encoder reads it,
+the decoder never needs it). Rows whose config names ``"calibration": "CAL"`` get that file.
 
 Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default ``eval/results/kvc_rd``).
 
@@ -46,8 +52,13 @@ ABLATION = [
     ("kvc: + detected sinks (V ratio 0.3)", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3}),
     ("kvc: + V steps 3x K steps", {"id": "kvc", "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3}),
     ("kvc: + dead zone rho 0.35", {"id": "kvc", "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3, "rho": 0.35}),
+    # calibrated stages, one at a time, at kvc-near's steps (the file is built on held-out text)
+    ("kvc-near + calib: K channels by query energy only", {"id": "kvc-near", "calibration": "CAL", "v_attn": 0.0, "k_attn": 0.0}),
+    ("kvc-near + calib: + attention-weighted V steps", {"id": "kvc-near", "calibration": "CAL", "k_attn": 0.0}),
+    ("kvc-near + calib: + attention-weighted K steps", {"id": "kvc-near", "calibration": "CAL"}),
 ]
 PRESETS = ["kvc", "kvc-transparent", "kvc-near", "kvc-aggressive"]
+CAL_PRESETS = ["kvc-transparent-cal", "kvc-near-cal", "kvc-aggressive-cal"]
 SWEEP = [
     {"id": "kvc", "k_step": s, "v_step": round(s * 3.0, 3)} for s in (0.2, 0.35, 0.6, 1.0, 1.6)
 ]
@@ -88,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-presets", action="store_true", help="skip the kvc presets")
     ap.add_argument("--configs", default=None,
                     help='extra kvc configurations to evaluate, a JSON list of dicts (kind "kvc-point")')
+    ap.add_argument("--calib-skip", type=int, default=8192,
+                    help="calibration text starts at this token (held out from the evaluation)")
+    ap.add_argument("--calib-file", default=None,
+                    help="where to write the calibration file (default: under the kvcodec cache dir)")
+    ap.add_argument("--no-calibration", action="store_true", help="skip the calibrated rows")
     ap.add_argument("--out", default="eval/results/kvc_rd")
     ap.add_argument("--rerender", action="store_true", help="only rewrite <out>.md/.png from <out>.json")
     args = ap.parse_args(argv)
@@ -104,6 +120,23 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_model()
     ev = Evaluator(model, tok, read_text(args.text), args.context, args.continuation,
                    text_name=args.text or "jargon-4.4.7-excerpt (built-in)")
+    calib = None
+    if not args.no_calibration:
+        from kvcodec.harness.calibration import query_statistics, save_query_statistics
+        from kvcodec.harness.models import cache_dir
+
+        if args.calib_skip < args.context + args.continuation + 1:
+            ap.error("--calib-skip must leave the evaluated tokens out of the calibration text")
+        t0 = time.perf_counter()
+        stats = query_statistics(model, tok, read_text(args.text), context=args.context,
+                                 skip_tokens=args.calib_skip)
+        path = Path(args.calib_file or cache_dir() / "calibration" / f"smollm2-skip{args.calib_skip}-ctx{args.context}.qstats.safetensors")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_query_statistics(stats, path)
+        calib = {"file": str(path), "text_tokens": [args.calib_skip, args.calib_skip + args.context],
+                 "eval_tokens": [0, args.context + args.continuation + 1], "samples": 64,
+                 "seconds": round(time.perf_counter() - t0, 2)}
+        print(f"calibration: {path} ({calib['seconds']} s)", flush=True)
     known = set(kvcodec.list_codecs())
     missing = [b for b in BASELINES if b not in known]
     runs: list[tuple[str, str, object]] = []
@@ -111,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         runs += [("baseline", b, b) for b in BASELINES if b in known]
     if not args.no_presets:
         runs += [("kvc-preset", p, p) for p in PRESETS]
+        if calib:
+            runs += [("kvc-preset", p + " (+calibration)", {"id": p, "calibration": "CAL"}) for p in CAL_PRESETS]
     if args.configs:
         runs += [("kvc-point", _short(cfg), cfg) for cfg in json.loads(args.configs)]
     if not args.quick:
@@ -118,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         runs += [("kvc-sweep", _short(cfg), cfg) for cfg in SWEEP]
     records = []
     for kind, name, codec in runs:
+        if isinstance(codec, dict) and codec.get("calibration") == "CAL":
+            if not calib:
+                continue
+            codec = _resolve(codec, calib["file"])
         t0 = time.perf_counter()
         rec = ev.evaluate(codec, name=name)
         rec.pop("per_layer", None)
@@ -134,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "setup": ev.describe(),
         "missing_baselines": missing,
+        "calibration": calib,
         "pca": pca_gain(ev.reference),
         "records": records,
     }
@@ -146,11 +186,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _resolve(cfg: dict, calib_file: str) -> dict:
+    """A row's config with a preset name expanded and ``"CAL"`` replaced by the calibration file."""
+    import kvcodec
+
+    base = kvcodec.get_codec(cfg["id"]).get_config() if cfg["id"] != "kvc" else {"id": "kvc"}
+    return {**base, **{k: v for k, v in cfg.items() if k != "id"}, "calibration": calib_file}
+
+
 def _short(cfg: dict) -> str:
     """A sweep point's name: the parameters that differ from the kvc defaults."""
     from kvcodec.codecs.kvc import KVCCodec
 
-    diff = {k: v for k, v in cfg.items() if k != "id" and KVCCodec.defaults.get(k) != v}
+    diff = {k: (Path(v).name if k == "calibration" and v else v) for k, v in cfg.items()
+            if k != "id" and KVCCodec.defaults.get(k) != v}
     return "kvc(" + ", ".join(f"{k}={v}" for k, v in diff.items()) + ")"
 
 
@@ -163,6 +212,15 @@ def rerender(json_path: Path) -> None:
     json_path.write_text(json.dumps(res, indent=1, default=str) + "\n")
     json_path.with_suffix(".md").write_text(markdown(res))
     plot(res, json_path.with_suffix(".png"))
+
+
+def _calib_line(c: dict | None) -> str:
+    if not c:
+        return "none (every kvc row is calibration-free)"
+    return (f"rows marked (+calibration) use query statistics recorded on tokens "
+            f"{c['text_tokens'][0]}–{c['text_tokens'][1]} of the same text, held out from the evaluated tokens "
+            f"{c['eval_tokens'][0]}–{c['eval_tokens'][1]} ({c['seconds']} s to record; used by the encoder only, "
+            "nothing of it is in the files, the decoder needs nothing else)")
 
 
 def _speed(records: list[dict]) -> dict[str, float]:
@@ -183,7 +241,7 @@ def markdown(res: dict) -> str:
         f"- model: {s['model'].get('model_id')}; context {s['context']} tokens, {s['continuation']} scored "
         f"continuation tokens; reference cache {s['cache_dtype']}; text {s['text']['name']} "
         f"(sha256 {s['text']['sha256'][:16]}…); reference PPL {s['reference']['ppl']}",
-        f"- kvc uses no calibration data. Missing baselines: {', '.join(res['missing_baselines']) or 'none'}",
+        f"- calibration: {_calib_line(res.get('calibration'))}. Missing baselines: {', '.join(res['missing_baselines']) or 'none'}",
         f"- per-head PCA coding gain measured on this cache (fitted in-sample): K {res['pca']['k_gain_bits']:.3f} bit, "
         f"V {res['pca']['v_gain_bits']:.3f} bit per element; shipping float16 bases would cost "
         f"{res['pca']['basis_cost_bits_per_element']:.3f} bit per element — so kvc does not use PCA.",

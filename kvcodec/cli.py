@@ -22,7 +22,7 @@ from . import __version__
 from .errors import KVCodecError
 
 #: Subcommand modules in the order ``--help`` lists them.
-COMMANDS = ("codecs", "encode", "decode", "info", "verify", "capture", "eval", "bench")
+COMMANDS = ("codecs", "encode", "decode", "info", "verify", "capture", "calibrate", "eval", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,8 +24,19 @@ Every stage is a small reference function measured on its own (eval/kvc_rd.py):
 6. **ANS** through :class:`kvcodec.entropy.EntropyStage`: one row per (head, channel) over tokens,
    ``n_tables`` clustered tables per tensor (small side information).
 
-There is no calibration data: nothing outside the file is needed to decode, and every setting
-is the same for every architecture (head_dim 64/128/256, odd widths, MQA, MLA latents).
+7. **Optional calibration (encoder only).** With ``calibration`` naming a query-statistics file
+   (``kvcodec calibrate``, :mod:`kvcodec.harness.calibration`, recorded on text other than the
+   one coded), the encoder (a) weights K channels by the mean squared query per channel instead
+   of K's own energy: ``step_c ∝ (q_c² / mean) ** (-k_qgamma / 2)``; (b) estimates the attention
+   each cached token will get (calibration queries rotated to just after the cache, softmax over
+   the cached keys) and scales V's per-token steps by ``(a / mean a) ** (-v_attn / 2)``
+   (normalised to keep the attention-weighted distortion, clipped to ``[1/attn_clip,
+   attn_clip]``); (c) with ``k_attn > 0`` does the same for K through per-token integer offsets
+   of the log-step codes. Only the steps change and they are in the file as always: the decoder
+   needs nothing else, and without a file kvc is exactly the calibration-free codec.
+
+Nothing outside the file is needed to decode, and every setting is the same for every
+architecture (head_dim 64/128/256, odd widths, MQA, MLA latents).
 
 Planes of one tensor ``[T, H, D]`` with ``n = T - s - r`` coded tokens (formats: the KVC container):
 
@@ -35,6 +46,10 @@ Planes of one tensor ``[T, H, D]`` with ``n = T - s - r`` coded tokens (formats:
 * ``esc``: int32 codes of escaped symbols, in row-major order of the symbol matrix.
 * ``ans_meta``, ``ans_words``, ``ans_offsets``, ``ans_tables``, ``ans_row_table``: the entropy
   stage (formats/ANS.md) over the symbol matrix ``[H*D (+ H in token mode), n]``.
+* Per-channel tensors whose params carry ``k_tok: 1`` (calibrated encoder with ``k_attn > 0``)
+  have ``H`` more rows after the ``H*D`` code rows: per (token, head) integer offsets ``o``; the
+  step of element ``(t, h, c)`` is ``step_from_code(side[1][h, c] + o[t, h])`` (the sum MUST lie
+  in the step-code range; a file where it does not is rejected). ``k_tok`` absent or 0: no rows.
 
 Decode arithmetic (normative, float32, no fused multiply-add): ``x = code * step`` then
 ``x = x + mean``; with Hadamard, the inverse transform (:func:`kvcodec.transforms.fwht`, its own
@@ -142,6 +157,8 @@ class KVCCodec(Codec):
         transform: ``"none"`` or ``"hadamard"``.
         max_level: escape threshold ``L`` cap (alphabet ``2L``).
         precision, n_tables, rows_per_stream, chunk: entropy stage settings.
+        calibration: path of a query-statistics file for the encoder ("" = none; see 7. above).
+        k_qgamma, v_attn, k_attn, attn_clip: how the calibrated encoder uses it (inert without).
 
     Example:
         >>> import kvcodec
@@ -154,6 +171,7 @@ class KVCCodec(Codec):
         "k_step": 0.45, "v_step": 1.35, "k_gamma": 1.0, "v_scale": "token", "v_center": False,
         "sinks": 1, "recent": 0, "sink_v_ratio": 0.3, "rho": 0.5, "transform": "none", "max_level": 32,
         "precision": 12, "n_tables": 8, "rows_per_stream": 16, "chunk": 4096,
+        "calibration": "", "k_qgamma": 1.5, "v_attn": 0.5, "k_attn": 1.0, "attn_clip": 2.0,
     }
 
     def check_params(self) -> None:
@@ -161,8 +179,9 @@ class KVCCodec(Codec):
         for k in ("k_step", "v_step"):
             if not 1e-6 <= p[k] <= 1e6:
                 raise ConfigError(f"kvc {k} must be in [1e-6, 1e6], got {p[k]}")
-        if not 0.0 <= p["k_gamma"] <= 4.0:
-            raise ConfigError(f"kvc k_gamma must be in [0, 4], got {p['k_gamma']}")
+        for k in ("k_gamma", "k_qgamma"):
+            if not 0.0 <= p[k] <= 4.0:
+                raise ConfigError(f"kvc {k} must be in [0, 4], got {p[k]}")
         if p["v_scale"] not in ("token", "head"):
             raise ConfigError(f"kvc v_scale must be 'token' or 'head', got {p['v_scale']!r}")
         if p["transform"] not in ("none", "hadamard"):
@@ -179,6 +198,46 @@ class KVCCodec(Codec):
             raise ConfigError("kvc precision must be in [8, 16] and 2**precision >= 2 * max_level")
         if not 1 <= p["n_tables"] <= 256 or p["rows_per_stream"] < 1 or p["chunk"] < 0:
             raise ConfigError("kvc n_tables must be in [1, 256], rows_per_stream >= 1, chunk >= 0")
+        if not 0.0 <= p["v_attn"] <= 4.0 or not 0.0 <= p["k_attn"] <= 4.0 or not 1.0 <= p["attn_clip"] <= 256.0:
+            raise ConfigError("kvc v_attn and k_attn must be in [0, 4], attn_clip in [1, 256]")
+
+    # ------------------------------------------------------------------ calibration (encoder only)
+    def encode(self, cache: KVCache, path: Any = None, *, tokens_per_chunk: int = 0) -> bytes:
+        """Encode ``cache`` (see :meth:`Codec.encode`). With a ``calibration`` file the encoder
+        first estimates, per layer, the query energy per K channel and the attention each token
+        will receive (:mod:`kvcodec.harness.calibration`); only the steps change, and they are
+        stored as always, so the decoder needs nothing else."""
+        self._calib = self._calibration_plan(cache) if self.params["calibration"] else {}
+        try:
+            return super().encode(cache, path, tokens_per_chunk=tokens_per_chunk)
+        finally:
+            self._calib = {}
+
+    def _calibration_plan(self, cache: KVCache) -> dict[int, dict[str, np.ndarray]]:
+        from ..harness.calibration import attention_estimate, load_query_statistics
+
+        stats = load_query_statistics(self.params["calibration"])
+        if stats.num_layers != cache.num_layers:
+            raise ConfigError(f"kvc calibration {self.params['calibration']!r} has {stats.num_layers} "
+                              f"layers, the cache {cache.num_layers}: it is for another model")
+        plan: dict[int, dict[str, np.ndarray]] = {}
+        for i, layer in enumerate(cache.layers):
+            if "k" not in layer:
+                continue
+            k = layer["k"]
+            e = stats.q_energy[i]
+            entry: dict[str, np.ndarray] = {}
+            if e is not None:
+                if e.shape != tuple(k.shape[1:]):
+                    raise ConfigError(f"kvc calibration: layer {i} query energy is {list(e.shape)}, "
+                                      f"K heads x channels {list(k.shape[1:])}")
+                entry["q_energy"] = e.astype(np.float64)
+            if self.params["v_attn"] > 0 or self.params["k_attn"] > 0:
+                a = attention_estimate(stats, i, k.float().numpy())
+                if a is not None:
+                    entry["attn"] = a
+            plan[i] = entry
+        return plan
 
     @property
     def nominal_bits(self) -> float:
@@ -242,18 +301,43 @@ class KVCCodec(Codec):
         if self._per_channel(ctx):
             step_rel = p["k_step"] if is_k else p["v_step"]
             base = head_rms(z)  # [H]
-            if is_k and p["k_gamma"] > 0 and not use_h and n:
+            calib = getattr(self, "_calib", {}).get(ctx.layer, {}) if ctx.role == "k" else {}
+            if is_k and p["k_qgamma"] > 0 and not use_h and n and "q_energy" in calib:
+                # calibrated: the logit error is sum_c q_c dk_c, so weight channel c by E[q_c^2]
+                # (exponent k_qgamma: 1.5 measured better than the MSE-exact 1)
+                energy = calib["q_energy"]
+                steps = np.stack([weighted_steps(1.0, energy[i] ** p["k_qgamma"]) for i in range(h)])
+            elif is_k and p["k_gamma"] > 0 and not use_h and n:
                 energy = (y * y).mean(axis=0)  # second moment per (head, channel), incl. mean
                 steps = np.stack([weighted_steps(1.0, energy[i] ** p["k_gamma"]) for i in range(h)])
             else:
                 steps = np.ones((h, d))
             sc = step_code(step_rel * base[:, None] * steps)
             side[1] = sc.astype(np.float16)
-            step = step_from_code(sc)[None]  # [1, H, D]
-            codes = deadzone_quantize(z, step, p["rho"])
-            rows = codes.reshape(n, h * d).T
+            attn = calib.get("attn")
+            if is_k and p["k_attn"] > 0 and n and attn is not None and attn.shape == (t, h):
+                # a token's K error moves its logit, which matters in proportion to the attention
+                # the token gets: per-token log-step offsets (integers added to the channel codes,
+                # kept so every sum stays a valid code), coded as H extra rows
+                m = _attn_factor(attn[~mask], p["k_attn"], p["attn_clip"])
+                lo = STEP_CODE_MIN - sc.min(axis=1)
+                hi = STEP_CODE_MAX - sc.max(axis=1)
+                toff = np.clip(step_code(m), lo[None], hi[None]).astype(np.int64)  # [n, H]
+                params["k_tok"] = 1
+                step = step_from_code(sc[None] + toff[:, :, None])  # [n, H, D]
+                codes = deadzone_quantize(z, step, p["rho"])
+                rows = np.concatenate([codes.reshape(n, h * d).T, toff.T], axis=0)
+            else:
+                step = step_from_code(sc)[None]  # [1, H, D]
+                codes = deadzone_quantize(z, step, p["rho"])
+                rows = codes.reshape(n, h * d).T
         else:
-            sc = step_code(p["v_step"] * token_rms(z))  # [n, H]
+            rel = p["v_step"] * token_rms(z)  # [n, H]
+            attn = getattr(self, "_calib", {}).get(ctx.layer, {}).get("attn") if ctx.role == "v" else None
+            if attn is not None and n and attn.shape == (t, h) and p["v_attn"] > 0:
+                # the output error of a token's V scales with the attention it receives
+                rel = rel * _attn_factor(attn[~mask], p["v_attn"], p["attn_clip"])
+            sc = step_code(rel)
             step = step_from_code(sc)[:, :, None]
             codes = deadzone_quantize(z, step, p["rho"])
             base = np.median(sc, axis=0).astype(np.int64) if n else np.zeros(h, np.int64)
@@ -300,7 +384,10 @@ class KVCCodec(Codec):
         if n == 0:
             return out
         per_channel = ctx.role in ("k", "kv") or p["v_scale"] == "head"
-        rows = h * d + (0 if per_channel else h)
+        k_tok = pr.get("k_tok", 0)
+        if k_tok not in (0, 1) or (k_tok and not per_channel):
+            raise FormatError(f"{where}: kvc k_tok must be 0 or 1 (per-channel tensors only), got {k_tok!r}")
+        rows = h * d + (0 if per_channel and not k_tok else h)
         stage_planes = {k: enc.planes[_STAGE_PREFIX + k] for k in _STAGE_PLANES if _STAGE_PREFIX + k in enc.planes}
         from ..entropy.stage import parse_planes
 
@@ -315,7 +402,11 @@ class KVCCodec(Codec):
         if per_channel:
             if not np.all(np.isfinite(sc_raw)) or np.any(sc_raw != np.round(sc_raw)):
                 raise FormatError(f"{where}: kvc step codes are not integers")
-            step = step_from_code(_checked_codes(sc_raw, where))[None]
+            sc_ch = _checked_codes(sc_raw, where)
+            if k_tok:  # per-token integer offsets added to the channel log-step codes
+                step = step_from_code(_checked_codes(sc_ch[None] + codes[h * d:].T[:, :, None], where))
+            else:
+                step = step_from_code(sc_ch)[None]
         else:
             base = pr.get("step_base")
             if not isinstance(base, list) or len(base) != h or not all(isinstance(b, int) for b in base):
@@ -333,6 +424,28 @@ class KVCCodec(Codec):
         xh = np.clip(xh, -lim, lim)
         out[~keep] = torch.from_numpy(np.ascontiguousarray(xh)).to(ctx.dtype)
         return out
+
+
+def _attn_factor(a: np.ndarray, exponent: float, clip: float) -> np.ndarray:
+    """Step multipliers per (token, head) from estimated attention ``a [n, H]``:
+    ``weighted_steps(1, a ** exponent)`` per head, i.e. ``(w / mean w) ** -1/2`` with
+    ``w = a ** exponent``, clipped to ``[1/clip, clip]``.
+
+    The error a token's V (or K) adds to the attention output scales with the attention it
+    receives, so well-attended tokens get finer steps. The normalisation keeps the weighted
+    distortion ``sum w * step**2`` of the unweighted steps, so a preset's step keeps its
+    quality meaning and the calibrated encoder spends fewer bits at about the same error. The
+    exact optimum for MSE would be ``exponent = 2``; the estimates come from calibration
+    queries, not the real future ones, so a smaller exponent and a tight clip measured best
+    (eval/results/kvc_presets.md).
+
+    Example:
+        >>> _attn_factor(np.array([[0.2], [0.05], [0.0]]), 2.0, 2.0).round(3).tolist()
+        [[0.595], [2.0], [2.0]]
+    """
+    a = np.maximum(np.asarray(a, dtype=np.float64), 1e-12)
+    m = np.stack([weighted_steps(1.0, a[:, j] ** exponent) for j in range(a.shape[1])], axis=1)
+    return np.clip(m, 1.0 / clip, clip)
 
 
 def detect_sinks(v: torch.Tensor, ratio: float, skip: int = 0) -> np.ndarray:
@@ -375,3 +488,12 @@ register_preset("kvc-near", {"id": "kvc", "k_step": 0.5, "v_step": 1.35},
                 "kvc near-lossless (target mean KL <= 0.01, dPPL <= 1%)")
 register_preset("kvc-aggressive", {"id": "kvc", "k_step": 0.95, "v_step": 2.85},
                 "kvc aggressive (target mean KL <= 0.05)")
+# Tuned for the calibrated encoder (``calibration`` = a file from ``kvcodec calibrate``; recorded on
+# held-out text, eval/results/kvc_presets.md). Without a calibration file they are plain kvc at
+# these steps, which does NOT meet the bars (the steps are coarser): use the presets above then.
+register_preset("kvc-transparent-cal", {"id": "kvc", "k_step": 0.28, "v_step": 0.95, "k_qgamma": 1.0},
+                "kvc-transparent's bar (mean KL <= 0.002) with a calibration file")
+register_preset("kvc-near-cal", {"id": "kvc", "k_step": 0.45, "v_step": 1.6},
+                "kvc-near's bar (mean KL <= 0.01, dPPL <= 1%) with a calibration file")
+register_preset("kvc-aggressive-cal", {"id": "kvc", "k_step": 0.9, "v_step": 3.0},
+                "kvc-aggressive's bar (mean KL <= 0.05) with a calibration file")

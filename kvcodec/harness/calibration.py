@@ -1,0 +1,268 @@
+"""Query statistics for the ``kvc`` encoder (optional calibration; the decoder never needs them).
+
+The model sees K through ``q · k`` and V through the attention weights, so the error that matters
+is weighted by the queries: a K channel the queries ignore can be coarse, and a token that
+receives almost no attention can be coarse in V. :func:`query_statistics` runs one prefill of a
+model on a calibration text and records, per layer, what the ``kvc`` encoder uses:
+
+* ``layers.<i>.q_energy`` float32 ``[Hkv, D]``: the mean squared query per channel, averaged
+  over the query heads that share each KV head (GQA) and, with RoPE, over each rotation pair
+  ``(c, c + D/2)`` — the rotation moves energy inside a pair, so the pair mean does not depend
+  on the position (K step weights: ``step_c ∝ q_energy_c ** -1/2``).
+* ``layers.<i>.q_sample`` float32 ``[Hq, N, D]``: the last ``N`` queries of the calibration
+  context (after RoPE, times the attention scaling), to estimate how much attention each cached
+  token will receive (V step per token). Their RoPE position is recorded (``q_position``, the
+  first sample's) so the encoder can rotate them to the end of the cache it codes.
+
+File metadata (``__metadata__``): ``format = "kvcodec.qstats/1"``, ``num_layers``,
+``q_position``, ``rope`` (``"default"`` with ``rope_theta`` when queries can be re-rotated,
+otherwise ``"none"``) and the model identity. Stored as safetensors (no pickle).
+
+Calibrate on text that is NOT the text you evaluate on (``skip_tokens`` skips the start of the
+text, where the built-in evaluation takes its context).
+
+Example:
+    >>> from kvcodec.harness.calibration import query_statistics, save_query_statistics  # doctest: +SKIP
+    >>> from kvcodec.harness import load_model, default_text                             # doctest: +SKIP
+    >>> model, tok = load_model()                                                        # doctest: +SKIP
+    >>> stats = query_statistics(model, tok, default_text(), skip_tokens=8192)           # doctest: +SKIP
+    >>> save_query_statistics(stats, "smollm2.qstats.safetensors")                       # doctest: +SKIP
+    >>> import kvcodec                                                                   # doctest: +SKIP
+    >>> codec = kvcodec.get_codec({**kvcodec.get_codec("kvc-near").get_config(),
+    ...                            "calibration": "smollm2.qstats.safetensors"})          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import FormatError, InputError
+
+QSTATS_FORMAT = "kvcodec.qstats/1"
+
+
+@dataclass
+class QueryStats:
+    """Per-layer query statistics (see the module docstring).
+
+    Attributes:
+        q_energy: per layer ``[Hkv, D]`` float32 (None for layers without K, e.g. MLA latents).
+        q_sample: per layer ``[Hq, N, D]`` float32 queries times the attention scaling.
+        q_position: RoPE position of the first sampled query (the others follow it).
+        rope_theta: RoPE base when the default RoPE was applied (queries can be re-rotated), else 0.
+        meta: free-form identity strings.
+    """
+
+    q_energy: list[np.ndarray | None]
+    q_sample: list[np.ndarray | None]
+    q_position: int
+    rope_theta: float = 0.0
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.q_energy)
+
+
+def pair_mean(e: np.ndarray) -> np.ndarray:
+    """Average the last axis over RoPE rotation pairs ``(c, c + D/2)`` (even ``D`` only).
+
+    Example:
+        >>> pair_mean(np.array([1.0, 2.0, 3.0, 6.0])).tolist()
+        [2.0, 4.0, 2.0, 4.0]
+    """
+    d = e.shape[-1]
+    if d % 2:
+        return e
+    m = 0.5 * (e[..., : d // 2] + e[..., d // 2:])
+    return np.concatenate([m, m], axis=-1)
+
+
+@torch.no_grad()
+def query_statistics(
+    model: Any,
+    tokenizer: Any,
+    text: str,
+    context: int = 1024,
+    skip_tokens: int = 0,
+    samples: int = 64,
+) -> QueryStats:
+    """Prefill ``context`` tokens of ``text`` (after skipping ``skip_tokens``; a BOS token is put
+    first when the tokenizer has one) and return the query statistics of every layer.
+
+    Raises:
+        InputError: the text is too short, or the model does not route attention through
+            transformers' ``AttentionInterface``.
+    """
+    from .capture import rope_info, tokenize
+    from .evaluate import record_queries
+
+    if context < 2 or samples < 1:
+        raise InputError(f"context must be >= 2 and samples >= 1 (got {context}, {samples})")
+    ids = tokenize(tokenizer, text, skip_tokens + context)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    ids = ids[skip_tokens:] if skip_tokens else ids
+    if bos is not None and skip_tokens:
+        ids = torch.cat([torch.tensor([bos]), ids[:-1]])
+    device = next(model.parameters()).device
+    with record_queries(model) as store:
+        model(ids[None].to(device), use_cache=False)
+    cfg = getattr(model.config, "text_config", None) or model.config
+    applied, rope = rope_info(model.config)
+    theta = float(rope.get("rope_theta", 0.0)) if applied and rope.get("rope_type", "default") == "default" else 0.0
+    n_layers = int(getattr(cfg, "num_hidden_layers", len(store)))
+    hkv = int(getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads"))
+    energy: list[np.ndarray | None] = []
+    sample: list[np.ndarray | None] = []
+    n = min(samples, context)
+    for i in range(n_layers):
+        if i not in store:
+            energy.append(None)
+            sample.append(None)
+            continue
+        q = store[i]["q"].double() * store[i]["scaling"]  # [T, Hq, D]
+        hq, d = q.shape[1], q.shape[2]
+        g = max(1, hq // hkv)
+        # token 0 (BOS) queries are atypical: leave them out of the energy
+        e = q[1:].pow(2).mean(0).reshape(hq // g, g, d).mean(1).numpy()
+        energy.append(pair_mean(e).astype(np.float32) if theta > 0 else e.astype(np.float32))
+        sample.append(q[-n:].transpose(0, 1).float().numpy().copy())
+    if not any(e is not None for e in energy):
+        raise InputError("no attention layer recorded any query")
+    meta = {"model": str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", ""))}
+    return QueryStats(energy, sample, int(ids.numel() - n), theta, meta)
+
+
+def save_query_statistics(stats: QueryStats, path: str | os.PathLike[str]) -> None:
+    """Write :class:`QueryStats` as a safetensors file (atomically)."""
+    from safetensors.numpy import save_file
+
+    tensors = {}
+    for i, (e, s) in enumerate(zip(stats.q_energy, stats.q_sample)):
+        if e is not None:
+            tensors[f"layers.{i}.q_energy"] = np.ascontiguousarray(e, dtype=np.float32)
+        if s is not None:
+            tensors[f"layers.{i}.q_sample"] = np.ascontiguousarray(s, dtype=np.float32)
+    meta = {"format": QSTATS_FORMAT, "num_layers": str(stats.num_layers),
+            "q_position": str(stats.q_position), "rope_theta": repr(float(stats.rope_theta)),
+            "identity": json.dumps(stats.meta, sort_keys=True)}
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+_LOADED: dict[tuple[str, int, int], QueryStats] = {}
+
+
+def load_query_statistics(path: str | os.PathLike[str]) -> QueryStats:
+    """Read a file written by :func:`save_query_statistics` (cached per path, size and mtime).
+
+    Raises:
+        InputError: the file cannot be read.
+        FormatError: it is not a ``kvcodec.qstats/1`` file or its tensors are malformed.
+    """
+    from safetensors import safe_open
+
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise InputError(f"cannot read calibration file {os.fspath(path)}: {e}") from None
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if key in _LOADED:
+        return _LOADED[key]
+    try:
+        with safe_open(str(p), framework="numpy") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types
+        raise FormatError(f"{os.fspath(path)}: not a safetensors file ({e})") from None
+    if meta.get("format") != QSTATS_FORMAT:
+        raise FormatError(f"{os.fspath(path)}: not a {QSTATS_FORMAT} file")
+    try:
+        n = int(meta["num_layers"])
+        pos = int(meta["q_position"])
+        theta = float(meta["rope_theta"])
+        ident = json.loads(meta.get("identity", "{}"))
+    except (KeyError, ValueError) as e:
+        raise FormatError(f"{os.fspath(path)}: bad metadata ({e})") from None
+    if not 0 < n <= 100000 or pos < 0 or not theta >= 0:
+        raise FormatError(f"{os.fspath(path)}: bad metadata {meta!r}")
+    energy: list[np.ndarray | None] = [None] * n
+    sample: list[np.ndarray | None] = [None] * n
+    for k, v in tensors.items():
+        parts = k.split(".")
+        if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= n:
+            raise FormatError(f"{os.fspath(path)}: unexpected tensor {k!r}")
+        i = int(parts[1])
+        if v.dtype != np.float32 or not np.all(np.isfinite(v)):
+            raise FormatError(f"{os.fspath(path)}: {k} must be finite float32")
+        if parts[2] == "q_energy" and v.ndim == 2 and np.all(v >= 0):
+            energy[i] = v
+        elif parts[2] == "q_sample" and v.ndim == 3:
+            sample[i] = v
+        else:
+            raise FormatError(f"{os.fspath(path)}: unexpected tensor {k!r} {v.shape}")
+    out = QueryStats(energy, sample, pos, theta, {str(a): str(b) for a, b in ident.items()})
+    _LOADED[key] = out
+    return out
+
+
+def rotate_queries(q: np.ndarray, delta: float, theta: float) -> np.ndarray:
+    """Apply the default (Llama, rotate-half) RoPE rotation by ``delta`` positions to ``q [..., D]``.
+
+    Rotations compose, so a query recorded at position ``p`` becomes the query the same content
+    would have at ``p + delta``.
+
+    Example:
+        >>> q = np.array([[1.0, 0.0, 0.0, 1.0]])
+        >>> np.allclose(rotate_queries(rotate_queries(q, 5, 1e4), -5, 1e4), q)
+        True
+    """
+    d = q.shape[-1]
+    if theta <= 0 or d % 2 or delta == 0:
+        return q
+    inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    ang = delta * inv
+    cos, sin = np.cos(ang), np.sin(ang)
+    a, b = q[..., : d // 2].astype(np.float64), q[..., d // 2:].astype(np.float64)
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: float = 1.0) -> np.ndarray | None:
+    """Estimated attention each cached token will receive: ``[T, Hkv]``, the mean over the
+    calibration queries (rotated to just after the cache) and the query heads of each KV head of
+    their softmax over the ``T`` cached keys ``k [T, Hkv, D]``; ``None`` when the statistics
+    have nothing for this layer or the shapes differ."""
+    if layer >= stats.num_layers or stats.q_sample[layer] is None:
+        return None
+    qs = stats.q_sample[layer]
+    t, hkv, d = k.shape
+    hq = qs.shape[0]
+    if qs.shape[2] != d or hq % hkv or t == 0:
+        return None
+    nq = qs.shape[1]
+    q = rotate_queries(qs, float(t - stats.q_position), stats.rope_theta)  # [Hq, N, D] at t..t+N-1
+    g = hq // hkv
+    kd = np.asarray(k, dtype=np.float64)
+    out = np.zeros((t, hkv))
+    for h in range(hq):
+        s = q[h] @ kd[:, h // g, :].T  # [N, T]
+        s -= s.max(axis=1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=1, keepdims=True)
+        out[:, h // g] += (p if power == 1.0 else p ** power).mean(axis=0) / g
+    del nq
+    return out
+
+
+__all__ = ["QSTATS_FORMAT", "QueryStats", "attention_estimate", "load_query_statistics", "pair_mean",
+           "query_statistics", "rotate_queries", "save_query_statistics"]

@@ -1,0 +1,227 @@
+"""kvc with a calibration file: query statistics, re-rotated queries, attention-weighted steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvcodec
+from kvcodec.codec import TensorContext
+from kvcodec.codecs.kvc import _attn_factor
+from kvcodec.errors import ConfigError, FormatError, InputError
+from kvcodec.harness.calibration import (
+    QueryStats,
+    attention_estimate,
+    load_query_statistics,
+    pair_mean,
+    rotate_queries,
+    save_query_statistics,
+)
+from kvcodec.quant.deadzone import step_from_code
+
+
+def _cache(layers=2, t=96, h=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(layers):
+        k = torch.randn(t, h, d, generator=g) * (torch.rand(1, h, d, generator=g) * 3) + 4 * torch.randn(1, h, d, generator=g)
+        v = torch.randn(t, h, d, generator=g) * (0.5 + torch.rand(t, h, 1, generator=g))
+        out.append((k.half(), v.half()))
+    return kvcodec.KVCache.from_tensors(out)
+
+
+def _stats(cache, hq=4, n=8, seed=1, theta=10000.0) -> QueryStats:
+    rng = np.random.default_rng(seed)
+    h, d = cache.layers[0]["k"].shape[1:]
+    energy = [rng.uniform(0.1, 4.0, (h, d)).astype(np.float32) for _ in cache.layers]
+    sample = [rng.normal(size=(hq, n, d)).astype(np.float32) for _ in cache.layers]
+    return QueryStats(energy, sample, q_position=200, rope_theta=theta, meta={"model": "test"})
+
+
+def test_pair_mean_and_rotation_compose_and_keep_norm():
+    e = np.arange(8.0).reshape(1, 8)
+    assert pair_mean(e).tolist() == [[2.0, 3.0, 4.0, 5.0, 2.0, 3.0, 4.0, 5.0]]
+    assert pair_mean(np.ones((2, 5))).shape == (2, 5)  # odd width: unchanged
+    q = np.random.default_rng(0).normal(size=(3, 5, 16))
+    r = rotate_queries(q, 7, 1e4)
+    np.testing.assert_allclose(np.linalg.norm(r, axis=-1), np.linalg.norm(q, axis=-1), rtol=1e-12)
+    np.testing.assert_allclose(rotate_queries(r, 13, 1e4), rotate_queries(q, 20, 1e4), atol=1e-12)
+    assert not np.allclose(r, q)
+    assert rotate_queries(q, 7, 0.0) is q  # no RoPE: untouched
+
+
+def test_stats_file_round_trip_and_rejections(tmp_path):
+    cache = _cache()
+    st = _stats(cache)
+    p = tmp_path / "q.safetensors"
+    save_query_statistics(st, p)
+    back = load_query_statistics(p)
+    assert back.num_layers == 2 and back.q_position == 200 and back.rope_theta == 10000.0
+    assert all(np.array_equal(a, b) for a, b in zip(back.q_energy, st.q_energy))
+    assert all(np.array_equal(a, b) for a, b in zip(back.q_sample, st.q_sample))
+    from safetensors.numpy import save_file
+
+    bad = tmp_path / "bad.safetensors"
+    save_file({"layers.0.q_energy": np.ones((2, 16), np.float32)}, str(bad), metadata={"format": "other"})
+    with pytest.raises(FormatError, match="qstats"):
+        load_query_statistics(bad)
+    save_file({"layers.0.q_energy": np.full((2, 16), np.nan, np.float32)}, str(bad),
+              metadata={"format": "kvcodec.qstats/1", "num_layers": "1", "q_position": "0", "rope_theta": "0.0"})
+    with pytest.raises(FormatError, match="finite"):
+        load_query_statistics(bad)
+    (tmp_path / "junk").write_bytes(b"not a file")
+    with pytest.raises(FormatError):
+        load_query_statistics(tmp_path / "junk")
+    with pytest.raises(InputError):
+        load_query_statistics(tmp_path / "missing")
+
+
+def test_attention_estimate_is_a_distribution_and_finds_the_heavy_token():
+    cache = _cache(layers=1)
+    st = _stats(cache)
+    st.q_sample[0][2:4] = st.q_sample[0][2, 0]  # query heads 2, 3 (KV head 1): one direction
+    k = cache.layers[0]["k"].float().numpy().copy()
+    # make token 5 of head 1 align with that query: it must receive the most attention
+    q = rotate_queries(st.q_sample[0], float(k.shape[0] - st.q_position), st.rope_theta)
+    k[5, 1] = 3.0 * q[2, 0]
+    a = attention_estimate(st, 0, k)
+    assert a.shape == (k.shape[0], 2)
+    np.testing.assert_allclose(a.sum(axis=0), 1.0, rtol=1e-9)
+    assert int(a[:, 1].argmax()) == 5
+    assert attention_estimate(st, 3, k) is None  # no such layer
+
+
+def test_attn_factor_normalised_and_clipped():
+    a = np.random.default_rng(0).dirichlet(np.full(50, 0.3), size=3).T  # [n=50, H=3]
+    m = _attn_factor(a, 1.0, 1e6)
+    # weighted distortion sum a * m^2 of the unweighted steps is kept
+    np.testing.assert_allclose((a * m * m).mean(axis=0), a.mean(axis=0), rtol=1e-9)
+    m2 = _attn_factor(a, 1.0, 2.0)
+    assert m2.min() >= 0.5 and m2.max() <= 2.0
+    assert np.all(np.diff(m[np.argsort(a[:, 0]), 0]) <= 1e-12)  # more attention, finer step
+
+
+def test_calibrated_encode_decodes_without_the_file(tmp_path):
+    cache = _cache()
+    p = tmp_path / "q.safetensors"
+    save_query_statistics(_stats(cache), p)
+    plain = kvcodec.get_codec("kvc-near")
+    cal = kvcodec.get_codec({**plain.get_config(), "calibration": str(p)})
+    blob = cal.encode(cache)
+    p.unlink()  # the decoder never reads it
+    out = kvcodec.decode(blob)
+    ref = plain.decode(plain.encode(cache))
+    for a, b, c in zip(out.layers, ref.layers, cache.layers):
+        for r in ("k", "v"):
+            assert a[r].dtype == c[r].dtype and a[r].shape == c[r].shape
+            rel = (a[r].float() - c[r].float()).pow(2).mean() / c[r].float().var()
+            rel0 = (b[r].float() - c[r].float()).pow(2).mean() / c[r].float().var()
+            # the weights move error between channels and tokens; it stays a faithful reconstruction
+            assert rel < 8 * rel0 + 1e-3, (r, float(rel), float(rel0))
+    # the calibrated steps differ from the plain ones, and the K file records per-token offsets
+    assert not all(torch.equal(a["v"], b["v"]) for a, b in zip(out.layers, ref.layers))
+
+
+def test_calibrated_k_error_within_half_of_its_per_token_step(tmp_path):
+    cache = _cache(layers=1, t=64)
+    p = tmp_path / "q.safetensors"
+    save_query_statistics(_stats(cache), p)
+    codec = kvcodec.get_codec({"id": "kvc", "calibration": str(p), "k_step": 0.3, "sinks": 0, "sink_v_ratio": 0.0})
+    k = cache.layers[0]["k"]
+    plan = codec._calibration_plan(cache)
+    codec._calib = plan
+    enc = codec.encode_tensor(k, TensorContext(0, "k", tuple(k.shape), k.dtype))
+    codec._calib = {}
+    assert enc.params["k_tok"] == 1
+    dec = codec.decode_tensor(enc, TensorContext(0, "k", tuple(k.shape), k.dtype))
+    sc = enc.planes["side"][1].astype(np.int64)
+    # per-token offsets: recompute them the way the encoder does
+    m = _attn_factor(plan[0]["attn"], codec.params["k_attn"], codec.params["attn_clip"])
+    from kvcodec.quant.deadzone import step_code
+
+    step = torch.from_numpy(step_from_code(sc[None] + step_code(m)[:, :, None].astype(np.int64)))
+    err = (dec.float() - k.float()).abs()
+    assert bool((err <= step / 2 + k.float().abs() * 2.0 ** -11 + 1e-6).all())
+    # a hostile k_tok is refused
+    enc.params["k_tok"] = 2
+    with pytest.raises(FormatError, match="k_tok"):
+        codec.decode_tensor(enc, TensorContext(0, "k", tuple(k.shape), k.dtype))
+
+
+def test_calibration_for_another_model_is_refused(tmp_path):
+    cache = _cache(layers=2)
+    p = tmp_path / "q.safetensors"
+    save_query_statistics(_stats(_cache(layers=3)), p)
+    with pytest.raises(ConfigError, match="layers"):
+        kvcodec.get_codec({"id": "kvc", "calibration": str(p)}).encode(cache)
+    save_query_statistics(_stats(_cache(layers=2, d=8)), p)
+    with pytest.raises(ConfigError, match="query energy"):
+        kvcodec.get_codec({"id": "kvc", "calibration": str(p)}).encode(cache)
+
+
+def test_without_calibration_the_new_params_change_nothing():
+    cache = _cache()
+    a = kvcodec.get_codec({"id": "kvc"})
+    b = kvcodec.get_codec({"id": "kvc", "v_attn": 2.0, "k_attn": 3.0, "k_qgamma": 0.5, "attn_clip": 8.0})
+    da, db = a.decode(a.encode(cache)), b.decode(b.encode(cache))
+    assert all(torch.equal(x[r], y[r]) for x, y in zip(da.layers, db.layers) for r in ("k", "v"))
+    with pytest.raises(ConfigError):
+        kvcodec.get_codec({"id": "kvc", "v_attn": -1.0})
+    with pytest.raises(ConfigError):
+        kvcodec.get_codec({"id": "kvc", "attn_clip": 0.5})
+
+
+# ---------------------------------------------------------------- on a tiny random-init model
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_qwen2():
+    tokenizers = pytest.importorskip("tokenizers")
+    from kvcodec.harness.capture import default_text
+
+    text = default_text()[:4000]
+    words = sorted(set(text.split()))
+    vocab = {"<unk>": 0, "<s>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>")
+    cfg = transformers.Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512, bos_token_id=1, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval(), tok, text
+
+
+def test_query_statistics_on_a_tiny_model_and_rope_matches_the_model(tmp_path):
+    from kvcodec.harness.calibration import query_statistics
+    from kvcodec.harness.capture import capture
+    from kvcodec.harness.evaluate import record_queries
+
+    model, tok, text = _tiny_qwen2()
+    st = query_statistics(model, tok, text, context=40, skip_tokens=30, samples=8)
+    assert st.num_layers == 2 and st.q_position == 32 and st.rope_theta > 0
+    assert all(e.shape == (2, 16) and s.shape == (4, 8, 16) for e, s in zip(st.q_energy, st.q_sample))
+    assert np.array_equal(st.q_energy[0], pair_mean(st.q_energy[0]))
+    # our RoPE re-rotation is the model's: queries at positions p + 9 == rotate(queries at p, 9)
+    ids = torch.arange(2, 22)[None]
+    with torch.no_grad(), record_queries(model) as store:
+        model(ids, use_cache=False)
+        q0 = store[1]["q"].numpy()
+        model(ids, position_ids=torch.arange(9, 29)[None], use_cache=False)
+        q9 = store[1]["q"].numpy()
+    np.testing.assert_allclose(rotate_queries(q0, 9, st.rope_theta), q9, atol=1e-4)
+    # and a calibrated kvc encode of this model's cache works end to end
+    cache = capture(model, tok, text, context=48, dtype=torch.float16)
+    p = tmp_path / "q.safetensors"
+    save_query_statistics(st, p)
+    codec = kvcodec.get_codec({**kvcodec.get_codec("kvc-near-cal").get_config(), "calibration": str(p)})
+    out = kvcodec.decode(codec.encode(cache))
+    assert out.layers[1]["v"].shape == cache.layers[1]["v"].shape
+
+
+def test_cli_calibrate_rejects_bad_arguments(capsys):
+    from kvcodec.cli import main
+
+    assert main(["calibrate", "--context", "1", "--out", "x.safetensors"]) != 0
+    assert "context" in capsys.readouterr().err
