@@ -91,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
         source = f"built-in SmolLM2-135M cache, {cache.num_tokens} tokens"
     names = list_codecs() if args.codecs == "all" else [c.strip() for c in args.codecs.split(",") if c.strip()]
     torch.set_num_threads(1)  # MB/s per core, comparable across codecs
+    from .. import native
+
+    st = native.status()
+    native_status = "native C coder" if st["available"] else f"constriction + numpy (native coder off: {st['error'] or 'KVCODEC_NATIVE=0'})"
+    print(f"bench: entropy coding through the {native_status}", file=sys.stderr, flush=True)
     rows = []
     for name in names:
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
@@ -105,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         "tokens": cache.num_tokens,
         "source_dtype": str(cache.dtype).replace("torch.", ""),
         "fp16_MB": round(cache.fp16_bytes() / 1e6, 3),
+        "native": native_status,
         "rows": rows,
     }
     table = format_table(rows, COLUMNS)
@@ -115,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         with open(os.path.join(args.out, "bench.md"), "w") as f:
             f.write(
                 f"# kvcodec bench\n\nCommand: `{result['command']}`  \nDate: {result['date']}  \n"
-                f"Machine: {result['machine']}, torch threads: 1  \nCache: {source}, "
+                f"Machine: {result['machine']}, torch threads: 1  \nEntropy coding: {native_status}  \nCache: {source}, "
                 f"{cache.num_layers} layers, {result['source_dtype']}, {result['fp16_MB']} MB as fp16\n\n"
                 "MB/s are of fp16-equivalent input (2 bytes per element), fastest of "
                 f"{args.repeat} runs; the decode column includes container parsing and validation.\n\n"

@@ -188,15 +188,13 @@ int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
   if (g.n_streams == 0) return KVN_OK;
   uint32_t* cum = make_cum(tables, &g);
   Table* tabs = (Table*)malloc(sizeof(Table) * (size_t)(g.T ? g.T : 1));
-  /* slot table resolution b: about as many slots per table as symbols it serves (building a
-   * table costs one step per slot, and small tables stay in L1), at least 2^6, at most the table
-   * precision and 2^12. */
-  const int64_t per_table = g.R * g.N / g.T;
-  int64_t b = 6;
-  while (b < 12 && ((int64_t)1 << (b + 1)) <= per_table) ++b;
-  /* exact slots (one lookup, no search) when they cost at most a few fills per symbol */
-  if (g.P <= 12 && (g.T << g.P) <= 4 * g.R * g.N + 65536) b = g.P;
-  if (b > g.P) b = g.P;
+  /* slot table resolution b: exact slots (b = P <= 12: one lookup) while all slot tables fit in
+   * 256 KB (shared tables, few rows); otherwise halved until a table has no more than about twice
+   * the symbols one stream decodes with it before moving on (a table per row per chunk is visited
+   * briefly, and big slot tables would only miss the cache), never below 2^6. */
+  const int64_t visit = g.C < g.N ? g.C : g.N;
+  int64_t b = g.P < 12 ? g.P : 12;
+  while (b > 6 && (g.T << b) * 2 > (256 << 10) && ((int64_t)1 << b) > 2 * visit) --b;
   uint16_t* lut = NULL;
   if (g.A <= 65536) lut = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(g.T << b));
   if (!cum || !tabs || (g.A <= 65536 && !lut)) {
