@@ -201,3 +201,26 @@ def test_detected_sinks_are_stored_exactly_and_validated():
     for bad in (np.array([[0, 90]], np.int32), np.array([[0, 7]], np.int64), np.array([0, 7], np.int32)):
         with pytest.raises(FormatError):
             codec.decode_tensor(enc, TensorContext(0, "k", (90, 2, 16), torch.float32, globals={"kvc_sinks": bad}))
+
+
+def test_v_token_mode_side_and_empty_esc_planes_are_optional():
+    cache = _kv_cache(t=40, d=8)
+    c = kvcodec.get_codec("kvc-near")
+    v = cache.layers[0]["v"]
+    ctx = TensorContext(0, "v", tuple(v.shape), torch.float32)
+    enc = c.encode_tensor(v, ctx)
+    assert "side" not in enc.planes  # token-mode V, not centred: nothing to store
+    if enc.planes.get("esc") is None:
+        assert enc.params["L"] >= 1
+    ref = c.decode_tensor(enc, ctx)
+    # files written before the planes became optional carry zeros / an empty list: same result
+    old = type(enc)({**enc.planes, "side": np.zeros((2, 2, 8), np.float16),
+                     "esc": enc.planes.get("esc", np.zeros(0, np.int32))}, dict(enc.params))
+    assert torch.equal(c.decode_tensor(old, ctx), ref)
+    # a centred V needs its means
+    cc = kvcodec.get_codec({"id": "kvc", "v_center": True})
+    e2 = cc.encode_tensor(v, ctx)
+    assert "side" in e2.planes
+    e2.planes.pop("side")
+    with pytest.raises(FormatError):
+        cc.decode_tensor(e2, ctx)
