@@ -56,6 +56,7 @@ ABLATION = [
     ("kvc-near + calib: K channels by query energy only", {"id": "kvc-near", "calibration": "CAL", "v_attn": 0.0, "k_attn": 0.0}),
     ("kvc-near + calib: + attention-weighted V steps", {"id": "kvc-near", "calibration": "CAL", "k_attn": 0.0}),
     ("kvc-near + calib: + attention-weighted K steps", {"id": "kvc-near", "calibration": "CAL"}),
+    ("kvc-near + calib: + no detected sinks", {"id": "kvc-near", "calibration": "CAL", "sink_v_ratio": 0.0}),
 ]
 PRESETS = ["kvc", "kvc-transparent", "kvc-near", "kvc-aggressive"]
 CAL_PRESETS = ["kvc-transparent-cal", "kvc-near-cal", "kvc-aggressive-cal"]

@@ -249,19 +249,15 @@ def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: floa
     hq = qs.shape[0]
     if qs.shape[2] != d or hq % hkv or t == 0:
         return None
-    nq = qs.shape[1]
     q = rotate_queries(qs, float(t - stats.q_position), stats.rope_theta)  # [Hq, N, D] at t..t+N-1
     g = hq // hkv
-    kd = np.asarray(k, dtype=np.float64)
-    out = np.zeros((t, hkv))
-    for h in range(hq):
-        s = q[h] @ kd[:, h // g, :].T  # [N, T]
-        s -= s.max(axis=1, keepdims=True)
-        p = np.exp(s)
-        p /= p.sum(axis=1, keepdims=True)
-        out[:, h // g] += (p if power == 1.0 else p ** power).mean(axis=0) / g
-    del nq
-    return out
+    # float32 and one batched softmax: this runs on every calibrated encode
+    qt = torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32)).reshape(hkv, g * q.shape[1], d)
+    kt = torch.from_numpy(np.ascontiguousarray(k, dtype=np.float32)).transpose(0, 1)  # [Hkv, T, D]
+    p = torch.softmax(torch.bmm(qt, kt.transpose(1, 2)), dim=-1)  # [Hkv, g*N, T]
+    if power != 1.0:
+        p = p.pow(power)
+    return p.mean(dim=1).transpose(0, 1).double().numpy()
 
 
 __all__ = ["QSTATS_FORMAT", "QueryStats", "attention_estimate", "load_query_statistics", "pair_mean",
