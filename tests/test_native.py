@@ -278,3 +278,15 @@ def test_token_quantize_rejects_like_torch_path(name, monkeypatch):
             with pytest.raises(InputError) as e2:
                 codec.encode(cache)
         assert str(e1.value) == str(e2.value)
+
+
+def test_huge_group_from_a_file_is_one_group():
+    """A file may declare any group; the native dequantizer treats a group at least as long as
+    the axis as one group (as the numpy path does) instead of overflowing."""
+    codes = np.arange(24, dtype=np.uint8).reshape(4, 2, 3) % 16
+    for axis, ps in (("channel", (1, 2, 3)), ("token", (4, 2, 1))):
+        s = np.full(ps, 0.5, np.float32)
+        z = np.full(ps, -1.0, np.float32)
+        a = native.intq_dequantize(codes, s, z, axis, 2**70, torch.float16)
+        b = native.intq_dequantize(codes, s, z, axis, 4, torch.float16)
+        assert torch.equal(a, b)

@@ -232,6 +232,12 @@ class EntropyStage:
             flags |= FLAG_EXTERNAL_TABLES
         elif cfg["scope"] == "all":
             sets = [self.fit_tables(x, a, layout)]
+        elif cfg["tables"] == "row" or (cfg["tables"] == "cluster" and r <= cfg["n_tables"]):
+            # a table per row per chunk: every chunk's histograms, then all tables in one call
+            hists = [_histograms(x[:, i * c:(i + 1) * c] if layout == "rows" else x[i * c:(i + 1) * c], a, layout)
+                     for i in range(n_chunks)]
+            tabs = build_tables(np.concatenate(hists), p).reshape(n_chunks, r, a) if hists else []
+            sets = [(t, None) for t in tabs]
         else:
             sets = [self.fit_tables(x[:, i * c:(i + 1) * c] if layout == "rows" else x[i * c:(i + 1) * c], a, layout)
                     for i in range(n_chunks)]

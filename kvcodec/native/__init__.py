@@ -298,6 +298,7 @@ def intq_dequantize(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, axis
         raise DependencyError("native CPU coder unavailable")
     c = np.ascontiguousarray(codes, dtype=np.uint8)
     t, h, d = c.shape
+    group = min(int(group), max(t, d, 1))  # a group as long as the axis is one group: same result, no overflow
     s = np.ascontiguousarray(scale, dtype=np.float32)
     z = np.ascontiguousarray(zero, dtype=np.float32)
     out = torch.empty((t, h, d), dtype=dtype)
@@ -329,6 +330,7 @@ def intq_quantize(x, bits: int, axis: str, group: int):
     t, h, d = xc.shape
     codes = torch.empty((t, h, d), dtype=torch.uint8)
     ps = intq_param_shape((t, h, d), axis, group)
+    group = min(int(group), max(t, d, 1))  # as in intq_dequantize
     scale = torch.empty(ps, dtype=torch.float16)
     zero = torch.empty(ps, dtype=torch.float16)
     rc = lb.kvn_intq_quant(xc.data_ptr(), float_kind(xc.dtype), t, h, d, 0 if axis == "channel" else 1, group, bits,
