@@ -290,3 +290,26 @@ def test_huge_group_from_a_file_is_one_group():
         a = native.intq_dequantize(codes, s, z, axis, 2**70, torch.float16)
         b = native.intq_dequantize(codes, s, z, axis, 4, torch.float16)
         assert torch.equal(a, b)
+
+
+def test_deadzone_quantize_matches_numpy_path(monkeypatch):
+    from kvcodec.quant.deadzone import deadzone_quantize, step_from_code
+
+    rng = np.random.default_rng(13)
+    x = (rng.laplace(0, 2, size=(37, 3, 24))).astype(np.float32)
+    x[0, 0, :4] = [0.0, -0.0, 0.25, -0.75]  # zeros and exact ties at step 0.5
+    for step in (step_from_code(np.array([-8]))[None],                          # scalar-like
+                 step_from_code(rng.integers(-20, 10, size=(3, 24)))[None],      # per channel
+                 step_from_code(rng.integers(-20, 10, size=(37, 3)))[:, :, None],  # per token
+                 step_from_code(rng.integers(-20, 10, size=(37, 3, 24)))):       # per element
+        for rho in (0.5, 0.3, 0.05):
+            got = deadzone_quantize(x, step, rho)
+            assert native.deadzone_quantize(x, step, rho) is not None
+            with monkeypatch.context() as m:
+                m.setenv("KVCODEC_NATIVE", "0")
+                want = deadzone_quantize(x, step, rho)
+            assert got.dtype == want.dtype == np.int64 and np.array_equal(got, want)
+    # paths the native code leaves to numpy: non-finite input, float64 input, zero steps
+    assert native.deadzone_quantize(np.array([1.0, np.inf], np.float32), np.float32(0.5), 0.5) is None
+    assert native.deadzone_quantize(np.array([1.0], np.float64), np.float32(0.5), 0.5) is None
+    assert native.deadzone_quantize(np.array([1.0], np.float32), np.float32(0.0), 0.5) is None

@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -119,6 +119,8 @@ def _build() -> ctypes.CDLL:
     lib.kvn_intq_quant.restype = ctypes.c_int
     lib.kvn_tok_quant.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, i32, p, p]
     lib.kvn_tok_quant.restype = ctypes.c_int
+    lib.kvn_deadzone.argtypes = [p, i64, i64, i64, p, i64, i64, i64, ctypes.c_double, p]
+    lib.kvn_deadzone.restype = ctypes.c_int
     lib.kvn_set_hw_f16.argtypes = [ctypes.c_int]
     lib.kvn_set_hw_f16.restype = ctypes.c_int
     lib.kvn_rows_affine.argtypes = [p, ctypes.c_int, i64, i64, p, p, i32, i32, p, p, ctypes.c_int, p]
@@ -376,6 +378,31 @@ def token_quantize(x, rows: np.ndarray, levels: int, base: np.ndarray | None = N
     return codes, scale
 
 
+def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float) -> np.ndarray | None:
+    """:func:`kvcodec.quant.deadzone.deadzone_quantize` for a float32 ``x`` of up to 3 dims (the
+    same float64 arithmetic, int64 codes), or ``None`` when this path does not apply (other
+    dtypes or shapes, a step that does not broadcast, non-finite values or huge codes): the
+    caller then runs the numpy code."""
+    lb = lib()
+    if lb is None:
+        return None
+    xa = np.asarray(x)
+    if xa.dtype != np.float32 or xa.ndim > 3:
+        return None
+    x3 = np.ascontiguousarray(xa.reshape((1,) * (3 - xa.ndim) + xa.shape))
+    try:
+        st = np.broadcast_to(np.asarray(step, dtype=np.float64), xa.shape).reshape(x3.shape)
+    except ValueError:
+        return None
+    if st.size and any(s % 8 for s in st.strides):
+        return None
+    codes = np.empty(x3.shape, dtype=np.int64)
+    strides = [s // 8 for s in st.strides] if st.size else [0, 0, 0]
+    if lb.kvn_deadzone(_ptr(x3), *x3.shape, st.ctypes.data, *strides, float(rho), _ptr(codes)) != 0:
+        return None
+    return codes.reshape(xa.shape)
+
+
 def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int, out, *, max_code: int,
                 base: np.ndarray | None = None, brow: np.ndarray | None = None) -> bool:
     """CacheGen-style dequantization into rows of ``out`` (a contiguous torch ``[rows, C]``
@@ -399,5 +426,5 @@ def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int
     return rc == _OK
 
 
-__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "intq_quantize", "lib", "token_quantize", "rows_affine", "status",
+__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "deadzone_quantize", "intq_quantize", "lib", "token_quantize", "rows_affine", "status",
            "symbol_view"]

@@ -768,6 +768,31 @@ int kvn_tok_quant(const void* x, int xkind, int64_t n, int64_t C, const int64_t*
   return rc;
 }
 
+/* Dead-zone quantization (kvcodec.quant.deadzone.deadzone_quantize), the same float64 arithmetic:
+ * code = sign(x) * floor(|x| / step + rho). x: float32 [n0, n1, n2] contiguous; step: float64
+ * with element strides s0, s1, s2 (0 broadcasts). Returns 1, leaving the rest undone, at a
+ * non-finite x or a code beyond +-2^53 (the caller then takes the numpy path, whose result for
+ * such inputs is whatever numpy's cast gives). */
+int kvn_deadzone(const float* x, int64_t n0, int64_t n1, int64_t n2, const double* step, int64_t s0, int64_t s1,
+                 int64_t s2, double rho, int64_t* codes) {
+  const double lim = 9007199254740992.0; /* 2^53 */
+  int bad = 0;
+  for (int64_t i = 0; i < n0 && !bad; ++i) {
+    for (int64_t j = 0; j < n1; ++j) {
+      const float* xr = x + (i * n1 + j) * n2;
+      const double* st = step + i * s0 + j * s1;
+      int64_t* cr = codes + (i * n1 + j) * n2;
+      for (int64_t k = 0; k < n2; ++k) {
+        const double v = (double)xr[k];
+        const double m = floor(fabs(v) / st[k * s2] + rho);
+        bad |= !(m < lim); /* also catches NaN */
+        cr[k] = v > 0 ? (int64_t)m : (v < 0 ? -(int64_t)m : 0);
+      }
+    }
+  }
+  return bad;
+}
+
 /* Conversions for tests: kind F_F16 / F_BF16, float32 -> bits (dir 0, through store_row: the
  * path the decoders use) or bits -> float32 (dir 1). */
 void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
@@ -779,4 +804,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 5; }
+int kvn_abi_version(void) { return 6; }
