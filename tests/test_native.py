@@ -313,3 +313,26 @@ def test_deadzone_quantize_matches_numpy_path(monkeypatch):
     assert native.deadzone_quantize(np.array([1.0, np.inf], np.float32), np.float32(0.5), 0.5) is None
     assert native.deadzone_quantize(np.array([1.0], np.float64), np.float32(0.5), 0.5) is None
     assert native.deadzone_quantize(np.array([1.0], np.float32), np.float32(0.0), 0.5) is None
+
+
+def test_escape_split_and_join_match_kvc():
+    from kvcodec.codecs.kvc import escape_join, escape_split
+    from kvcodec.errors import FormatError
+
+    rng = np.random.default_rng(14)
+    for shape, scale, max_level in [((50, 7), 3.0, 8), ((40, 5), 40.0, 8), ((1, 1), 0.1, 4), ((0, 3), 1.0, 8),
+                                    ((30, 4), 2.0**40, 1024)]:
+        codes = np.round(rng.laplace(0, scale, size=shape)).astype(np.int64)
+        sym, esc, lv = native.escape_split_tokens(codes, max_level)
+        want_sym, want_esc, want_lv = escape_split(codes.T, max_level)
+        assert lv == want_lv and np.array_equal(esc, want_esc) and esc.dtype == want_esc.dtype
+        assert np.array_equal(sym.T, want_sym)
+        back = native.escape_join_tokens(sym, esc, lv)
+        assert np.array_equal(back.T, escape_join(want_sym, want_esc, lv))
+        if esc.size:
+            with pytest.raises(FormatError, match="escape symbols"):
+                native.escape_join_tokens(sym, esc[:-1], lv)
+            bad = esc.copy()
+            bad[0] = 0
+            with pytest.raises(FormatError, match="inside the regular range"):
+                native.escape_join_tokens(sym, bad, lv)

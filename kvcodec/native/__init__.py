@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -121,6 +121,10 @@ def _build() -> ctypes.CDLL:
     lib.kvn_tok_quant.restype = ctypes.c_int
     lib.kvn_deadzone.argtypes = [p, i64, i64, i64, p, i64, i64, i64, ctypes.c_double, p]
     lib.kvn_deadzone.restype = ctypes.c_int
+    lib.kvn_escape_split.argtypes = [p, i64, i64, i64, p, p, p, p]
+    lib.kvn_escape_split.restype = ctypes.c_int
+    lib.kvn_escape_join.argtypes = [p, i64, i64, i64, p, i64, p]
+    lib.kvn_escape_join.restype = ctypes.c_int
     lib.kvn_set_hw_f16.argtypes = [ctypes.c_int]
     lib.kvn_set_hw_f16.restype = ctypes.c_int
     lib.kvn_rows_affine.argtypes = [p, ctypes.c_int, i64, i64, p, p, i32, i32, p, p, ctypes.c_int, p]
@@ -403,6 +407,56 @@ def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float) -> np.ndarray
     return codes.reshape(xa.shape)
 
 
+def escape_split_tokens(codes: np.ndarray, max_level: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """kvc's escape split of a token-major ``int64 codes [n, R]``: returns ``(symbols uint16
+    [n, R], escapes int32, L)``, the symbols being the transpose of what
+    :func:`kvcodec.codecs.kvc.escape_split` returns for ``codes.T`` and the escapes identical
+    (row-major order of ``[R, n]``)."""
+    lb = lib()
+    if lb is None:
+        raise DependencyError("native CPU coder unavailable")
+    c = np.ascontiguousarray(codes, dtype=np.int64)
+    n, r = c.shape
+    sym = np.empty((n, r), dtype=np.uint16)
+    cnt, lv = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    if lb.kvn_escape_split(_ptr(c), n, r, int(max_level), None, None, _ptr(cnt), _ptr(lv)) == _NOMEM:
+        raise MemoryError("native escape split: out of memory")
+    esc = np.empty(int(cnt[0]), dtype=np.int32)
+    if lb.kvn_escape_split(_ptr(c), n, r, int(max_level), _ptr(sym), _ptr(esc), _ptr(cnt), _ptr(lv)) == _NOMEM:
+        raise MemoryError("native escape split: out of memory")
+    return sym, esc, int(lv[0])
+
+
+def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int) -> np.ndarray:
+    """Inverse of :func:`escape_split_tokens`: ``int64 [n, R]`` codes.
+
+    Raises:
+        FormatError: the escape count differs from the escape plane's length, or an escaped code
+            lies inside the regular range (kvc's own messages).
+    """
+    from ..errors import FormatError
+
+    lb = lib()
+    if lb is None:
+        raise DependencyError("native CPU coder unavailable")
+    s = np.ascontiguousarray(sym, dtype=np.uint16)
+    n, r = s.shape
+    e = np.asarray(esc)
+    if e.ndim != 1 or (e.size and e.dtype.kind not in "iu"):
+        raise FormatError(f"kvc: the esc plane must be a 1-D integer array, got {e.dtype}{list(e.shape)}")
+    e = np.ascontiguousarray(e, dtype=np.int64)
+    out = np.empty((n, r), dtype=np.int64)
+    rc = lb.kvn_escape_join(_ptr(s), n, r, int(lv), _ptr(e), e.size, _ptr(out))
+    if rc == 1:
+        count = int((s == 2 * lv - 1).sum())
+        raise FormatError(f"kvc: {count} escape symbols but the esc plane holds {e.size} values")
+    if rc == 2:
+        raise FormatError("kvc: an escaped code lies inside the regular range")
+    if rc == _NOMEM:
+        raise MemoryError("native escape join: out of memory")
+    return out
+
+
 def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int, out, *, max_code: int,
                 base: np.ndarray | None = None, brow: np.ndarray | None = None) -> bool:
     """CacheGen-style dequantization into rows of ``out`` (a contiguous torch ``[rows, C]``
@@ -426,5 +480,5 @@ def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int
     return rc == _OK
 
 
-__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "deadzone_quantize", "intq_quantize", "lib", "token_quantize", "rows_affine", "status",
+__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "deadzone_quantize", "escape_join_tokens", "escape_split_tokens", "intq_quantize", "lib", "token_quantize", "rows_affine", "status",
            "symbol_view"]

@@ -793,6 +793,89 @@ int kvn_deadzone(const float* x, int64_t n0, int64_t n1, int64_t n2, const doubl
   return bad;
 }
 
+/* kvc escapes on a token-major code matrix codes[t * R + r] (int64 [n, R]): L = clamp(max|c| + 1,
+ * 1, max_level); sym = |c| < L ? c + L - 1 : 2L - 1 (uint16 [n, R]); the escaped codes go to esc
+ * (int32, wrapped as numpy's astype) in ROW-major order of the [R, n] symbol matrix (row r, then
+ * token t), as kvcodec.codecs.kvc.escape_split writes them. esc needs room for every escape:
+ * call with esc = NULL first to get the count (returned in *n_esc) and L (in *lv). */
+int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_level, uint16_t* sym, int32_t* esc,
+                     int64_t* n_esc, int64_t* lv) {
+  uint64_t top = 0;
+  for (int64_t i = 0; i < n * R; ++i) {
+    const int64_t c = codes[i];
+    const uint64_t a = c < 0 ? (uint64_t)0 - (uint64_t)c : (uint64_t)c;
+    top = a > top ? a : top;
+  }
+  int64_t L = top + 1 < (uint64_t)max_level ? (int64_t)top + 1 : max_level;
+  if (L < 1) L = 1;
+  *lv = L;
+  int64_t* pos = (int64_t*)calloc((size_t)(R > 0 ? R : 1), sizeof(int64_t));
+  if (!pos) return KVN_NOMEM;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t c = codes[t * R + r];
+      pos[r] += c >= L || c <= -L;
+    }
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) { /* counts -> first slot of each row */
+    const int64_t k = pos[r];
+    pos[r] = total;
+    total += k;
+  }
+  *n_esc = total;
+  if (sym) {
+    const uint16_t e = (uint16_t)(2 * L - 1);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t c = codes[t * R + r];
+        if (c >= L || c <= -L) {
+          sym[t * R + r] = e;
+          if (esc) esc[pos[r]++] = (int32_t)(uint32_t)(uint64_t)c;
+        } else {
+          sym[t * R + r] = (uint16_t)(c + L - 1);
+        }
+      }
+  }
+  free(pos);
+  return KVN_OK;
+}
+
+/* Inverse: out[t * R + r] = sym - (L - 1), escape symbols (2L - 1) replaced by esc values taken in
+ * row-major order of [R, n]. Returns 1 if the escape count differs from n_esc, 2 if an escaped
+ * value lies inside (-L, L) (both corrupt files), KVN_NOMEM, else KVN_OK. sym: uint16 [n, R]. */
+int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const int64_t* esc, int64_t n_esc,
+                    int64_t* out) {
+  const uint16_t e = (uint16_t)(2 * L - 1);
+  int64_t* pos = (int64_t*)calloc((size_t)(R > 0 ? R : 1), sizeof(int64_t));
+  if (!pos) return KVN_NOMEM;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r = 0; r < R; ++r) pos[r] += sym[t * R + r] == e;
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t k = pos[r];
+    pos[r] = total;
+    total += k;
+  }
+  if (total != n_esc) {
+    free(pos);
+    return 1;
+  }
+  int rc = KVN_OK;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r = 0; r < R; ++r) {
+      const uint16_t s = sym[t * R + r];
+      if (s == e) {
+        const int64_t v = esc[pos[r]++];
+        if (v < L && v > -L) rc = 2;
+        out[t * R + r] = v;
+      } else {
+        out[t * R + r] = (int64_t)s - (L - 1);
+      }
+    }
+  free(pos);
+  return rc;
+}
+
 /* Conversions for tests: kind F_F16 / F_BF16, float32 -> bits (dir 0, through store_row: the
  * path the decoders use) or bits -> float32 (dir 1). */
 void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
@@ -804,4 +887,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 6; }
+int kvn_abi_version(void) { return 7; }
