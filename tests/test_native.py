@@ -336,3 +336,22 @@ def test_escape_split_and_join_match_kvc():
             bad[0] = 0
             with pytest.raises(FormatError, match="inside the regular range"):
                 native.escape_join_tokens(sym, bad, lv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kvc_dequantize_matches_numpy(dtype, f16_path):
+    from kvcodec.quant.fast import from_f32_numpy
+
+    rng = np.random.default_rng(15)
+    codes = np.round(rng.laplace(0, 20, size=(33, 3, 24))).astype(np.int64)
+    codes[0, 0, 0] = 10**6  # saturates fp16
+    codes[0, 0, 1] = 2**62  # overflows float32 to inf: saturates there too
+    mean = rng.normal(0, 5, size=(3, 24)).astype(np.float32)
+    for step in (rng.uniform(0.01, 3, size=(1, 3, 24)).astype(np.float32),
+                 rng.uniform(0.01, 3, size=(33, 3, 1)).astype(np.float32),
+                 rng.uniform(0.01, 3, size=(33, 3, 24)).astype(np.float32)):
+        got = native.kvc_dequantize(codes, step, mean, dtype)
+        z = codes.astype(np.float32) * step + mean[None]
+        lim = float(torch.finfo(dtype).max)
+        want = from_f32_numpy(np.clip(z, -lim, lim), dtype)
+        assert torch.equal(got.float(), want.float()) and got.dtype == dtype

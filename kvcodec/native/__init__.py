@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -125,6 +125,8 @@ def _build() -> ctypes.CDLL:
     lib.kvn_escape_split.restype = ctypes.c_int
     lib.kvn_escape_join.argtypes = [p, i64, i64, i64, p, i64, p]
     lib.kvn_escape_join.restype = ctypes.c_int
+    lib.kvn_kvc_dequant.argtypes = [p, i64, i64, i64, p, i64, i64, i64, p, f32, ctypes.c_int, p]
+    lib.kvn_kvc_dequant.restype = ctypes.c_int
     lib.kvn_set_hw_f16.argtypes = [ctypes.c_int]
     lib.kvn_set_hw_f16.restype = ctypes.c_int
     lib.kvn_rows_affine.argtypes = [p, ctypes.c_int, i64, i64, p, p, i32, i32, p, p, ctypes.c_int, p]
@@ -457,6 +459,29 @@ def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int) -> np.ndarray:
     return out
 
 
+def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype):
+    """kvc's normative reconstruction without a transform: ``float32(code) * step + mean``
+    (separately rounded float32 operations), clamped to the finite range of ``dtype`` (fp16/bf16)
+    and cast with round-to-nearest-even. ``codes`` int64 ``[n, H, D]`` (token-major), ``step``
+    float32 broadcastable to it, ``mean`` float32 ``[H, D]``. Returns a torch tensor."""
+    import torch
+
+    lb = lib()
+    if lb is None:
+        raise DependencyError("native CPU coder unavailable")
+    c = np.ascontiguousarray(codes, dtype=np.int64)
+    n, h, d = c.shape
+    st = np.broadcast_to(np.asarray(step, dtype=np.float32), c.shape)
+    mu = np.ascontiguousarray(mean, dtype=np.float32).reshape(h, d)
+    out = torch.empty((n, h, d), dtype=dtype)
+    fmax = float(torch.finfo(dtype).max)  # saturate (float32 too: an overflow to inf becomes its max)
+    strides = [x // 4 for x in st.strides] if st.size else [0, 0, 0]
+    if lb.kvn_kvc_dequant(_ptr(c), n, h, d, st.ctypes.data, *strides, _ptr(mu), fmax, float_kind(dtype),
+                          out.data_ptr()) == _NOMEM:
+        raise MemoryError("native dequantization: out of memory")
+    return out
+
+
 def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int, out, *, max_code: int,
                 base: np.ndarray | None = None, brow: np.ndarray | None = None) -> bool:
     """CacheGen-style dequantization into rows of ``out`` (a contiguous torch ``[rows, C]``
@@ -480,5 +505,5 @@ def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int
     return rc == _OK
 
 
-__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "deadzone_quantize", "escape_join_tokens", "escape_split_tokens", "intq_quantize", "lib", "token_quantize", "rows_affine", "status",
+__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "deadzone_quantize", "escape_join_tokens", "escape_split_tokens", "intq_quantize", "kvc_dequantize", "lib", "token_quantize", "rows_affine", "status",
            "symbol_view"]

@@ -876,6 +876,29 @@ int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const 
   return rc;
 }
 
+/* kvc reconstruction (kvcodec/codecs/kvc.py, normative): out[t, h, d] = clamp(f32(code) * step
+ * + mean[h, d], +-fmax), cast to the out kind. codes: int64 [n, H, D]; step: float32 with element
+ * strides s0, s1, s2 (0 broadcasts); mean: float32 [H, D]. fmax <= 0: no clamp. */
+int kvn_kvc_dequant(const int64_t* codes, int64_t n, int64_t H, int64_t D, const float* step, int64_t s0, int64_t s1,
+                    int64_t s2, const float* mean, float fmax, int out_kind, void* out) {
+  const int64_t Cn = H * D;
+  const float m = fmax > 0.0f ? fmax : bits_f32(0x7f800000u);
+  float* row = (float*)malloc(sizeof(float) * (size_t)(Cn > 0 ? Cn : 1));
+  if (!row) return KVN_NOMEM;
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t* c = codes + t * Cn + h * D;
+      const float* st = step + t * s0 + h * s1;
+      const float* mu = mean + h * D;
+      float* r = row + h * D;
+      for (int64_t d = 0; d < D; ++d) r[d] = clampf((float)c[d] * st[d * s2] + mu[d], m);
+    }
+    store_row(out, out_kind, t * Cn, row, Cn);
+  }
+  free(row);
+  return KVN_OK;
+}
+
 /* Conversions for tests: kind F_F16 / F_BF16, float32 -> bits (dir 0, through store_row: the
  * path the decoders use) or bits -> float32 (dir 1). */
 void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
@@ -887,4 +910,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 7; }
+int kvn_abi_version(void) { return 8; }
