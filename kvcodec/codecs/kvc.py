@@ -75,6 +75,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import native
 from ..cache import KVCache
 from ..codec import Codec, EncodedTensor, TensorContext, register_codec, register_preset
 from ..errors import ConfigError, FormatError
@@ -328,11 +329,11 @@ class KVCCodec(Codec):
                 params["k_tok"] = 1
                 step = step_from_code(sc[None] + toff[:, :, None])  # [n, H, D]
                 codes = deadzone_quantize(z, step, p["rho"])
-                rows = np.concatenate([codes.reshape(n, h * d).T, toff.T], axis=0)
+                tok = np.concatenate([codes.reshape(n, h * d), toff], axis=1)
             else:
                 step = step_from_code(sc)[None]  # [1, H, D]
                 codes = deadzone_quantize(z, step, p["rho"])
-                rows = codes.reshape(n, h * d).T
+                tok = codes.reshape(n, h * d)
         else:
             rel = p["v_step"] * token_rms(z)  # [n, H]
             attn = getattr(self, "_calib", {}).get(ctx.layer, {}).get("attn") if ctx.role == "v" else None
@@ -344,15 +345,21 @@ class KVCCodec(Codec):
             codes = deadzone_quantize(z, step, p["rho"])
             base = np.median(sc, axis=0).astype(np.int64) if n else np.zeros(h, np.int64)
             params["step_base"] = [int(b) for b in base]
-            rows = np.concatenate([codes.reshape(n, h * d).T, (sc - base[None]).T], axis=0)
+            tok = np.concatenate([codes.reshape(n, h * d), sc - base[None]], axis=1)
         if self._per_channel(ctx) or p["v_center"]:
             planes["side"] = side  # token-mode V without centring has no side data: no plane
-        sym, esc, lv = escape_split(rows, p["max_level"])
+        # the stage's rows are the H*D channels (then the step rows) over the tokens; it reads the
+        # token-major matrix as is
+        if native.available():
+            sym, esc, lv = native.escape_split_tokens(tok, p["max_level"])
+        else:
+            sym_rows, esc, lv = escape_split(tok.T, p["max_level"])
+            sym = sym_rows.T
         params["L"] = lv
         if esc.size:  # no escapes: no plane (each plane costs its header entry)
             planes["esc"] = esc
         if n:
-            for k, v in _stage(p).encode(sym, alphabet=2 * lv).items():
+            for k, v in _stage(p).encode(sym, alphabet=2 * lv, layout="tokens").items():
                 planes[_STAGE_PREFIX + k] = v
         return EncodedTensor(planes, params)
 
@@ -401,30 +408,37 @@ class KVCCodec(Codec):
         if lay.R != rows or lay.N != n or lay.A != 2 * lv:
             raise FormatError(f"{where}: kvc entropy stage is [{lay.R}, {lay.N}] A={lay.A}, "
                               f"expected [{rows}, {n}] A={2 * lv}")
-        sym = _stage(p).decode(stage_planes)
-        codes = escape_join(sym, enc.planes.get("esc", np.zeros(0, np.int32)), lv)
-        main = codes[: h * d].T.reshape(n, h, d)
+        sym = _stage(p).decode(stage_planes, layout="tokens")  # [n, R] token-major
+        esc = enc.planes.get("esc", np.zeros(0, np.int32))
+        if native.available():
+            codes = native.escape_join_tokens(sym, esc, lv)
+        else:
+            codes = escape_join(sym.T, esc, lv).T
+        main = codes[:, : h * d].reshape(n, h, d)
         sc_raw = side[1].astype(np.float64)
         if per_channel:
             if not np.all(np.isfinite(sc_raw)) or np.any(sc_raw != np.round(sc_raw)):
                 raise FormatError(f"{where}: kvc step codes are not integers")
             sc_ch = _checked_codes(sc_raw, where)
             if k_tok:  # per-token integer offsets added to the channel log-step codes
-                step = step_from_code(_checked_codes(sc_ch[None] + codes[h * d:].T[:, :, None], where))
+                step = step_from_code(_checked_codes(sc_ch[None] + codes[:, h * d:][:, :, None], where))
             else:
                 step = step_from_code(sc_ch)[None]
         else:
             base = pr.get("step_base")
             if not isinstance(base, list) or len(base) != h or not all(isinstance(b, int) for b in base):
                 raise FormatError(f"{where}: kvc step_base must list {h} integers")
-            sc = codes[h * d:].T + np.array(base, dtype=np.int64)[None]
+            sc = codes[:, h * d:] + np.array(base, dtype=np.int64)[None]
             step = step_from_code(_checked_codes(sc, where))[:, :, None]
-        z = main.astype(np.float32) * step  # normative: one float32 multiply
-        if tr == "hadamard":
-            z = fwht(z)
         mean = side[0].astype(np.float32)
         if not np.all(np.isfinite(mean)):
             raise FormatError(f"{where}: kvc channel means are not finite")
+        if tr == "none" and native.available():  # the same float32 arithmetic, saturation and cast
+            out[~keep] = native.kvc_dequantize(main, step, mean, ctx.dtype)
+            return out
+        z = main.astype(np.float32) * step  # normative: one float32 multiply
+        if tr == "hadamard":
+            z = fwht(z)
         xh = z + mean[None]
         lim = float(torch.finfo(ctx.dtype).max)  # saturate instead of overflowing to inf
         xh = np.clip(xh, -lim, lim)
