@@ -355,3 +355,20 @@ def test_kvc_dequantize_matches_numpy(dtype, f16_path):
         lim = float(torch.finfo(dtype).max)
         want = from_f32_numpy(np.clip(z, -lim, lim), dtype)
         assert torch.equal(got.float(), want.float()) and got.dtype == dtype
+
+
+def test_round_half_even_ties(monkeypatch):
+    """Exact .5 ties go to the even code, as numpy's rint and torch's round do."""
+    from kvcodec.codecs.cachegen import symmetric_token_quantize
+    from kvcodec.quant.fast import intq_quantize_fast
+
+    x = torch.tensor([[[0.0, 0.5, 1.5, 2.5, 3.5, 4.5, 14.5, 15.0]]])  # scale (15 - 0) / 15 = 1
+    got = intq_quantize_fast(x, 4, "token", 8)
+    assert got.codes.flatten().tolist() == [0, 0, 2, 2, 4, 4, 14, 15]
+    y = torch.tensor([[-7.0, -6.5, -0.5, -0.25, 0.5, 1.5, 2.5, 7.0]])  # amax 7, M = 7: scale 1
+    codes, _ = native.token_quantize(y, np.arange(1), 15)
+    want, _ = symmetric_token_quantize(y, 15)
+    assert codes.astype(np.int64).tolist() == want.tolist() == [[0, 1, 7, 7, 7, 9, 9, 14]]
+    with monkeypatch.context() as m:
+        m.setenv("KVCODEC_NATIVE", "0")
+        assert torch.equal(intq_quantize_fast(x, 4, "token", 8).codes, got.codes)

@@ -567,6 +567,16 @@ static void load_row(float* dst, const void* src, int kind, int64_t o, int64_t n
   }
 }
 
+/* Round to nearest, ties to even, as rintf in the default rounding mode but without a libm call
+ * (x86-64's baseline has no rounding instruction): adding and removing 2^23 leaves a float whose
+ * last bit is the unit, so the float add rounds; values of magnitude >= 2^23 (and inf, NaN) are
+ * already integral and returned as they are; the sign is v's, zeros included. */
+static inline float rne_f32(float v) {
+  const float big = 8388608.0f; /* 2^23 */
+  if (!(fabsf(v) < big)) return v;
+  return copysignf(v >= 0.0f ? (v + big) - big : (v - big) + big, v); /* -0.3 -> -0.0, as rintf */
+}
+
 static inline float clampf(float v, float m) { return v > m ? m : (v < -m ? -m : v); }
 
 /* KIVI (kvcodec.quant.intq): out[t, h, d] = f32(code) * scale + zero, clamped to +-fmax when
@@ -681,7 +691,7 @@ int kvn_intq_quant(const void* x, int xkind, int64_t T, int64_t H, int64_t D, in
         const float* r = buf + j * Cn;
         uint8_t* c = codes + (t0 + j) * Cn;
         for (int64_t i = 0; i < Cn; ++i) {
-          float q = sf[i] > 0.0f ? rintf((r[i] - zf[i]) / (sf[i] > 0.0f ? sf[i] : 1.0f)) : 0.0f;
+          float q = sf[i] > 0.0f ? rne_f32((r[i] - zf[i]) / (sf[i] > 0.0f ? sf[i] : 1.0f)) : 0.0f;
           q = q < 0.0f ? 0.0f : (q > levels ? levels : q);
           c[i] = (uint8_t)q;
         }
@@ -710,7 +720,7 @@ int kvn_intq_quant(const void* x, int xkind, int64_t T, int64_t H, int64_t D, in
           const float s = f16_to_f32(sh), z = f16_to_f32(zh);
           uint8_t* c = codes + t * Cn + h * D;
           for (int64_t d = d0; d < d1; ++d) {
-            float q = s > 0.0f ? rintf((r[d] - z) / (s > 0.0f ? s : 1.0f)) : 0.0f;
+            float q = s > 0.0f ? rne_f32((r[d] - z) / (s > 0.0f ? s : 1.0f)) : 0.0f;
             q = q < 0.0f ? 0.0f : (q > levels ? levels : q);
             c[d] = (uint8_t)q;
           }
@@ -756,7 +766,7 @@ int kvn_tok_quant(const void* x, int xkind, int64_t n, int64_t C, const int64_t*
     uint16_t* c = codes + j * C;
     if (s > 0.0f) {
       for (int64_t i = 0; i < C; ++i) {
-        float q = rintf(y[i] / s);
+        float q = rne_f32(y[i] / s);
         q = q < -mf ? -mf : (q > mf ? mf : q);
         c[i] = (uint16_t)(int32_t)(q + mf);
       }
@@ -784,9 +794,11 @@ int kvn_deadzone(const float* x, int64_t n0, int64_t n1, int64_t n2, const doubl
       int64_t* cr = codes + (i * n1 + j) * n2;
       for (int64_t k = 0; k < n2; ++k) {
         const double v = (double)xr[k];
-        const double m = floor(fabs(v) / st[k * s2] + rho);
-        bad |= !(m < lim); /* also catches NaN */
-        cr[k] = v > 0 ? (int64_t)m : (v < 0 ? -(int64_t)m : 0);
+        const double q = fabs(v) / st[k * s2] + rho;
+        bad |= !(q < lim); /* also catches NaN */
+        /* q >= 0 (for steps > 0), so floor is truncation: no libm call */
+        const int64_t m = q < lim && q >= 0.0 ? (int64_t)q : (int64_t)floor(q);
+        cr[k] = v > 0 ? m : (v < 0 ? -m : 0);
       }
     }
   }
