@@ -66,6 +66,13 @@ def test_slot_table_resolutions():
         planes = st.encode(x, alphabet=32, method="constriction")
         assert np.array_equal(st.decode(planes, method="native"), x), cfg
         assert np.array_equal(st.decode(planes, method="numpy"), x), cfg
+    # many tables for few symbols: slots much coarser than the symbols (binary search between the
+    # symbols of two neighbouring slots), the slot memory bounded by the output size
+    y = np.minimum(rng.geometric(0.02, size=(2000, 2)) - 1, 299)
+    st = EntropyStage(precision=16, chunk=1)
+    planes = st.encode(y, alphabet=300, method="constriction")
+    assert np.array_equal(st.decode(planes, method="native"), y)
+    assert np.array_equal(st.decode(planes, method="reference"), y)
 
 
 def test_corrupt_streams_same_verdict_and_stream_as_reference():

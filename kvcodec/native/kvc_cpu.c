@@ -97,13 +97,13 @@ typedef struct {
 } Lookup;
 
 static inline uint32_t find_symbol(const Table* tb, const Lookup* lk, uint32_t q) {
+  uint32_t lo = 0, hi = (uint32_t)lk->A; /* invariant: cum[lo] <= q < cum[hi] */
   if (tb->lut) {
-    uint32_t s = tb->lut[q >> lk->shift];
-    if (!lk->exact)
-      while (tb->cum[s + 1] <= q) ++s;
-    return s;
+    const uint32_t j = q >> lk->shift;
+    lo = tb->lut[j];
+    if (lk->exact) return lo;
+    hi = (uint32_t)tb->lut[j + 1] + 1u; /* the symbol at the next slot's start bounds q's symbol */
   }
-  uint32_t lo = 0, hi = (uint32_t)lk->A; /* cum[lo] <= q < cum[hi] */
   while (hi - lo > 1) {
     uint32_t mid = (lo + hi) >> 1;
     if (tb->cum[mid] <= q) lo = mid; else hi = mid;
@@ -195,8 +195,12 @@ int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
   const int64_t visit = g.C < g.N ? g.C : g.N;
   int64_t b = g.P < 12 ? g.P : 12;
   while (b > 6 && (g.T << b) * 2 > (256 << 10) && ((int64_t)1 << b) > 2 * visit) --b;
+  /* and never more slots than a few per output symbol, whatever table count a file declares (a
+   * coarse slot table only costs a short binary search between two slots' symbols) */
+  while (b > 1 && (g.T << b) > 4 * g.R * g.N + 65536) --b;
+  const int64_t stride = ((int64_t)1 << b) + 1; /* slots plus an end entry */
   uint16_t* lut = NULL;
-  if (g.A <= 65536) lut = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(g.T << b));
+  if (g.A <= 65536) lut = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(g.T * stride));
   if (!cum || !tabs || (g.A <= 65536 && !lut)) {
     free(cum); free(tabs); free(lut);
     return KVN_NOMEM;
@@ -211,13 +215,14 @@ int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
     if (lut) {
       /* slot j holds the symbol whose interval contains j << shift: symbol s fills the slots
        * from ceil(cum[s] / 2^shift) up to that of cum[s + 1] */
-      uint16_t* l = lut + (t << b);
+      uint16_t* l = lut + t * stride;
       const uint32_t* c = tabs[t].cum;
       const uint32_t round = (1u << lk.shift) - 1u;
       for (int64_t s = 0; s < g.A; ++s) {
         const uint32_t j0 = (c[s] + round) >> lk.shift, j1 = (c[s + 1] + round) >> lk.shift;
         for (uint32_t j = j0; j < j1; ++j) l[j] = (uint16_t)s;
       }
+      l[stride - 1] = (uint16_t)(g.A - 1);
       tabs[t].lut = l;
     }
   }
