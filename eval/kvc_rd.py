@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                     help='extra kvc configurations to evaluate, a JSON list of dicts (kind "kvc-point")')
     ap.add_argument("--calib-skip", type=int, default=8192,
                     help="calibration text starts at this token (held out from the evaluation)")
+    ap.add_argument("--calib-text", default=None,
+                    help="calibrate on this UTF-8 text file instead (from token --calib-skip, default then 0)")
     ap.add_argument("--calib-file", default=None,
                     help="where to write the calibration file (default: under the kvcodec cache dir)")
     ap.add_argument("--no-calibration", action="store_true", help="skip the calibrated rows")
@@ -126,15 +128,20 @@ def main(argv: list[str] | None = None) -> int:
         from kvcodec.harness.calibration import query_statistics, save_query_statistics
         from kvcodec.harness.models import cache_dir
 
-        if args.calib_skip < args.context + args.continuation + 1:
+        skip = args.calib_skip
+        if args.calib_text is None and skip < args.context + args.continuation + 1:
             ap.error("--calib-skip must leave the evaluated tokens out of the calibration text")
+        if args.calib_text is not None and "--calib-skip" not in " ".join(argv if argv is not None else sys.argv):
+            skip = 0
         t0 = time.perf_counter()
-        stats = query_statistics(model, tok, read_text(args.text), context=args.context,
-                                 skip_tokens=args.calib_skip)
-        path = Path(args.calib_file or cache_dir() / "calibration" / f"smollm2-skip{args.calib_skip}-ctx{args.context}.qstats.safetensors")
+        stats = query_statistics(model, tok, read_text(args.calib_text or args.text), context=args.context,
+                                 skip_tokens=skip)
+        stem = Path(args.calib_text).stem if args.calib_text else "eval-text"
+        path = Path(args.calib_file or cache_dir() / "calibration" / f"smollm2-{stem}-skip{skip}-ctx{args.context}.qstats.safetensors")
         path.parent.mkdir(parents=True, exist_ok=True)
         save_query_statistics(stats, path)
-        calib = {"file": str(path), "text_tokens": [args.calib_skip, args.calib_skip + args.context],
+        calib = {"file": str(path), "text": args.calib_text or "the evaluation text",
+                 "text_tokens": [skip, skip + args.context],
                  "eval_tokens": [0, args.context + args.continuation + 1], "samples": 64,
                  "seconds": round(time.perf_counter() - t0, 2)}
         print(f"calibration: {path} ({calib['seconds']} s)", flush=True)
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if calib:
             runs += [("kvc-preset", p + " (+calibration)", {"id": p, "calibration": "CAL"}) for p in CAL_PRESETS]
     if args.configs:
-        runs += [("kvc-point", _short(cfg), cfg) for cfg in json.loads(args.configs)]
+        runs += [("kvc-point", _point_name(cfg), cfg) for cfg in json.loads(args.configs)]
     if not args.quick:
         runs += [("kvc-ablation", name, cfg) for name, cfg in ABLATION]
         runs += [("kvc-sweep", _short(cfg), cfg) for cfg in SWEEP]
@@ -195,6 +202,14 @@ def _resolve(cfg: dict, calib_file: str) -> dict:
     return {**base, **{k: v for k, v in cfg.items() if k != "id"}, "calibration": calib_file}
 
 
+def _point_name(cfg: dict) -> str:
+    """A --configs row's name: a preset id with its overrides, or the kvc parameters that differ."""
+    if cfg.get("id") != "kvc":
+        extra = {k: v for k, v in cfg.items() if k not in ("id", "calibration")}
+        return cfg["id"] + (f" {extra}" if extra else "") + (" (+calibration)" if cfg.get("calibration") else "")
+    return _short(cfg)
+
+
 def _short(cfg: dict) -> str:
     """A sweep point's name: the parameters that differ from the kvc defaults."""
     from kvcodec.codecs.kvc import KVCCodec
@@ -208,7 +223,7 @@ def rerender(json_path: Path) -> None:
     """Rewrite the Markdown and PNG of an existing result JSON (no model run)."""
     res = json.loads(json_path.read_text())
     for r in res["records"]:
-        if r["kind"] in ("kvc-sweep", "kvc-point"):
+        if r["kind"] == "kvc-sweep":
             r["name"] = _short(r["config"])
     json_path.write_text(json.dumps(res, indent=1, default=str) + "\n")
     json_path.with_suffix(".md").write_text(markdown(res))
@@ -218,6 +233,10 @@ def rerender(json_path: Path) -> None:
 def _calib_line(c: dict | None) -> str:
     if not c:
         return "none (every kvc row is calibration-free)"
+    if c.get("text", "the evaluation text") != "the evaluation text":
+        return (f"rows marked (+calibration) use query statistics recorded on tokens "
+                f"{c['text_tokens'][0]}–{c['text_tokens'][1]} of another text, {c['text']} ({c['seconds']} s to "
+                "record; used by the encoder only, the decoder needs nothing else)")
     return (f"rows marked (+calibration) use query statistics recorded on tokens "
             f"{c['text_tokens'][0]}–{c['text_tokens'][1]} of the same text, held out from the evaluated tokens "
             f"{c['eval_tokens'][0]}–{c['eval_tokens'][1]} ({c['seconds']} s to record; used by the encoder only, "
