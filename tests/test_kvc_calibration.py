@@ -225,3 +225,15 @@ def test_cli_calibrate_rejects_bad_arguments(capsys):
 
     assert main(["calibrate", "--context", "1", "--out", "x.safetensors"]) != 0
     assert "context" in capsys.readouterr().err
+
+
+def test_token_steps_equal_the_direct_formula():
+    from kvcodec.codecs.kvc import token_steps
+
+    rng = np.random.default_rng(3)
+    sc = rng.integers(-60, 20, size=(3, 10))
+    off = rng.integers(-16, 17, size=(50, 3))
+    direct = step_from_code(sc[None] + off[:, :, None])
+    assert np.array_equal(token_steps(sc, off).view(np.int32), direct.view(np.int32))
+    with pytest.raises(FormatError, match="step code"):
+        token_steps(np.full((1, 2), 315), np.array([[10]]))
