@@ -137,7 +137,7 @@ def test_calibrated_k_error_within_half_of_its_per_token_step(tmp_path):
     dec = codec.decode_tensor(enc, TensorContext(0, "k", tuple(k.shape), k.dtype))
     sc = enc.planes["side"][1].astype(np.int64)
     # per-token offsets: recompute them the way the encoder does
-    m = _attn_factor(plan[0]["attn"], codec.params["k_attn"], codec.params["attn_clip"])
+    m = _attn_factor(plan[0]["attn"], codec.params["k_attn"], codec.params["attn_clip"], codec.params["attn_coarse"])
     from kvcodec.quant.deadzone import step_code
 
     step = torch.from_numpy(step_from_code(sc[None] + step_code(m)[:, :, None].astype(np.int64)))
