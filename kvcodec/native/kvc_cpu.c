@@ -572,14 +572,23 @@ static void load_row(float* dst, const void* src, int kind, int64_t o, int64_t n
   }
 }
 
+/* Order-preserving integer key of a float's bits (negative floats have their magnitude bits
+ * flipped), and back: the map is its own inverse. */
+static inline int32_t fkey(float f) {
+  const int32_t i = (int32_t)f32_bits(f);
+  return i ^ ((i >> 31) & 0x7fffffff);
+}
+static inline float fkey_f32(int32_t k) { return bits_f32((uint32_t)(k ^ ((k >> 31) & 0x7fffffff))); }
+
 /* Round to nearest, ties to even, as rintf in the default rounding mode but without a libm call
  * (x86-64's baseline has no rounding instruction): adding and removing 2^23 leaves a float whose
  * last bit is the unit, so the float add rounds; values of magnitude >= 2^23 (and inf, NaN) are
  * already integral and returned as they are; the sign is v's, zeros included. */
 static inline float rne_f32(float v) {
   const float big = 8388608.0f; /* 2^23 */
-  if (!(fabsf(v) < big)) return v;
-  return copysignf(v >= 0.0f ? (v + big) - big : (v - big) + big, v); /* -0.3 -> -0.0, as rintf */
+  const float a = fabsf(v);
+  const float r = (a + big) - big; /* RNE(|v|) for |v| < 2^23; rint(v) = sign(v) * RNE(|v|) */
+  return copysignf(a < big ? r : a, v); /* branch-free, so loops of it vectorise */
 }
 
 static inline float clampf(float v, float m) { return v > m ? m : (v < -m ? -m : v); }
@@ -673,15 +682,19 @@ int kvn_intq_quant(const void* x, int xkind, int64_t T, int64_t H, int64_t D, in
       const int64_t nt = t0 + group < T ? group : T - t0, k = t0 / group;
       for (int64_t j = 0; j < nt; ++j) load_row(buf + j * Cn, x, xkind, (t0 + j) * Cn, Cn);
       for (int64_t i = 0; i < Cn; ++i) mn[i] = mx[i] = buf[i];
+      uint32_t bad = 0;
       for (int64_t j = 0; j < nt; ++j) {
         const float* r = buf + j * Cn;
-        for (int64_t i = 0; i < Cn; ++i) {
-          if (r[i] - r[i] != 0.0f) rc = 1; /* NaN or Inf */
+        for (int64_t i = 0; i < Cn; ++i) { /* branch-free: vectorises */
+          bad |= (f32_bits(r[i]) & 0x7fffffffu) >= 0x7f800000u; /* NaN or Inf */
           mn[i] = r[i] < mn[i] ? r[i] : mn[i];
           mx[i] = r[i] > mx[i] ? r[i] : mx[i];
         }
       }
-      if (rc != KVN_OK) break;
+      if (bad) {
+        rc = 1;
+        break;
+      }
       for (int64_t i = 0; i < Cn; ++i) {
         const float lo = mn[i] + 0.0f, hi = mx[i] + 0.0f;
         const uint16_t sh = f32_to_f16((hi - lo) / levels), zh = f32_to_f16(lo);
@@ -709,15 +722,22 @@ int kvn_intq_quant(const void* x, int xkind, int64_t T, int64_t H, int64_t D, in
         for (int64_t j = 0; j < ng; ++j) {
           const int64_t d0 = j * group, d1 = d0 + group < D ? d0 + group : D;
           const float* r = buf + h * D;
-          float lo = r[d0], hi = r[d0];
+          /* min and max as integer reductions over order-preserving keys of the bit patterns
+           * (they vectorise; float ones would not without -ffast-math). Only -0.0 < +0.0 differs
+           * from float order, and the + 0.0f below makes both +0, as the reference does. */
+          int32_t kmin = fkey(r[d0]), kmax = kmin;
+          uint32_t bad = 0;
           for (int64_t d = d0; d < d1; ++d) {
-            if (r[d] - r[d] != 0.0f) rc = 1;
-            lo = r[d] < lo ? r[d] : lo;
-            hi = r[d] > hi ? r[d] : hi;
+            const int32_t k = fkey(r[d]);
+            bad |= (f32_bits(r[d]) & 0x7fffffffu) >= 0x7f800000u;
+            kmin = k < kmin ? k : kmin;
+            kmax = k > kmax ? k : kmax;
           }
-          if (rc != KVN_OK) break;
-          lo += 0.0f;
-          hi += 0.0f;
+          if (bad) {
+            rc = 1;
+            break;
+          }
+          float lo = fkey_f32(kmin) + 0.0f, hi = fkey_f32(kmax) + 0.0f;
           const uint16_t sh = f32_to_f16((hi - lo) / levels), zh = f32_to_f16(lo);
           if ((sh & 0x7c00u) == 0x7c00u || (zh & 0x7c00u) == 0x7c00u) rc = 2;
           scale16[(t * H + h) * ng + j] = sh;
@@ -754,13 +774,15 @@ int kvn_tok_quant(const void* x, int xkind, int64_t n, int64_t C, const int64_t*
       const float* b = base + brow[j] * C;
       for (int64_t i = 0; i < C; ++i) y[i] = y[i] - b[i];
     }
-    float amax = 0.0f;
-    int nan = 0;
+    /* max |y| on the bit patterns: non-negative floats order as integers, and any NaN (above
+     * inf's pattern) shows up as the maximum -- an integer reduction, which vectorises */
+    uint32_t umax = 0;
     for (int64_t i = 0; i < C; ++i) {
-      const float a = fabsf(y[i]);
-      nan |= a != a;
-      amax = a > amax ? a : amax;
+      const uint32_t u = f32_bits(y[i]) & 0x7fffffffu;
+      umax = u > umax ? u : umax;
     }
+    const int nan = umax > 0x7f800000u;
+    const float amax = bits_f32(umax);
     const uint16_t sh = f32_to_f16(amax / mf);
     if (nan || (sh & 0x7c00u) == 0x7c00u) {
       rc = 2;
