@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -127,6 +127,8 @@ def _build() -> ctypes.CDLL:
     lib.kvn_escape_join.restype = ctypes.c_int
     lib.kvn_kvc_dequant.argtypes = [p, i64, i64, i64, p, i64, i64, i64, p, f32, ctypes.c_int, p]
     lib.kvn_kvc_dequant.restype = ctypes.c_int
+    lib.kvn_member_sums.argtypes = [p, i64, i64, p, i64, p, p]
+    lib.kvn_member_sums.restype = None
     lib.kvn_set_hw_f16.argtypes = [ctypes.c_int]
     lib.kvn_set_hw_f16.restype = ctypes.c_int
     lib.kvn_rows_affine.argtypes = [p, ctypes.c_int, i64, i64, p, p, i32, i32, p, p, ctypes.c_int, p]
@@ -482,6 +484,21 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype)
     return out
 
 
+def member_sums(h: np.ndarray, assign: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per-cluster sums of the rows of ``h`` (float64 counts; exact) and which clusters are used,
+    or ``None`` without the native coder."""
+    lb = lib()
+    if lb is None:
+        return None
+    hh = np.ascontiguousarray(h, dtype=np.float64)
+    asg = np.ascontiguousarray(assign, dtype=np.int64)
+    r, a = hh.shape
+    sums = np.empty((k, a), dtype=np.float64)
+    used = np.empty(k, dtype=np.uint8)
+    lb.kvn_member_sums(_ptr(hh), r, a, _ptr(asg), k, _ptr(sums), _ptr(used))
+    return sums, used.astype(bool)
+
+
 def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int, out, *, max_code: int,
                 base: np.ndarray | None = None, brow: np.ndarray | None = None) -> bool:
     """CacheGen-style dequantization into rows of ``out`` (a contiguous torch ``[rows, C]``
@@ -505,5 +522,5 @@ def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int
     return rc == _OK
 
 
-__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "deadzone_quantize", "escape_join_tokens", "escape_split_tokens", "intq_quantize", "kvc_dequantize", "lib", "token_quantize", "rows_affine", "status",
+__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "deadzone_quantize", "escape_join_tokens", "escape_split_tokens", "intq_quantize", "kvc_dequantize", "lib", "member_sums", "token_quantize", "rows_affine", "status",
            "symbol_view"]

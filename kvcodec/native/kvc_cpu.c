@@ -938,6 +938,22 @@ int kvn_kvc_dequant(const int64_t* codes, int64_t n, int64_t H, int64_t D, const
   return KVN_OK;
 }
 
+/* Cluster sums for the entropy stage's table clustering: sums[assign[i], :] += h[i, :] (float64
+ * counts, exact in any order); used[j] = 1 if cluster j has a member. */
+void kvn_member_sums(const double* h, int64_t r, int64_t a, const int64_t* assign, int64_t k, double* sums,
+                     uint8_t* used) {
+  memset(sums, 0, sizeof(double) * (size_t)(k * a));
+  memset(used, 0, (size_t)k);
+  for (int64_t i = 0; i < r; ++i) {
+    const int64_t j = assign[i];
+    if (j < 0 || j >= k) continue;
+    used[j] = 1;
+    double* sj = sums + j * a;
+    const double* hi = h + i * a;
+    for (int64_t c = 0; c < a; ++c) sj[c] += hi[c];
+  }
+}
+
 /* Conversions for tests: kind F_F16 / F_BF16, float32 -> bits (dir 0, through store_row: the
  * path the decoders use) or bits -> float32 (dir 1). */
 void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
@@ -949,4 +965,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 8; }
+int kvn_abi_version(void) { return 9; }
