@@ -14,14 +14,17 @@ recorded by SHA-256.
 Calibration (optional in kvc; the ``*-cal`` presets are tuned for it): query statistics
 (:mod:`kvcodec.harness.calibration`) are recorded on a HELD-OUT part of the same text — the tokens
 from ``--calib-skip`` (default 8192) on, while the evaluation uses the first ``context +
-continuation + 1`` tokens — and written to a file outside the repository (the encoder reads it,
-the decoder never needs it). Rows whose config names ``"calibration": "CAL"`` get that file.
+continuation + 1`` tokens (or those from ``--text-offset``; the two ranges must not overlap) —
+and written to a file outside the repository (the encoder reads it, the decoder never needs it).
+Rows whose config names ``"calibration": "CAL"`` get that file.
 
 Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default ``eval/results/kvc_rd``).
 
 Usage:
     python eval/kvc_rd.py                       # full run (~30 min on 2 busy cores)
     python eval/kvc_rd.py --context 512 --continuation 128 --quick --out /tmp/kvc_rd
+    # another evaluation window of the same text (tokens 4096.. ; calibration stays at 8192..):
+    python eval/kvc_rd.py --quick --text-offset 4096 --out /tmp/kvc_rd_off4096
     # preset rows only, plus extra kvc configurations (a JSON list) for a targeted search:
     python eval/kvc_rd.py --quick --no-baselines --configs '[{"id": "kvc", "k_step": 0.22, "v_step": 0.66}]'
 """
@@ -95,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1536)
     ap.add_argument("--continuation", type=int, default=512)
     ap.add_argument("--text", default=None, help="UTF-8 text file (default: built-in Jargon File excerpt)")
+    ap.add_argument("--text-offset", type=int, default=0,
+                    help="evaluate on the text from this token on (another window of the same text)")
     ap.add_argument("--quick", action="store_true", help="presets and baselines only")
     ap.add_argument("--no-baselines", action="store_true", help="skip the baseline codecs")
     ap.add_argument("--no-presets", action="store_true", help="skip the kvc presets")
@@ -121,15 +126,20 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     model, tok = load_model()
-    ev = Evaluator(model, tok, read_text(args.text), args.context, args.continuation,
-                   text_name=args.text or "jargon-4.4.7-excerpt (built-in)")
+    text_name = args.text or "jargon-4.4.7-excerpt (built-in)"
+    eval_text = read_text(args.text)
+    if args.text_offset:
+        eval_text = text_window(tok, eval_text, args.text_offset)
+        text_name += f", from token {args.text_offset}"
+    ev = Evaluator(model, tok, eval_text, args.context, args.continuation, text_name=text_name)
+    eval_end = args.text_offset + args.context + args.continuation + 1
     calib = None
     if not args.no_calibration:
         from kvcodec.harness.calibration import query_statistics, save_query_statistics
         from kvcodec.harness.models import cache_dir
 
         skip = args.calib_skip
-        if args.calib_text is None and skip < args.context + args.continuation + 1:
+        if args.calib_text is None and skip < eval_end and args.text_offset < skip + args.context:
             ap.error("--calib-skip must leave the evaluated tokens out of the calibration text")
         if args.calib_text is not None and "--calib-skip" not in " ".join(argv if argv is not None else sys.argv):
             skip = 0
@@ -142,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         save_query_statistics(stats, path)
         calib = {"file": str(path), "text": args.calib_text or "the evaluation text",
                  "text_tokens": [skip, skip + args.context],
-                 "eval_tokens": [0, args.context + args.continuation + 1], "samples": 64,
+                 "eval_tokens": [args.text_offset, eval_end], "samples": 64,
                  "seconds": round(time.perf_counter() - t0, 2)}
         print(f"calibration: {path} ({calib['seconds']} s)", flush=True)
     known = set(kvcodec.list_codecs())
@@ -192,6 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out}.json/.md/.png")
     return 0
+
+
+def text_window(tokenizer, text: str, offset: int) -> str:
+    """The text from token ``offset`` on (tokenized without special tokens, decoded back), so a
+    second evaluation window of the same text can be scored; the evaluator prepends BOS again."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if offset >= len(ids):
+        raise SystemExit(f"--text-offset {offset}: the text has only {len(ids)} tokens")
+    return tokenizer.decode(ids[offset:])
 
 
 def _resolve(cfg: dict, calib_file: str) -> dict:
