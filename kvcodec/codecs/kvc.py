@@ -540,7 +540,7 @@ register_preset("kvc", {"id": "kvc"}, "kvc transform codec, default settings")
 # on the next. v_step ~ 3 * k_step was the best K/V split at every level tried.
 register_preset("kvc-transparent", {"id": "kvc", "k_step": 0.16, "v_step": 0.48},
                 "kvc at about FP8 quality (target mean KL <= 0.002)")
-register_preset("kvc-near", {"id": "kvc", "k_step": 0.38, "v_step": 1.03},
+register_preset("kvc-near", {"id": "kvc", "k_step": 0.38, "v_step": 0.9},
                 "kvc near-lossless (target mean KL <= 0.01, dPPL <= 1%)")
 register_preset("kvc-aggressive", {"id": "kvc", "k_step": 0.78, "v_step": 2.34},
                 "kvc aggressive (target mean KL <= 0.05)")
