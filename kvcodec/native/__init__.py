@@ -158,6 +158,14 @@ def lib() -> ctypes.CDLL | None:
     return _state["lib"]
 
 
+def _required() -> ctypes.CDLL:
+    """The library, for functions callers use only after :func:`available` said yes."""
+    lb = lib()
+    if lb is None:
+        raise DependencyError(f"native CPU coder unavailable: {_state['error'] or 'KVCODEC_NATIVE=0'}")
+    return lb
+
+
 def available() -> bool:
     """True when the native coder is enabled and builds on this machine."""
     try:
@@ -200,9 +208,7 @@ def decode_stage(lay, words: np.ndarray, offsets: np.ndarray, tsets: np.ndarray,
     Raises:
         StreamError: a stream is corrupt or not consumed exactly (the first such stream).
     """
-    lb = lib()
-    if lb is None:
-        raise DependencyError("native CPU coder unavailable")
+    lb = _required()
     geom, tabs, table_of = _flat_tables(lay, tsets, rts)
     if layout == "rows":
         out, kind = np.zeros((lay.R, lay.N), dtype=np.int32), OUT_I32_RN
@@ -246,9 +252,7 @@ def histograms(symbols: np.ndarray, alphabet: int, layout: str = "rows", t0: int
     Raises:
         StreamError: a symbol outside ``[0, alphabet)``.
     """
-    lb = lib()
-    if lb is None:
-        raise DependencyError("native CPU coder unavailable")
+    lb = _required()
     x, kind, sr, st = symbol_view(symbols, layout)
     r, n = (x.shape if layout == "rows" else x.shape[::-1])
     t1 = n if t1 is None else t1
@@ -267,9 +271,7 @@ def encode_stage(lay, symbols: np.ndarray, tsets: np.ndarray, rts: np.ndarray,
     Raises:
         StreamError: a symbol outside the alphabet.
     """
-    lb = lib()
-    if lb is None:
-        raise DependencyError("native CPU coder unavailable")
+    lb = _required()
     geom, tabs, table_of = _flat_tables(lay, tsets, rts)
     x, kind, sr, st = symbol_view(symbols, layout)
     cap = lay.R * lay.N + 2 * lay.n_streams + 1
@@ -303,9 +305,7 @@ def intq_dequantize(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, axis
     zero``, clamped to the finite range of fp16/bf16, cast with round-to-nearest-even)."""
     import torch
 
-    lb = lib()
-    if lb is None:
-        raise DependencyError("native CPU coder unavailable")
+    lb = _required()
     c = np.ascontiguousarray(codes, dtype=np.uint8)
     t, h, d = c.shape
     group = min(int(group), max(t, d, 1))  # a group as long as the axis is one group: same result, no overflow
@@ -333,9 +333,7 @@ def intq_quantize(x, bits: int, axis: str, group: int):
     from ..errors import InputError
     from ..quant.intq import intq_param_shape
 
-    lb = lib()
-    if lb is None:
-        raise DependencyError("native CPU coder unavailable")
+    lb = _required()
     xc = x.detach().cpu().contiguous()
     t, h, d = xc.shape
     codes = torch.empty((t, h, d), dtype=torch.uint8)
@@ -366,9 +364,7 @@ def token_quantize(x, rows: np.ndarray, levels: int, base: np.ndarray | None = N
     """
     from ..errors import InputError
 
-    lb = lib()
-    if lb is None:
-        raise DependencyError("native CPU coder unavailable")
+    lb = _required()
     xc = x.detach().cpu().contiguous()
     c = xc.shape[1]
     rows = np.ascontiguousarray(rows, dtype=np.int64)
@@ -416,9 +412,7 @@ def escape_split_tokens(codes: np.ndarray, max_level: int) -> tuple[np.ndarray, 
     [n, R], escapes int32, L)``, the symbols being the transpose of what
     :func:`kvcodec.codecs.kvc.escape_split` returns for ``codes.T`` and the escapes identical
     (row-major order of ``[R, n]``)."""
-    lb = lib()
-    if lb is None:
-        raise DependencyError("native CPU coder unavailable")
+    lb = _required()
     c = np.ascontiguousarray(codes, dtype=np.int64)
     n, r = c.shape
     sym = np.empty((n, r), dtype=np.uint16)
@@ -440,9 +434,7 @@ def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int) -> np.ndarray:
     """
     from ..errors import FormatError
 
-    lb = lib()
-    if lb is None:
-        raise DependencyError("native CPU coder unavailable")
+    lb = _required()
     s = np.ascontiguousarray(sym, dtype=np.uint16)
     n, r = s.shape
     e = np.asarray(esc)
@@ -468,9 +460,7 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype)
     float32 broadcastable to it, ``mean`` float32 ``[H, D]``. Returns a torch tensor."""
     import torch
 
-    lb = lib()
-    if lb is None:
-        raise DependencyError("native CPU coder unavailable")
+    lb = _required()
     c = np.ascontiguousarray(codes, dtype=np.int64)
     n, h, d = c.shape
     st = np.broadcast_to(np.asarray(step, dtype=np.float32), c.shape)
@@ -505,9 +495,7 @@ def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int
     tensor): for code row ``j``, ``out[orow[j]] = f32(codes[j] - mid) * scale[j]`` (plus
     ``base[brow[j]]`` first-operand-added when given), cast to ``out``'s dtype with RNE.
     Returns False if a code exceeds ``max_code`` (the caller raises)."""
-    lb = lib()
-    if lb is None:
-        raise DependencyError("native CPU coder unavailable")
+    lb = _required()
     x, kind, _, _ = symbol_view(codes, "tokens")
     n, c = x.shape
     orow = np.ascontiguousarray(orow, dtype=np.int64)

@@ -361,29 +361,35 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
         rc = KVN_BAD_SYMBOL;
         break;
       }
-      int64_t gi = gb;
-      /* LANES full groups at a time: their dependency chains (multiply, compare, shift) overlap;
-       * each lane writes its words to its own scratch, copied out in stream order */
-      for (; gi + LANES <= ge && (gi + LANES) * g.G <= g.R && rc == KVN_OK; gi += LANES) {
+      /* LANES full groups at a time (their dependency chains -- multiply, compare, shift --
+       * overlap), else one (a ragged last group); each lane writes its words to its own scratch,
+       * copied out in stream order */
+      for (int64_t gi = gb; gi < ge && rc == KVN_OK;) {
+        const int nl = gi + LANES <= ge && (gi + LANES) * g.G <= g.R ? LANES : 1;
+        const int64_t nrows = gi * g.G + g.G < g.R ? g.G : g.R - gi * g.G;
         uint64_t x[LANES] = {0};
         uint32_t* o[LANES];
         for (int l = 0; l < LANES; ++l) o[l] = lw + l * lane_cap;
-        for (int64_t k = g.G - 1; k >= 0; --k) {
+        for (int64_t k = nrows - 1; k >= 0; --k) {
           const uint32_t* fcr[LANES];
           const uint64_t* invr[LANES];
           const int32_t* xs[LANES];
-          for (int l = 0; l < LANES; ++l) {
+          for (int l = 0; l < nl; ++l) {
             const int64_t r = (gi + l) * g.G + k;
             const int64_t base = (int64_t)table_of[set * g.R + r] * A;
             fcr[l] = fc + 2 * base;
             invr[l] = inv + base;
             xs[l] = tmp + (r - rb0) * nt;
           }
-          for (int64_t t = nt - 1; t >= 0; --t) {
-            ENC_STEP(0); ENC_STEP(1); ENC_STEP(2); ENC_STEP(3);
+          if (nl == LANES) {
+            for (int64_t t = nt - 1; t >= 0; --t) {
+              ENC_STEP(0); ENC_STEP(1); ENC_STEP(2); ENC_STEP(3);
+            }
+          } else {
+            for (int64_t t = nt - 1; t >= 0; --t) ENC_STEP(0);
           }
         }
-        for (int l = 0; l < LANES; ++l) {
+        for (int l = 0; l < nl; ++l) {
           while (x[l]) {
             *o[l]++ = (uint32_t)x[l];
             x[l] >>= 32;
@@ -397,41 +403,7 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
           w += nw;
           offsets[c * g.n_groups + gi + l + 1] = w;
         }
-      }
-      for (; gi < ge && rc == KVN_OK; ++gi) {
-        const int64_t si = c * g.n_groups + gi;
-        const int64_t r0 = gi * g.G, r1 = r0 + g.G < g.R ? r0 + g.G : g.R;
-        if (w + (r1 - r0) * nt + 2 > cap) {
-          rc = KVN_OVERFLOW;
-          break;
-        }
-        uint64_t x1 = 0;
-        for (int64_t r = r1 - 1; r >= r0; --r) {
-          const int64_t base = (int64_t)table_of[set * g.R + r] * A;
-          const uint32_t* fcr = fc + 2 * base;
-          const uint64_t* invr = inv + base;
-          const int32_t* xs = tmp + (r - rb0) * nt;
-          for (int64_t t = nt - 1; t >= 0; --t) {
-            const int32_t s = xs[t];
-            const uint64_t f = fcr[2 * s], start = fcr[2 * s + 1];
-            if ((x1 >> 40) >= f) {
-              words[w++] = (uint32_t)x1;
-              x1 >>= 32;
-            }
-            uint64_t q = mulhi64(x1, invr[s]);
-            uint64_t rem = x1 - q * f;
-            if (rem >= f) {
-              q += 1;
-              rem -= f;
-            }
-            x1 = (q << PREC) | (start + rem);
-          }
-        }
-        while (x1) {
-          words[w++] = (uint32_t)x1;
-          x1 >>= 32;
-        }
-        offsets[si + 1] = w;
+        gi += nl;
       }
     }
   }
