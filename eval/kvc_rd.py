@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="calibrate on this UTF-8 text file instead (from token --calib-skip, default then 0)")
     ap.add_argument("--calib-file", default=None,
                     help="where to write the calibration file (default: under the kvcodec cache dir)")
+    ap.add_argument("--calib-sensitivity", type=int, default=4, metavar="DRAWS",
+                    help="Fisher draws for the calibration file's per-(layer, head) sensitivities "
+                    "(default 4; 0 = a query-only file, as before)")
     ap.add_argument("--no-calibration", action="store_true", help="skip the calibrated rows")
     ap.add_argument("--out", default="eval/results/kvc_rd")
     ap.add_argument("--rerender", action="store_true", help="only rewrite <out>.md/.png from <out>.json")
@@ -139,20 +142,23 @@ def main(argv: list[str] | None = None) -> int:
         from kvcodec.harness.models import cache_dir
 
         skip = args.calib_skip
-        if args.calib_text is None and skip < eval_end and args.text_offset < skip + args.context:
+        calib_end = skip + args.context + (args.continuation if args.calib_sensitivity else 0)
+        if args.calib_text is None and skip < eval_end and args.text_offset < calib_end:
             ap.error("--calib-skip must leave the evaluated tokens out of the calibration text")
         if args.calib_text is not None and "--calib-skip" not in " ".join(argv if argv is not None else sys.argv):
             skip = 0
         t0 = time.perf_counter()
         stats = query_statistics(model, tok, read_text(args.calib_text or args.text), context=args.context,
-                                 skip_tokens=skip)
+                                 skip_tokens=skip, sensitivity_samples=args.calib_sensitivity,
+                                 continuation=args.continuation)
         stem = Path(args.calib_text).stem if args.calib_text else "eval-text"
         path = Path(args.calib_file or cache_dir() / "calibration" / f"smollm2-{stem}-skip{skip}-ctx{args.context}.qstats.safetensors")
         path.parent.mkdir(parents=True, exist_ok=True)
         save_query_statistics(stats, path)
         calib = {"file": str(path), "text": args.calib_text or "the evaluation text",
-                 "text_tokens": [skip, skip + args.context],
+                 "text_tokens": [skip, skip + args.context + (args.continuation if args.calib_sensitivity else 0)],
                  "eval_tokens": [args.text_offset, eval_end], "samples": 64,
+                 "sensitivity_draws": args.calib_sensitivity,
                  "seconds": round(time.perf_counter() - t0, 2)}
         print(f"calibration: {path} ({calib['seconds']} s)", flush=True)
     known = set(kvcodec.list_codecs())
@@ -252,11 +258,14 @@ def rerender(json_path: Path) -> None:
 def _calib_line(c: dict | None) -> str:
     if not c:
         return "none (every kvc row is calibration-free)"
+    what = "query statistics"
+    if c.get("sensitivity_draws"):
+        what += f" and Fisher sensitivities per (layer, head) ({c['sensitivity_draws']} draws)"
     if c.get("text", "the evaluation text") != "the evaluation text":
-        return (f"rows marked (+calibration) use query statistics recorded on tokens "
+        return (f"rows marked (+calibration) use {what} recorded on tokens "
                 f"{c['text_tokens'][0]}–{c['text_tokens'][1]} of another text, {c['text']} ({c['seconds']} s to "
                 "record; used by the encoder only, the decoder needs nothing else)")
-    return (f"rows marked (+calibration) use query statistics recorded on tokens "
+    return (f"rows marked (+calibration) use {what} recorded on tokens "
             f"{c['text_tokens'][0]}–{c['text_tokens'][1]} of the same text, held out from the evaluated tokens "
             f"{c['eval_tokens'][0]}–{c['eval_tokens'][1]} ({c['seconds']} s to record; used by the encoder only, "
             "nothing of it is in the files, the decoder needs nothing else)")

@@ -35,6 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-tokens", type=int, default=0,
                    help="skip this many tokens of the text first (keep evaluation text out)")
     p.add_argument("--samples", type=int, default=64, help="queries sampled per layer and head (default 64)")
+    p.add_argument("--sensitivity", type=int, default=4, metavar="DRAWS",
+                   help="Fisher draws for the per-(layer, head) sensitivities (default 4, ~10 s each for "
+                   "SmolLM2 on one CPU core; 0 = skip: a query-only file as before)")
+    p.add_argument("--continuation", type=int, default=512,
+                   help="scored tokens after the context for the sensitivities (default 512)")
     p.add_argument("--out", required=True, help="safetensors file to write (atomically)")
     p.add_argument("--json", action="store_true", help="print a JSON summary to stdout")
     p.set_defaults(func=run)
@@ -47,16 +52,25 @@ def run(args: argparse.Namespace) -> int:
     from ..harness.models import load_model, require_eval
 
     require_eval()
-    if args.context < 2 or args.skip_tokens < 0 or args.samples < 1:
-        raise InputError("--context must be >= 2, --skip-tokens >= 0 and --samples >= 1")
+    if (args.context < 2 or args.skip_tokens < 0 or args.samples < 1 or args.sensitivity < 0
+            or args.continuation < 1):
+        raise InputError("--context must be >= 2, --skip-tokens >= 0, --samples >= 1, --sensitivity >= 0 "
+                         "and --continuation >= 1")
     text = read_text(args.text)
     t0 = time.perf_counter()
     model, tok = load_model(args.model)
+    def progress(done: int, total: int) -> None:
+        if not args.json:
+            print(f"\rsensitivity: draw {done}/{total} ({time.perf_counter() - t0:.0f} s)",
+                  end="\n" if done == total else "", file=sys.stderr, flush=True)
+
     stats = query_statistics(model, tok, text, context=args.context, skip_tokens=args.skip_tokens,
-                             samples=args.samples)
+                             samples=args.samples, sensitivity_samples=args.sensitivity,
+                             continuation=args.continuation, progress=progress)
     save_query_statistics(stats, args.out)
     summary = {"output": os.fspath(args.out), "layers": stats.num_layers, "context": args.context,
                "skip_tokens": args.skip_tokens, "samples": args.samples,
+               "sensitivity_draws": args.sensitivity, "continuation": args.continuation if args.sensitivity else 0,
                "rope_theta": stats.rope_theta, "seconds": round(time.perf_counter() - t0, 2)}
     if args.json:
         print_json(summary)

@@ -14,7 +14,16 @@ model on a calibration text and records, per layer, what the ``kvc`` encoder use
   token will receive (V step per token). Their RoPE position is recorded (``q_position``, the
   first sample's) so the encoder can rotate them to the end of the cache it codes.
 
-File metadata (``__metadata__``): ``format = "kvcodec.qstats/1"``, ``num_layers``,
+* ``layers.<i>.k_sens`` / ``layers.<i>.v_sens`` float32 ``[Hkv, D]`` (optional, from
+  :func:`fisher_sensitivity`): how much the next-token distribution moves per unit of *relative*
+  noise in each K / V (head, channel) — the diagonal of the Fisher information of the model's
+  own next-token distribution with respect to the cached values, averaged over the cached tokens
+  (the first, an attention sink the encoder stores exactly, left out) and scaled by kvc's step
+  unit (K: the head's RMS after centring; V: each token's RMS). Layers and heads differ by more
+  than 100x on SmolLM2; the encoder gives each (layer, head) a step in proportion to
+  ``sens ** -1/2`` (the allocation that minimises the summed weighted error at a given rate).
+
+File metadata (``__metadata__``): ``format = "kvcodec.qstats/1"`` (or ``/2`` with sensitivities), ``num_layers``,
 ``q_position``, ``rope`` (``"default"`` with ``rope_theta`` when queries can be re-rotated,
 otherwise ``"none"``) and the model identity. Stored as safetensors (no pickle).
 
@@ -43,9 +52,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cache import KVCache
 from ..errors import FormatError, InputError
 
-QSTATS_FORMAT = "kvcodec.qstats/1"
+QSTATS_FORMAT = "kvcodec.qstats/2"
+QSTATS_FORMATS = ("kvcodec.qstats/1", QSTATS_FORMAT)  # /1: no sensitivities
 
 
 @dataclass
@@ -58,6 +69,8 @@ class QueryStats:
         q_position: RoPE position of the first sampled query (the others follow it).
         rope_theta: RoPE base when the default RoPE was applied (queries can be re-rotated), else 0.
         meta: free-form identity strings.
+        k_sens, v_sens: per layer ``[Hkv, D]`` float32 sensitivities (see the module docstring),
+            or None (not measured, or a layer without K/V).
     """
 
     q_energy: list[np.ndarray | None]
@@ -65,6 +78,13 @@ class QueryStats:
     q_position: int
     rope_theta: float = 0.0
     meta: dict[str, str] = field(default_factory=dict)
+    k_sens: list[np.ndarray | None] | None = None
+    v_sens: list[np.ndarray | None] | None = None
+
+    def sensitivity(self, role: str) -> list[np.ndarray | None]:
+        """``k_sens`` or ``v_sens`` as a list with one entry per layer (None where missing)."""
+        got = self.k_sens if role == "k" else self.v_sens
+        return list(got) if got is not None else [None] * self.num_layers
 
     @property
     def num_layers(self) -> int:
@@ -93,9 +113,16 @@ def query_statistics(
     context: int = 1024,
     skip_tokens: int = 0,
     samples: int = 64,
+    sensitivity_samples: int = 0,
+    continuation: int = 512,
+    progress: Any = None,
 ) -> QueryStats:
     """Prefill ``context`` tokens of ``text`` (after skipping ``skip_tokens``; a BOS token is put
     first when the tokenizer has one) and return the query statistics of every layer.
+
+    With ``sensitivity_samples > 0`` also measure ``k_sens`` / ``v_sens``
+    (:func:`fisher_sensitivity`, scoring the next ``continuation`` tokens of the text on top of
+    the cache; one forward and backward pass per sample, ~10 s each for SmolLM2 on one CPU).
 
     Raises:
         InputError: the text is too short, or the model does not route attention through
@@ -106,11 +133,16 @@ def query_statistics(
 
     if context < 2 or samples < 1:
         raise InputError(f"context must be >= 2 and samples >= 1 (got {context}, {samples})")
-    ids = tokenize(tokenizer, text, skip_tokens + context)
+    extra = continuation if sensitivity_samples > 0 else 0
+    if sensitivity_samples < 0 or (sensitivity_samples and continuation < 1):
+        raise InputError("sensitivity_samples must be >= 0 and continuation >= 1")
+    ids = tokenize(tokenizer, text, skip_tokens + context + extra)
     bos = getattr(tokenizer, "bos_token_id", None)
     ids = ids[skip_tokens:] if skip_tokens else ids
     if bos is not None and skip_tokens:
         ids = torch.cat([torch.tensor([bos]), ids[:-1]])
+    cont_ids = ids[context:]
+    ids = ids[:context]
     device = next(model.parameters()).device
     with record_queries(model) as store:
         model(ids[None].to(device), use_cache=False)
@@ -137,7 +169,107 @@ def query_statistics(
     if not any(e is not None for e in energy):
         raise InputError("no attention layer recorded any query")
     meta = {"model": str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", ""))}
-    return QueryStats(energy, sample, int(ids.numel() - n), theta, meta)
+    out = QueryStats(energy, sample, int(ids.numel() - n), theta, meta)
+    if sensitivity_samples:
+        out.k_sens, out.v_sens = fisher_sensitivity(model, ids, cont_ids, sensitivity_samples,
+                                                    progress=progress)
+        meta["sensitivity"] = f"fisher, {sensitivity_samples} samples, {cont_ids.numel()} scored tokens"
+    return out
+
+
+def fisher_diagonal(
+    model: Any,
+    ids: torch.Tensor,
+    cont_ids: torch.Tensor,
+    samples: int = 4,
+    seed: int = 0,
+    progress: Any = None,
+) -> tuple[KVCache, list[dict[str, torch.Tensor]]]:
+    """The cache of ``ids`` (float32) and, per layer, ``{"k", "v"}`` ``[T, Hkv, D]`` float64: the
+    diagonal of the Fisher information of the next-token distributions over ``cont_ids``
+    (continuing the cache) with respect to every cached value, per scored token.
+
+    For a small change ``d`` of the cache, the mean next-token KL grows by about
+    ``0.5 * sum_i F_ii d_i**2`` (off-diagonal terms left out). ``F_ii`` is estimated without
+    bias by sampling: draw each scored token from the model's own distribution, backpropagate
+    the summed log-likelihood to the cached K and V, square; ``samples`` draws (seeded) are
+    averaged. Parameters are not differentiated (only the cache leaves).
+
+    Raises:
+        InputError: the model's cache holds MLA latents (no separate K and V), or nothing to score.
+    """
+    import transformers
+
+    from ..integrations.transformers import cache_kwargs
+    from .capture import capture
+
+    if samples < 1 or cont_ids.numel() < 1:
+        raise InputError("fisher_diagonal needs samples >= 1 and at least one scored token")
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    with torch.no_grad():
+        ref = capture(model, None, token_ids=ids, dtype=torch.float32)
+    if any("kv" in layer for layer in ref.layers):
+        raise InputError("sensitivity needs separate K and V caches (this model caches MLA latents)")
+    flags = [p.requires_grad for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    acc = [{r: torch.zeros(layer[r].shape, dtype=torch.float64) for r in ("k", "v")} for layer in ref.layers]
+    try:
+        with torch.enable_grad():
+            for s in range(samples):
+                leaves = [{r: layer[r].to(device, dtype).clone().requires_grad_(True) for r in ("k", "v")}
+                          for layer in ref.layers]
+                dc = transformers.DynamicCache()
+                for i, lv in enumerate(leaves):
+                    dc.update(lv["k"].transpose(0, 1).unsqueeze(0), lv["v"].transpose(0, 1).unsqueeze(0), i)
+                logits = model(cont_ids[None].to(device), use_cache=True, **cache_kwargs(model, dc)).logits[0]
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                y = torch.multinomial(logp.detach().exp().cpu(), 1, generator=gen)[:, 0].to(device)
+                (-logp.gather(1, y[:, None]).sum()).backward()
+                for a, lv in zip(acc, leaves):
+                    for r in ("k", "v"):
+                        a[r] += lv[r].grad.detach().double().cpu().pow(2)
+                del leaves, dc, logits, logp
+                if progress is not None:
+                    progress(s + 1, samples)
+    finally:
+        for p, f in zip(model.parameters(), flags):
+            p.requires_grad_(f)
+    n = samples * cont_ids.numel()
+    return ref, [{r: a[r] / n for r in a} for a in acc]
+
+
+def fisher_sensitivity(
+    model: Any,
+    ids: torch.Tensor,
+    cont_ids: torch.Tensor,
+    samples: int = 4,
+    seed: int = 0,
+    progress: Any = None,
+) -> tuple[list[np.ndarray | None], list[np.ndarray | None]]:
+    """Per layer ``(k_sens, v_sens)`` ``[Hkv, D]`` float32: :func:`fisher_diagonal` in kvc's
+    relative units, averaged over the cached tokens but the first (stored exactly by kvc):
+    ``k_sens[h, c] = mean_t F[t, h, c] * u_h**2`` with ``u_h`` the RMS of head ``h`` after
+    centring each channel, ``v_sens[h, c] = mean_t F[t, h, c] * u_{t,h}**2`` with ``u_{t,h}``
+    the RMS of token ``t`` in head ``h`` (the units kvc's steps are fractions of).
+    """
+    ref, fisher = fisher_diagonal(model, ids, cont_ids, samples, seed, progress)
+    k_sens: list[np.ndarray | None] = []
+    v_sens: list[np.ndarray | None] = []
+    for f, layer in zip(fisher, ref.layers):
+        k = layer["k"][1:].double()
+        v = layer["v"][1:].double()
+        if k.shape[0] == 0:
+            k_sens.append(None)
+            v_sens.append(None)
+            continue
+        uk = (k - k.mean(0, keepdim=True)).pow(2).mean(dim=(0, 2))  # [H]
+        uv = v.pow(2).mean(dim=2)  # [T, H]
+        k_sens.append((f["k"][1:].mean(0) * uk[:, None]).float().numpy())
+        v_sens.append((f["v"][1:] * uv[:, :, None]).mean(0).float().numpy())
+    return k_sens, v_sens
 
 
 def save_query_statistics(stats: QueryStats, path: str | os.PathLike[str]) -> None:
@@ -150,6 +282,10 @@ def save_query_statistics(stats: QueryStats, path: str | os.PathLike[str]) -> No
             tensors[f"layers.{i}.q_energy"] = np.ascontiguousarray(e, dtype=np.float32)
         if s is not None:
             tensors[f"layers.{i}.q_sample"] = np.ascontiguousarray(s, dtype=np.float32)
+    for role in ("k", "v"):
+        for i, a in enumerate(stats.sensitivity(role)):
+            if a is not None:
+                tensors[f"layers.{i}.{role}_sens"] = np.ascontiguousarray(a, dtype=np.float32)
     meta = {"format": QSTATS_FORMAT, "num_layers": str(stats.num_layers),
             "q_position": str(stats.q_position), "rope_theta": repr(float(stats.rope_theta)),
             "identity": json.dumps(stats.meta, sort_keys=True)}
@@ -185,7 +321,7 @@ def load_query_statistics(path: str | os.PathLike[str]) -> QueryStats:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # noqa: BLE001 - safetensors raises its own types
         raise FormatError(f"{os.fspath(path)}: not a safetensors file ({e})") from None
-    if meta.get("format") != QSTATS_FORMAT:
+    if meta.get("format") not in QSTATS_FORMATS:
         raise FormatError(f"{os.fspath(path)}: not a {QSTATS_FORMAT} file")
     try:
         n = int(meta["num_layers"])
@@ -198,6 +334,7 @@ def load_query_statistics(path: str | os.PathLike[str]) -> QueryStats:
         raise FormatError(f"{os.fspath(path)}: bad metadata {meta!r}")
     energy: list[np.ndarray | None] = [None] * n
     sample: list[np.ndarray | None] = [None] * n
+    sens: dict[str, list[np.ndarray | None]] = {"k": [None] * n, "v": [None] * n}
     for k, v in tensors.items():
         parts = k.split(".")
         if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= n:
@@ -209,9 +346,13 @@ def load_query_statistics(path: str | os.PathLike[str]) -> QueryStats:
             energy[i] = v
         elif parts[2] == "q_sample" and v.ndim == 3:
             sample[i] = v
+        elif parts[2] in ("k_sens", "v_sens") and v.ndim == 2 and np.all(v >= 0):
+            sens[parts[2][0]][i] = v
         else:
             raise FormatError(f"{os.fspath(path)}: unexpected tensor {k!r} {v.shape}")
-    out = QueryStats(energy, sample, pos, theta, {str(a): str(b) for a, b in ident.items()})
+    out = QueryStats(energy, sample, pos, theta, {str(a): str(b) for a, b in ident.items()},
+                     sens["k"] if any(a is not None for a in sens["k"]) else None,
+                     sens["v"] if any(a is not None for a in sens["v"]) else None)
     _LOADED[key] = out
     return out
 
@@ -260,5 +401,5 @@ def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: floa
     return p.mean(dim=1).transpose(0, 1).double().numpy()
 
 
-__all__ = ["QSTATS_FORMAT", "QueryStats", "attention_estimate", "load_query_statistics", "pair_mean",
+__all__ = ["QSTATS_FORMAT", "QSTATS_FORMATS", "QueryStats", "attention_estimate", "fisher_diagonal", "fisher_sensitivity", "load_query_statistics", "pair_mean",
            "query_statistics", "rotate_queries", "save_query_statistics"]
