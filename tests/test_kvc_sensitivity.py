@@ -179,3 +179,30 @@ def test_sampled_fisher_matches_the_exact_one_on_a_tiny_model(one_thread):
     uv = v1.pow(2).mean(2)
     np.testing.assert_allclose(v_sens[1], (f3[1]["v"][1:] * uv[:, :, None]).mean(0).numpy(), rtol=1e-5)
     assert any(p.requires_grad for p in model.parameters())  # parameter flags restored
+
+
+# ---------------------------------------------------------------- recency ramp (no calibration)
+def test_recency_factor_is_a_clipped_ramp():
+    from kvcodec.codecs.kvc import recency_factor
+
+    m = recency_factor(300, np.ones(300, bool), 64, 4.0)
+    assert m.shape == (300,) and np.all(np.diff(m) <= 0)  # older tokens never get finer steps
+    assert m[-1] == 0.25 and m[0] == 1.0 and m[-64] == 1.0 and m[-63] < 1.0
+    coded = np.ones(300, bool)
+    coded[[0, 299]] = False  # protected tokens keep their place: distances count from the last token
+    assert recency_factor(300, coded, 64, 4.0).tolist() == m[1:299].tolist()
+    assert recency_factor(300, coded, 0, 4.0) is None and recency_factor(300, coded, 64, 1.0) is None
+    with pytest.raises(ConfigError):
+        kvcodec.get_codec({"id": "kvc", "recent_fine": 0.5})
+
+
+def test_recency_ramp_refines_the_latest_tokens_of_k_and_v():
+    cache = _cache(layers=1, t=256)
+    plain = kvcodec.get_codec({"id": "kvc", "sink_v_ratio": 0.0})
+    ramp = kvcodec.get_codec({"id": "kvc", "sink_v_ratio": 0.0, "recent_ramp": 64, "recent_fine": 4.0})
+    a, b = kvcodec.decode(plain.encode(cache)), kvcodec.decode(ramp.encode(cache))
+    for r in ("k", "v"):
+        ea = (a.layers[0][r].double() - cache.layers[0][r].double()).pow(2).mean(dim=(1, 2))
+        eb = (b.layers[0][r].double() - cache.layers[0][r].double()).pow(2).mean(dim=(1, 2))
+        assert torch.equal(ea[:192], eb[:192])  # older than the ramp: the same steps, the same values
+        assert float(eb[-16:].mean()) < 0.15 * float(ea[-16:].mean())  # 4x finer steps: ~1/16 the error
