@@ -81,3 +81,25 @@ def test_bench_on_raw_dump(tmp_path, capsys):
     assert [r["codec"] for r in res["rows"]] == ["raw", "fp16"]
     assert res["rows"][0]["rel_err_k"] == 0.0 and res["rows"][0]["rel_err_v"] == 0.0
     assert (tmp_path / "b" / "bench.md").read_text().count("raw") >= 1
+
+
+def test_bench_with_a_calibration_file_encodes_the_cal_presets_with_it(tmp_path, capsys):
+    import numpy as np
+
+    from kvcodec.harness.calibration import QueryStats, save_query_statistics
+
+    cache = make_cache(tokens=40)
+    raw = tmp_path / "in.safetensors"
+    cache.to_safetensors(raw)
+    h, d = cache.layers[0]["k"].shape[1:]
+    rng = np.random.default_rng(0)
+    st = QueryStats([rng.uniform(0.5, 2, (h, d)).astype(np.float32) for _ in cache.layers],
+                    [rng.normal(size=(h, 4, d)).astype(np.float32) for _ in cache.layers], 0, 0.0,
+                    k_sens=[rng.uniform(0.1, 10, (h, d)).astype(np.float32) for _ in cache.layers])
+    cal = tmp_path / "q.safetensors"
+    save_query_statistics(st, cal)
+    assert main(["bench", "--input", str(raw), "--codecs", "kvc-near,kvc-near-cal", "--repeat", "1",
+                 "--calibration", str(cal), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["codec"] for r in rows] == ["kvc-near", "kvc-near-cal +calibration"]
+    assert rows[0]["config"]["calibration"] == "" and rows[1]["config"]["calibration"] == str(cal)

@@ -359,7 +359,7 @@ class KVCCodec(Codec):
                 hi = STEP_CODE_MAX - sc.max(axis=1)
                 toff = np.clip(step_code(m), lo[None], hi[None]).astype(np.int64)  # [n, H]
                 params["k_tok"] = 1
-                step = step_from_code(sc[None] + toff[:, :, None])  # [n, H, D]
+                step = token_steps(sc, toff, where)  # [n, H, D], = step_from_code(sc[None] + toff[:, :, None])
                 codes = deadzone_quantize(z, step, p["rho"])
                 tok = np.concatenate([codes.reshape(n, h * d), toff], axis=1)
             else:

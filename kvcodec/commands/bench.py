@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=1024, help="tokens of the built-in cache (default 1024)")
     p.add_argument("--codecs", default="all", help="comma-separated codec names, or 'all'")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per codec; the fastest is kept")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="calibration file (kvcodec calibrate) for the kvc presets tuned for one (names "
+                   "ending in -cal): their encode time then includes the encoder's use of it")
     p.add_argument("--out", help="write bench.json and bench.md into this directory")
     p.add_argument("--json", action="store_true", help="print JSON to stdout")
     p.set_defaults(func=run)
@@ -43,12 +46,16 @@ def relative_error(cache, out, role: str) -> float:
     return (num / den) ** 0.5 if den > 0 else 0.0
 
 
-def bench_codec(name: str, cache, repeat: int = 3) -> dict[str, Any]:
-    """Encode and decode ``cache`` with codec ``name``; return one table row."""
+def bench_codec(name: str, cache, repeat: int = 3, calibration: str | None = None) -> dict[str, Any]:
+    """Encode and decode ``cache`` with codec ``name``; return one table row. With
+    ``calibration``, a kvc preset named ``*-cal`` encodes with that file (row ``name +calibration``)."""
     from .. import decode
     from ..codec import get_codec
 
     codec = get_codec(name)
+    if calibration and name.endswith("-cal") and "calibration" in codec.params:
+        codec = get_codec({**codec.get_config(), "calibration": calibration})
+        name += " +calibration"
     enc_t, dec_t = [], []
     blob = b""
     out = None
@@ -99,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for name in names:
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
-        rows.append(bench_codec(name, cache, args.repeat))
+        rows.append(bench_codec(name, cache, args.repeat, args.calibration))
     result = {
         "command": "kvcodec " + " ".join(getattr(args, "argv", ["bench"])),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
