@@ -55,11 +55,14 @@ ABLATION = [
     ("kvc: + detected sinks (V ratio 0.3)", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3}),
     ("kvc: + V steps 3x K steps", {"id": "kvc", "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3}),
     ("kvc: + dead zone rho 0.35", {"id": "kvc", "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3, "rho": 0.35}),
+    ("kvc: + latest tokens finer (ramp 128, up to 4x)", {"id": "kvc", "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3, "recent_ramp": 128, "recent_fine": 4.0}),
     # calibrated stages, one at a time, at kvc-near's steps (the file is built on held-out text)
-    ("kvc-near + calib: K channels by query energy only", {"id": "kvc-near", "calibration": "CAL", "v_attn": 0.0, "k_attn": 0.0}),
-    ("kvc-near + calib: + attention-weighted V steps", {"id": "kvc-near", "calibration": "CAL", "k_attn": 0.0}),
-    ("kvc-near + calib: + attention-weighted K steps", {"id": "kvc-near", "calibration": "CAL"}),
-    ("kvc-near + calib: + no detected sinks", {"id": "kvc-near", "calibration": "CAL", "sink_v_ratio": 0.0}),
+    ("kvc-near + calib: K channels by query energy only", {"id": "kvc-near", "calibration": "CAL", "v_attn": 0.0, "k_attn": 0.0, "sens": 0.0, "recent_ramp": 0}),
+    ("kvc-near + calib: + attention-weighted V steps", {"id": "kvc-near", "calibration": "CAL", "k_attn": 0.0, "sens": 0.0, "recent_ramp": 0}),
+    ("kvc-near + calib: + attention-weighted K steps", {"id": "kvc-near", "calibration": "CAL", "sens": 0.0, "recent_ramp": 0}),
+    ("kvc-near + calib: + no detected sinks", {"id": "kvc-near", "calibration": "CAL", "sink_v_ratio": 0.0, "sens": 0.0, "recent_ramp": 0}),
+    ("kvc-near + calib: + Fisher per-(layer, head) steps", {"id": "kvc-near", "calibration": "CAL", "sink_v_ratio": 0.0, "recent_ramp": 0}),
+    ("kvc-near + calib: + latest tokens finer (ramp 128)", {"id": "kvc-near", "calibration": "CAL", "sink_v_ratio": 0.0}),
 ]
 PRESETS = ["kvc", "kvc-transparent", "kvc-near", "kvc-aggressive"]
 CAL_PRESETS = ["kvc-transparent-cal", "kvc-near-cal", "kvc-aggressive-cal"]

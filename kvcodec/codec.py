@@ -216,6 +216,9 @@ def _ensure_loaded() -> None:
 def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
     """Return a codec from a preset name, a codec id, a JSON string, or a config dict.
 
+    A config's ``id`` may also name a preset: its settings, then the config's other keys on top
+    (``{"id": "kvc-near-cal", "calibration": "m.qstats.safetensors"}``).
+
     Raises:
         UnknownCodecError: the name or id is not registered (the message lists known names).
         ConfigError: the config has unknown or invalid parameters.
@@ -244,6 +247,8 @@ def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
         raise ConfigError(f"expected a codec name or config dict, got {type(name_or_config).__name__}")
     if not isinstance(config, dict) or not isinstance(config.get("id"), str):
         raise ConfigError(f"codec config needs a string 'id': {config!r}")
+    if config["id"] not in _CODECS and config["id"] in _PRESETS:
+        config = {**_PRESETS[config["id"]][0], **{k: v for k, v in config.items() if k != "id"}}
     cls = _CODECS.get(config["id"])
     if cls is None:
         raise UnknownCodecError(

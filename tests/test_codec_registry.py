@@ -73,3 +73,12 @@ def test_mla_and_empty_caches():
         for name in kvcodec.list_codecs():
             out = kvcodec.decode(kvcodec.get_codec(name).encode(cache))
             assert [t.shape for _, _, t in out.tensors()] == [t.shape for _, _, t in cache.tensors()]
+
+
+def test_a_config_id_may_name_a_preset_with_overrides():
+    near = kvcodec.get_codec("kvc-near-cal")
+    c = kvcodec.get_codec({"id": "kvc-near-cal", "k_step": 0.5})
+    assert c.get_config() == {**near.get_config(), "k_step": 0.5}  # the preset's settings, then the overrides
+    assert kvcodec.get_codec('{"id": "kivi-2"}') == kvcodec.get_codec("kivi-2")
+    with pytest.raises(kvcodec.errors.UnknownCodecError):
+        kvcodec.get_codec({"id": "no-such-preset"})

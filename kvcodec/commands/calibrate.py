@@ -24,8 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "calibrate",
         help="record query statistics of a model for the kvc encoder (calibration file)",
         description="Prefill a transformers decoder model on a calibration text and write per-layer "
-        "query statistics (channel energy, sampled queries) as safetensors. kvc uses them, when "
-        "named by its 'calibration' parameter, to weight K channels and set per-token steps. "
+        "query statistics (channel energy, sampled queries) and, scoring the next tokens on top of "
+        "that cache, each layer and head's sensitivity (the Fisher information of the next-token "
+        "distribution) as safetensors. kvc uses them, when named by its 'calibration' parameter, "
+        "to weight K channels, set per-token steps and give sensitive heads finer steps. "
         "Needs the [eval] extra.",
     )
     p.add_argument("--model", default=None,
