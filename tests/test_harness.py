@@ -122,3 +122,17 @@ def test_harness_docstring_examples(name):
     mod = importlib.import_module(f"kvcodec.harness.{name}")
     res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert res.failed == 0
+
+
+def test_cal_presets_get_the_calibration_file_or_are_left_out_of_all():
+    from kvcodec.harness.evaluate import expand_settings, with_calibration
+
+    settings = expand_settings(["kvc-near", "kvc-near-cal", "kivi-4", "kvc-aggressive-cal"])
+    kept, skipped = with_calibration(settings, None, skip_uncalibrated=True)
+    assert [n for n, _ in kept] == ["kvc-near", "kivi-4"] and skipped == ["kvc-near-cal", "kvc-aggressive-cal"]
+    named, skipped = with_calibration(settings, None)  # named explicitly: they run, uncalibrated
+    assert [n for n, _ in named] == ["kvc-near", "kvc-near-cal", "kivi-4", "kvc-aggressive-cal"] and skipped == []
+    cal, _ = with_calibration(settings, "m.qstats.safetensors", skip_uncalibrated=True)
+    assert [n for n, _ in cal] == ["kvc-near", "kvc-near-cal +calibration", "kivi-4", "kvc-aggressive-cal +calibration"]
+    assert cal[1][1].params["calibration"] == "m.qstats.safetensors" and cal[0][1].params["calibration"] == ""
+    assert cal[1][1].params["k_step"] == settings[1][1].params["k_step"]  # the preset's steps, with the file

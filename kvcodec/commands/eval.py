@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="continuation queries per layer for the attention metrics (default 64; 0 = all)")
     p.add_argument("--cache-dtype", default="float16", choices=["float16", "bfloat16", "float32"],
                    help="dtype of the reference cache the codecs compress (default float16)")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="calibration file (kvcodec calibrate) for the kvc presets tuned for one (names ending "
+                   "in -cal); without it those presets are left out of 'all' (named ones run uncalibrated)")
     p.add_argument("--out", default=None, help="run directory (default runs/eval-<UTC time>)")
     p.add_argument("--stem", default="results", help="file name stem in the run directory")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from ..cache import SOURCE_DTYPES
     from ..codec import list_codecs
     from ..harness.capture import read_text
-    from ..harness.evaluate import Evaluator, expand_settings, run_suite
+    from ..harness.evaluate import Evaluator, expand_settings, run_suite, with_calibration
     from ..harness.models import is_default, load_model, require_eval
     from ..harness.report import SCHEMA, machine_info, versions, write_run
 
@@ -95,13 +98,22 @@ def run(args: argparse.Namespace) -> int:
         codecs: list[Any] = [c.strip() for c in args.codecs.split(",") if c.strip()]
     else:
         codecs = suite.get("codecs", "all")
-    if codecs == "all" or codecs == ["all"]:
+    every = codecs == "all" or codecs == ["all"]
+    if every:
         codecs = list_codecs()
     if not isinstance(codecs, list) or not codecs:
         raise ConfigError("no codecs to evaluate")
     if not isinstance(context, int) or not isinstance(continuation, int) or context < 1 or continuation < 1:
         raise InputError(f"context and continuation must be >= 1 tokens (got {context!r}, {continuation!r})")
     settings = expand_settings(codecs, sweep=sweep)  # fail fast on unknown names
+    if args.calibration:
+        from ..harness.calibration import load_query_statistics
+
+        load_query_statistics(args.calibration)  # fail fast on a missing or malformed file
+    settings, skipped = with_calibration(settings, args.calibration, skip_uncalibrated=every)
+    if skipped:
+        print(f"kvcodec eval: left out {', '.join(skipped)} (tuned for a calibration file: "
+              "give one with --calibration FILE, from kvcodec calibrate)", file=sys.stderr)
 
     t0, cpu0 = time.perf_counter(), time.process_time()
     date = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -126,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": machine_info(),
         "versions": versions(),
         "run": {**ev.describe(), "default_model": is_default(model_arg), "sweep": sweep,
-                "suite": args.suite},
+                "suite": args.suite, "left_out": skipped, "calibration": args.calibration},
         "results": results,
     }
     out = Path(args.out) if args.out else Path("runs") / ("eval-" + date.replace(":", "").replace("-", ""))

@@ -145,9 +145,13 @@ def markdown_report(doc: dict[str, Any]) -> str:
         "included) × 8 / number of cached values; KL = KL(reference ‖ codec) in nats per scored "
         f"token; attention metrics: means over layers and heads with {run.get('attention_queries')} "
         "real continuation queries per layer (teacher forced).",
-        "",
-        markdown_table(doc.get("results", [])),
     ]
+    if run.get("left_out"):
+        lines.append(f"- left out: {', '.join(run['left_out'])} (kvc presets tuned for a calibration file; "
+                     "run with `--calibration FILE` from `kvcodec calibrate` to include them)")
+    if run.get("calibration"):
+        lines.append(f"- calibration file for the `-cal` presets: {run['calibration']}")
+    lines += ["", markdown_table(doc.get("results", []))]
     return "\n".join(lines)
 
 
