@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -61,6 +62,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvcodec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (``kvcodec info f.kvc | head``): stop quietly, as Unix tools do;
+        # point stdout at devnull so the interpreter's final flush does not raise again
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 141
 
 
 def entry() -> None:  # pragma: no cover - console script

@@ -103,3 +103,15 @@ def test_bench_with_a_calibration_file_encodes_the_cal_presets_with_it(tmp_path,
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [r["codec"] for r in rows] == ["kvc-near", "kvc-near-cal +calibration"]
     assert rows[0]["config"]["calibration"] == "" and rows[1]["config"]["calibration"] == str(cal)
+
+
+def test_a_closed_pipe_ends_quietly(monkeypatch):
+    class ClosedPipe:  # what stdout becomes when the reader (``| head``) has gone away
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert main(["codecs"]) == 141  # no traceback: the exception does not escape
