@@ -16,6 +16,8 @@ Every stage is a small reference function measured on its own (eval/kvc_rd.py):
    ``k_gamma > 0`` is a calibration-free stand-in for query-covariance weighting.
 3. **V: per-token steps** (``v_scale="token"``): ``v_step * rms(token, head)``; the log-step codes
    are entropy coded with the values. ``v_scale="head"`` uses one step per head instead.
+   With ``recent_ramp > 0`` the latest tokens get finer steps in K and V (:func:`recency_factor`:
+   the next queries read them most), through the same per-token step codes (K: ``k_tok`` rows).
 4. Optional fixed **Hadamard rotation** of the channel axis (``transform="hadamard"``, power-of-two
    widths only; other widths are coded untransformed and say so in the params).
 5. **Dead-zone uniform quantizer** (:mod:`kvcodec.quant.deadzone`; steps on a 1/8-octave grid so
@@ -53,7 +55,7 @@ Planes of one tensor ``[T, H, D]`` with ``n = T - s - r`` coded tokens (formats:
   omitted when there are none.
 * ``ans_meta``, ``ans_words``, ``ans_offsets``, ``ans_tables``, ``ans_row_table``: the entropy
   stage (formats/ANS.md) over the symbol matrix ``[H*D (+ H in token mode), n]``.
-* Per-channel tensors whose params carry ``k_tok: 1`` (calibrated encoder with ``k_attn > 0``)
+* Per-channel tensors whose params carry ``k_tok: 1`` (calibrated encoder with ``k_attn > 0``, or ``recent_ramp > 0``)
   have ``H`` more rows after the ``H*D`` code rows: per (token, head) integer offsets ``o``; the
   step of element ``(t, h, c)`` is ``step_from_code(side[1][h, c] + o[t, h])`` (the sum MUST lie
   in the step-code range; a file where it does not is rejected). ``k_tok`` absent or 0: no rows.
