@@ -46,16 +46,13 @@ def relative_error(cache, out, role: str) -> float:
     return (num / den) ** 0.5 if den > 0 else 0.0
 
 
-def bench_codec(name: str, cache, repeat: int = 3, calibration: str | None = None) -> dict[str, Any]:
-    """Encode and decode ``cache`` with codec ``name``; return one table row. With
-    ``calibration``, a kvc preset named ``*-cal`` encodes with that file (row ``name +calibration``)."""
+def bench_codec(name: str, cache, repeat: int = 3, codec: Any = None) -> dict[str, Any]:
+    """Encode and decode ``cache`` with codec ``name`` (or ``codec``, shown as ``name``); return
+    one table row."""
     from .. import decode
     from ..codec import get_codec
 
-    codec = get_codec(name)
-    if calibration and name.endswith("-cal") and "calibration" in codec.params:
-        codec = get_codec({**codec.get_config(), "calibration": calibration})
-        name += " +calibration"
+    codec = get_codec(name) if codec is None else codec
     enc_t, dec_t = [], []
     blob = b""
     out = None
@@ -103,10 +100,15 @@ def run(args: argparse.Namespace) -> int:
     st = native.status()
     native_status = "native C coder" if st["available"] else f"constriction + numpy (native coder off: {st['error'] or 'KVCODEC_NATIVE=0'})"
     print(f"bench: entropy coding through the {native_status}", file=sys.stderr, flush=True)
+    from ..codec import get_codec
+    from ..harness.evaluate import with_calibration
+
+    # with a calibration file the kvc presets tuned for one (*-cal) use it: rows "<name> +calibration"
+    settings, _ = with_calibration([(name, get_codec(name)) for name in names], args.calibration)
     rows = []
-    for name in names:
+    for name, codec in settings:
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
-        rows.append(bench_codec(name, cache, args.repeat, args.calibration))
+        rows.append(bench_codec(name, cache, args.repeat, codec))
     result = {
         "command": "kvcodec " + " ".join(getattr(args, "argv", ["bench"])),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
