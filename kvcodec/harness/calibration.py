@@ -43,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -198,9 +199,7 @@ def fisher_diagonal(
     Raises:
         InputError: the model's cache holds MLA latents (no separate K and V), or nothing to score.
     """
-    import transformers
-
-    from ..integrations.transformers import cache_kwargs
+    from ..integrations.transformers import cache_kwargs, to_dynamic_cache
     from .capture import capture
 
     if samples < 1 or cont_ids.numel() < 1:
@@ -219,11 +218,9 @@ def fisher_diagonal(
     try:
         with torch.enable_grad():
             for s in range(samples):
-                leaves = [{r: layer[r].to(device, dtype).clone().requires_grad_(True) for r in ("k", "v")}
-                          for layer in ref.layers]
-                dc = transformers.DynamicCache()
-                for i, lv in enumerate(leaves):
-                    dc.update(lv["k"].transpose(0, 1).unsqueeze(0), lv["v"].transpose(0, 1).unsqueeze(0), i)
+                leaves = [{r: layer[r].clone().requires_grad_(True) for r in ("k", "v")} for layer in ref.layers]
+                # the layout, dtype and device moves are differentiable: gradients reach the leaves
+                dc = to_dynamic_cache(dataclasses.replace(ref, layers=leaves), device=device, dtype=dtype)
                 logits = model(cont_ids[None].to(device), use_cache=True, **cache_kwargs(model, dc)).logits[0]
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 y = torch.multinomial(logp.detach().exp().cpu(), 1, generator=gen)[:, 0].to(device)
