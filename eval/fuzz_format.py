@@ -63,8 +63,10 @@ def base_files() -> dict[str, bytes]:
         token_ids=torch.arange(40))
     mla = kvcodec.KVCache(layers=[{"kv": torch.randn(9, 1, 32, generator=g).half()}])
     out = {}
-    for name in kvcodec.list_codecs():
-        codec = kvcodec.get_codec(name)
+    # every preset, plus kvc with its token-delta rows forced on (the presets use them only where
+    # they pay, which on these small random caches they do not)
+    for name, cfg in [(n, n) for n in kvcodec.list_codecs()] + [("kvc-near.delta", {"id": "kvc-near", "delta": 2})]:
+        codec = kvcodec.get_codec(cfg)
         for tag, cache, chunk in (("gqa", gqa, 0), ("gqa-c16", gqa, 16), ("mla", mla, 0)):
             try:
                 out[f"{name}/{tag}"] = codec.encode(cache, tokens_per_chunk=chunk)

@@ -30,7 +30,12 @@ from ..errors import FormatError
 ENV = "KVCODEC_WRITE_VECTORS"
 INPUT_NAME = "input.safetensors"
 #: Extra vectors beyond one per preset: ``name -> (preset, encode keyword arguments)``.
-EXTRA_VECTORS: dict[str, tuple[str, dict[str, Any]]] = {"raw.chunked16": ("raw", {"tokens_per_chunk": 16})}
+EXTRA_VECTORS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
+    "raw.chunked16": ("raw", {"tokens_per_chunk": 16}),
+    # kvc with token-delta rows (its ``pred`` planes): the presets only use them where they pay,
+    # which on this small random input they do not
+    "kvc-near.delta": ({"id": "kvc-near", "delta": 2}, {}),
+}
 
 
 def vector_input() -> KVCache:

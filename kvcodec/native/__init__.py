@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -121,7 +121,7 @@ def _build() -> ctypes.CDLL:
     lib.kvn_tok_quant.restype = ctypes.c_int
     lib.kvn_deadzone.argtypes = [p, i64, i64, i64, p, i64, i64, i64, ctypes.c_double, p]
     lib.kvn_deadzone.restype = ctypes.c_int
-    lib.kvn_escape_split.argtypes = [p, i64, i64, i64, p, p, p, p]
+    lib.kvn_escape_split.argtypes = [p, i64, i64, i64, p, p, p, p, p]
     lib.kvn_escape_split.restype = ctypes.c_int
     lib.kvn_escape_join.argtypes = [p, i64, i64, i64, p, i64, p]
     lib.kvn_escape_join.restype = ctypes.c_int
@@ -129,6 +129,8 @@ def _build() -> ctypes.CDLL:
     lib.kvn_kvc_dequant.restype = ctypes.c_int
     lib.kvn_member_sums.argtypes = [p, i64, i64, p, i64, p, p]
     lib.kvn_member_sums.restype = None
+    lib.kvn_delta_hist.argtypes = [p, i64, i64, p, p]
+    lib.kvn_delta_hist.restype = None
     lib.kvn_set_hw_f16.argtypes = [ctypes.c_int]
     lib.kvn_set_hw_f16.restype = ctypes.c_int
     lib.kvn_rows_affine.argtypes = [p, ctypes.c_int, i64, i64, p, p, i32, i32, p, p, ctypes.c_int, p]
@@ -407,20 +409,28 @@ def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float) -> np.ndarray
     return codes.reshape(xa.shape)
 
 
-def escape_split_tokens(codes: np.ndarray, max_level: int) -> tuple[np.ndarray, np.ndarray, int]:
+def escape_split_tokens(codes: np.ndarray, max_level: int,
+                        delta: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """kvc's escape split of a token-major ``int64 codes [n, R]``: returns ``(symbols uint16
     [n, R], escapes int32, L)``, the symbols being the transpose of what
     :func:`kvcodec.codecs.kvc.escape_split` returns for ``codes.T`` and the escapes identical
-    (row-major order of ``[R, n]``)."""
+    (row-major order of ``[R, n]``). With ``delta`` (bool ``[R]``) those columns are split as
+    their token deltas ``c[t] - c[t-1]`` (``t > 0``), without a copy of the matrix."""
     lb = _required()
     c = np.ascontiguousarray(codes, dtype=np.int64)
     n, r = c.shape
+    dl = None
+    if delta is not None:
+        dl = np.ascontiguousarray(delta, dtype=np.uint8)
+        if dl.shape != (r,):
+            raise ValueError(f"delta must be [{r}], got {list(dl.shape)}")
+    dp = None if dl is None else _ptr(dl)
     sym = np.empty((n, r), dtype=np.uint16)
     cnt, lv = np.zeros(1, np.int64), np.zeros(1, np.int64)
-    if lb.kvn_escape_split(_ptr(c), n, r, int(max_level), None, None, _ptr(cnt), _ptr(lv)) == _NOMEM:
+    if lb.kvn_escape_split(_ptr(c), n, r, int(max_level), dp, None, None, _ptr(cnt), _ptr(lv)) == _NOMEM:
         raise MemoryError("native escape split: out of memory")
     esc = np.empty(int(cnt[0]), dtype=np.int32)
-    if lb.kvn_escape_split(_ptr(c), n, r, int(max_level), _ptr(sym), _ptr(esc), _ptr(cnt), _ptr(lv)) == _NOMEM:
+    if lb.kvn_escape_split(_ptr(c), n, r, int(max_level), dp, _ptr(sym), _ptr(esc), _ptr(cnt), _ptr(lv)) == _NOMEM:
         raise MemoryError("native escape split: out of memory")
     return sym, esc, int(lv[0])
 
@@ -472,6 +482,20 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype)
                           out.data_ptr()) == _NOMEM:
         raise MemoryError("native dequantization: out of memory")
     return out
+
+
+def delta_histograms(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """kvc's token-delta statistics of token-major ``int64 codes [n, R]`` (``|c| < 2**62``): per
+    column, ``int64 [R, 128]`` counts of the codes and of their token deltas (first delta = the
+    first code), clipped to ``[-64, 63]`` and shifted by 64 — one pass, the same counts as
+    :func:`kvcodec.codecs.kvc.delta_rows`' numpy path."""
+    lb = _required()
+    c = np.ascontiguousarray(codes, dtype=np.int64)
+    n, r = c.shape
+    hc = np.empty((r, 128), dtype=np.int64)
+    he = np.empty((r, 128), dtype=np.int64)
+    lb.kvn_delta_hist(_ptr(c), n, r, _ptr(hc), _ptr(he))
+    return hc, he
 
 
 def member_sums(h: np.ndarray, assign: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:

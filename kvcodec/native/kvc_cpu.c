@@ -808,15 +808,23 @@ int kvn_deadzone(const float* x, int64_t n0, int64_t n1, int64_t n2, const doubl
  * 1, max_level); sym = |c| < L ? c + L - 1 : 2L - 1 (uint16 [n, R]); the escaped codes go to esc
  * (int32, wrapped as numpy's astype) in ROW-major order of the [R, n] symbol matrix (row r, then
  * token t), as kvcodec.codecs.kvc.escape_split writes them. esc needs room for every escape:
- * call with esc = NULL first to get the count (returned in *n_esc) and L (in *lv). */
-int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_level, uint16_t* sym, int32_t* esc,
-                     int64_t* n_esc, int64_t* lv) {
+ * call with esc = NULL first to get the count (returned in *n_esc) and L (in *lv).
+ * delta (uint8 [R] or NULL): columns with delta[r] != 0 are split as their token deltas
+ * c[t] - c[t-1] (t > 0; the encoder's codes are far inside the int64 range), as kvc codes them. */
+static inline int64_t esc_val(const int64_t* codes, int64_t t, int64_t r, int64_t R, const uint8_t* delta) {
+  const int64_t c = codes[t * R + r];
+  return (delta && delta[r] && t) ? c - codes[(t - 1) * R + r] : c;
+}
+
+int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_level, const uint8_t* delta,
+                     uint16_t* sym, int32_t* esc, int64_t* n_esc, int64_t* lv) {
   uint64_t top = 0;
-  for (int64_t i = 0; i < n * R; ++i) {
-    const int64_t c = codes[i];
-    const uint64_t a = c < 0 ? (uint64_t)0 - (uint64_t)c : (uint64_t)c;
-    top = a > top ? a : top;
-  }
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t c = esc_val(codes, t, r, R, delta);
+      const uint64_t a = c < 0 ? (uint64_t)0 - (uint64_t)c : (uint64_t)c;
+      top = a > top ? a : top;
+    }
   int64_t L = top + 1 < (uint64_t)max_level ? (int64_t)top + 1 : max_level;
   if (L < 1) L = 1;
   *lv = L;
@@ -824,7 +832,7 @@ int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_lev
   if (!pos) return KVN_NOMEM;
   for (int64_t t = 0; t < n; ++t)
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t c = codes[t * R + r];
+      const int64_t c = esc_val(codes, t, r, R, delta);
       pos[r] += c >= L || c <= -L;
     }
   int64_t total = 0;
@@ -838,7 +846,7 @@ int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_lev
     const uint16_t e = (uint16_t)(2 * L - 1);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t r = 0; r < R; ++r) {
-        const int64_t c = codes[t * R + r];
+        const int64_t c = esc_val(codes, t, r, R, delta);
         if (c >= L || c <= -L) {
           sym[t * R + r] = e;
           if (esc) esc[pos[r]++] = (int32_t)(uint32_t)(uint64_t)c;
@@ -926,6 +934,27 @@ void kvn_member_sums(const double* h, int64_t r, int64_t a, const int64_t* assig
   }
 }
 
+/* kvc's token-delta choice: per column r of token-major codes [n, R], histograms over 128 bins
+ * of the codes and of their token deltas (e[0] = c[0], e[t] = c[t] - c[t-1]), each value
+ * clipped to [-64, 63] and shifted by 64. hc, he: int64 [R, 128], zeroed here. */
+void kvn_delta_hist(const int64_t* c, int64_t n, int64_t R, int64_t* hc, int64_t* he) {
+  memset(hc, 0, sizeof(int64_t) * (size_t)(R * 128));
+  memset(he, 0, sizeof(int64_t) * (size_t)(R * 128));
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t* ct = c + t * R;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t v = ct[r];
+      /* t = 0: the delta is the code itself; the difference of two int64 codes cannot overflow
+         here because the encoder's codes are far inside the int64 range (|c| < 2**62) */
+      const int64_t e = t ? v - ct[r - R] : v;
+      const int64_t vc = v < -64 ? 0 : v > 63 ? 127 : v + 64;
+      const int64_t ec = e < -64 ? 0 : e > 63 ? 127 : e + 64;
+      hc[r * 128 + vc] += 1;
+      he[r * 128 + ec] += 1;
+    }
+  }
+}
+
 /* Conversions for tests: kind F_F16 / F_BF16, float32 -> bits (dir 0, through store_row: the
  * path the decoders use) or bits -> float32 (dir 1). */
 void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
@@ -937,4 +966,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 9; }
+int kvn_abi_version(void) { return 10; }
