@@ -47,16 +47,18 @@ BASELINES = ["fp8-e4m3", "nvfp4", "kivi-4", "kivi-2", "cachegen", "cachegen-lmca
 
 # One stage at a time (same steps), then the presets and a sweep of step sizes.
 ABLATION = [
-    ("kvc: centring only (V per head, no sinks)", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 0, "v_scale": "head", "k_gamma": 0.0, "sink_v_ratio": 0.0}),
-    ("kvc: + sink token 0 exact", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "v_scale": "head", "k_gamma": 0.0, "sink_v_ratio": 0.0}),
-    ("kvc: + V per-token steps", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "k_gamma": 0.0, "sink_v_ratio": 0.0}),
-    ("kvc: + Hadamard on K and V", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "transform": "hadamard", "k_gamma": 0.0, "sink_v_ratio": 0.0}),
-    ("kvc: + K channel weighting (gamma 1)", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.0}),
-    ("kvc: + detected sinks (V ratio 0.3)", {"id": "kvc", "k_step": 0.5, "v_step": 0.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3}),
-    ("kvc: + V steps 3x K steps", {"id": "kvc", "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3}),
-    ("kvc: + dead zone rho 0.35", {"id": "kvc", "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3, "rho": 0.35}),
-    ("kvc: + latest tokens finer (ramp 128, up to 4x)", {"id": "kvc", "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3, "recent_ramp": 128, "recent_fine": 4.0}),
-    # calibrated stages, one at a time, at kvc-near's steps (the file is built on held-out text)
+    ("kvc: centring only (V per head, no sinks)", {"id": "kvc", "delta": 0, "k_step": 0.5, "v_step": 0.5, "sinks": 0, "v_scale": "head", "k_gamma": 0.0, "sink_v_ratio": 0.0}),
+    ("kvc: + sink token 0 exact", {"id": "kvc", "delta": 0, "k_step": 0.5, "v_step": 0.5, "sinks": 1, "v_scale": "head", "k_gamma": 0.0, "sink_v_ratio": 0.0}),
+    ("kvc: + V per-token steps", {"id": "kvc", "delta": 0, "k_step": 0.5, "v_step": 0.5, "sinks": 1, "k_gamma": 0.0, "sink_v_ratio": 0.0}),
+    ("kvc: + Hadamard on K and V", {"id": "kvc", "delta": 0, "k_step": 0.5, "v_step": 0.5, "sinks": 1, "transform": "hadamard", "k_gamma": 0.0, "sink_v_ratio": 0.0}),
+    ("kvc: + K channel weighting (gamma 1)", {"id": "kvc", "delta": 0, "k_step": 0.5, "v_step": 0.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.0}),
+    ("kvc: + detected sinks (V ratio 0.3)", {"id": "kvc", "delta": 0, "k_step": 0.5, "v_step": 0.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3}),
+    ("kvc: + V steps 3x K steps", {"id": "kvc", "delta": 0, "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3}),
+    ("kvc: + dead zone rho 0.35", {"id": "kvc", "delta": 0, "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3, "rho": 0.35}),
+    ("kvc: + latest tokens finer (ramp 128, up to 4x)", {"id": "kvc", "delta": 0, "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3, "recent_ramp": 128, "recent_fine": 4.0}),
+    ("kvc: + token-delta rows (lossless)", {"id": "kvc", "k_step": 0.5, "v_step": 1.5, "sinks": 1, "k_gamma": 1.0, "sink_v_ratio": 0.3, "recent_ramp": 128, "recent_fine": 4.0, "delta": 1}),
+    # calibrated stages, one at a time, at kvc-near's steps (the file is built on held-out text;
+    # token-delta rows on, as in kvc-near)
     ("kvc-near + calib: K channels by query energy only", {"id": "kvc-near", "calibration": "CAL", "v_attn": 0.0, "k_attn": 0.0, "sens": 0.0, "recent_ramp": 0}),
     ("kvc-near + calib: + attention-weighted V steps", {"id": "kvc-near", "calibration": "CAL", "k_attn": 0.0, "sens": 0.0, "recent_ramp": 0}),
     ("kvc-near + calib: + attention-weighted K steps", {"id": "kvc-near", "calibration": "CAL", "sens": 0.0, "recent_ramp": 0}),

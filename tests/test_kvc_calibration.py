@@ -149,6 +149,36 @@ def test_calibrated_k_error_within_half_of_its_per_token_step(tmp_path):
         codec.decode_tensor(enc, TensorContext(0, "k", tuple(k.shape), k.dtype))
 
 
+def test_calibrated_file_names_its_statistics_by_hash(tmp_path):
+    import hashlib
+
+    from kvcodec.format import open_kvc
+
+    cache = _cache()
+    p = tmp_path / "q.safetensors"
+    save_query_statistics(_stats(cache), p)
+    digest = hashlib.sha256(p.read_bytes()).hexdigest()
+    cal = kvcodec.get_codec({"id": "kvc-near", "calibration": str(p)})
+    blob = cal.encode(cache)
+    with open_kvc(blob) as r:
+        assert r.manifest["codec"]["calibration_sha256"] == digest
+    assert cal.params["calibration_sha256"] == ""  # the codec object is left as configured
+    plain = kvcodec.get_codec("kvc-near").encode(cache)
+    with open_kvc(plain) as r:
+        assert r.manifest["codec"]["calibration_sha256"] == ""
+    # naming the hash pins the file: the same statistics encode, others are refused
+    pinned = kvcodec.get_codec({"id": "kvc-near", "calibration": str(p), "calibration_sha256": digest})
+    assert pinned.encode(cache) == blob
+    save_query_statistics(_stats(cache, seed=7), p)
+    with pytest.raises(ConfigError, match="SHA-256"):
+        pinned.encode(cache)
+    for bad in ("ABC", "0" * 63, 5):
+        with pytest.raises(ConfigError, match="calibration_sha256"):
+            kvcodec.get_codec({"id": "kvc", "calibration_sha256": bad})
+    with pytest.raises(ConfigError, match="cannot be read"):
+        kvcodec.get_codec({"id": "kvc", "calibration": str(tmp_path / "missing.safetensors")}).encode(cache)
+
+
 def test_calibration_for_another_model_is_refused(tmp_path):
     cache = _cache(layers=2)
     p = tmp_path / "q.safetensors"

@@ -185,7 +185,10 @@ class KVCCodec(Codec):
         transform: ``"none"`` or ``"hadamard"``.
         max_level: escape threshold ``L`` cap (alphabet ``2L``).
         precision, n_tables, rows_per_stream, chunk: entropy stage settings.
-        calibration: path of a query-statistics file for the encoder ("" = none; see 7. above).
+        calibration: path of a query-statistics file for the encoder ("" = none; see 8. above).
+        calibration_sha256: SHA-256 (hex) of that file. The encoder fills it in, so every file
+            coded with a calibration names the exact statistics behind its steps (the path alone
+            does not identify them); given explicitly, a file with another hash is refused.
         k_qgamma, v_attn, k_attn, attn_clip, attn_coarse: how the calibrated encoder uses it
             (inert without).
         sens, sens_clip, sens_coarse: per-(layer, head) steps from the file's sensitivities, when
@@ -205,7 +208,7 @@ class KVCCodec(Codec):
         "precision": 12, "n_tables": 8, "rows_per_stream": 16, "chunk": 4096,
         "calibration": "", "k_qgamma": 1.5, "v_attn": 0.5, "k_attn": 1.0, "attn_clip": 2.0, "attn_coarse": 1.5,
         "sens": 1.0, "sens_clip": 2.0, "sens_coarse": 1.5, "recent_ramp": 0, "recent_fine": 1.0,
-        "delta": 1,
+        "delta": 1, "calibration_sha256": "",
     }
 
     def check_params(self) -> None:
@@ -237,6 +240,9 @@ class KVCCodec(Codec):
             raise ConfigError("kvc v_attn and k_attn must be in [0, 4], attn_clip and attn_coarse in [1, 256]")
         if p["recent_ramp"] < 0 or not 1.0 <= p["recent_fine"] <= 256.0:
             raise ConfigError("kvc recent_ramp must be >= 0 and recent_fine in [1, 256]")
+        h = p["calibration_sha256"]
+        if not isinstance(h, str) or (h and (len(h) != 64 or any(ch not in "0123456789abcdef" for ch in h))):
+            raise ConfigError(f"kvc calibration_sha256 must be '' or 64 lowercase hex digits, got {h!r}")
         if not isinstance(p["delta"], int) or p["delta"] not in (0, 1, 2):
             raise ConfigError(f"kvc delta must be 0, 1 or 2, got {p['delta']!r}")
         if not 0.0 <= p["sens"] <= 4.0 or not 1.0 <= p["sens_clip"] <= 256.0 or not 1.0 <= p["sens_coarse"] <= 256.0:
@@ -248,11 +254,19 @@ class KVCCodec(Codec):
         first estimates, per layer, the query energy per K channel and the attention each token
         will receive (:mod:`kvcodec.harness.calibration`); only the steps change, and they are
         stored as always, so the decoder needs nothing else."""
+        given = self.params["calibration_sha256"]
+        if self.params["calibration"]:
+            digest = _file_sha256(self.params["calibration"])
+            if given and given != digest:
+                raise ConfigError(f"kvc calibration {self.params['calibration']!r} has SHA-256 {digest}, "
+                                  f"the config names {given}")
+            self.params["calibration_sha256"] = digest  # recorded in the file's codec config
         self._calib = self._calibration_plan(cache) if self.params["calibration"] else {}
         try:
             return super().encode(cache, path, tokens_per_chunk=tokens_per_chunk)
         finally:
             self._calib = {}
+            self.params["calibration_sha256"] = given
 
     def _calibration_plan(self, cache: KVCache) -> dict[int, dict[str, np.ndarray]]:
         from ..harness.calibration import attention_estimate, load_query_statistics
@@ -720,6 +734,19 @@ def detect_sinks(v: torch.Tensor, ratio: float, skip: int = 0) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     pos = torch.nonzero(rms < ratio * med).flatten().numpy().astype(np.int64)
     return pos[pos >= skip]
+
+
+def _file_sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+    except OSError as e:
+        raise ConfigError(f"kvc calibration file {path!r} cannot be read: {e}") from None
 
 
 def _checked_codes(sc: np.ndarray, where: str) -> np.ndarray:
