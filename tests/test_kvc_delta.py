@@ -50,6 +50,8 @@ def test_delta_rows_picks_slow_rows_and_native_agrees_with_numpy():
             want = np.bincount((np.clip(x, -64, 63) + 64 + rows).ravel(), minlength=128 * c.shape[1])
             assert np.array_equal(got.ravel(), want)
         assert np.array_equal(delta_rows(c), ref)
+        # sampled statistics (every 5th token) agree too
+        assert np.array_equal(delta_rows(c, sample=100), delta_rows(c, method="numpy", sample=100))
     # the saving must pay for the plane, unless told otherwise
     assert not delta_rows(c[:20, :1]).any()
     assert delta_rows(c[:20, :1], min_gain_bits=0).tolist() == [True]

@@ -352,7 +352,11 @@ class KVCCodec(Codec):
         use_h = p["transform"] == "hadamard" and is_power_of_two(d)
         params: dict[str, Any] = {"n": n, "sinks": s, "recent": r,
                                   "transform": "hadamard" if use_h else "none"}
-        y = x[~keep].double().numpy()
+        if x.dtype in (torch.float16, torch.float32) and x.device.type == "cpu" and not x.requires_grad:
+            # numpy widens exactly, without torch's indexing copy
+            y = x.numpy()[~mask].astype(np.float64)
+        else:
+            y = x[~keep].double().numpy()
         mean = channel_means(y) if (is_k or p["v_center"]) else np.zeros((h, d))
         z = (y - mean[None].astype(np.float32)).astype(np.float32)
         if use_h:
@@ -535,16 +539,16 @@ class KVCCodec(Codec):
 
 
 def delta_rows(codes: np.ndarray, margin: float = 0.02, method: str = "auto",
-               min_gain_bits: float = 1024.0) -> np.ndarray:
+               min_gain_bits: float = 1024.0, sample: int = 512) -> np.ndarray:
     """Which columns of token-major ``codes [n, R]`` to code as token deltas: bool ``[R]``.
 
     A row takes deltas when the empirical entropy of ``e[t] = c[t] - c[t-1]`` (``e[0] = c[0]``)
     is below that of ``c`` by more than ``margin`` bits per symbol (values clipped to
-    ``[-64, 63]`` for the estimate); no row does unless the estimated saving over all rows
-    exceeds ``min_gain_bits`` (the ``pred`` plane and its header entries cost ~1 kbit). An
-    encoder-only choice: any set of rows decodes.
-    ``method``: ``"auto"`` (the native one-pass histograms when they build), ``"numpy"``
-    (the reference; same counts, same answer).
+    ``[-64, 63]`` for the estimate, measured at every ``max(1, n // sample)``-th token); no row
+    does unless the estimated saving over all rows exceeds ``min_gain_bits`` (the ``pred``
+    plane and its header entries cost ~1 kbit). An encoder-only choice: any set of rows
+    decodes. ``method``: ``"auto"`` (the native one-pass histograms when they build),
+    ``"numpy"`` (the reference; same counts, same answer).
 
     Example:
         >>> t = np.arange(64)
@@ -556,18 +560,20 @@ def delta_rows(codes: np.ndarray, margin: float = 0.02, method: str = "auto",
     n, r = c.shape
     if n < 2 or r == 0:
         return np.zeros(r, dtype=bool)
+    ts = max(1, n // max(1, int(sample)))
     if method == "auto" and native.available():
-        hc, he = native.delta_histograms(c)
+        hc, he = native.delta_histograms(c, ts)
     else:
         e = c.copy()
         e[1:] -= c[:-1]
         rows = 128 * np.arange(r, dtype=np.int64)[None, :]
-        hc, he = (np.bincount((np.clip(x, -64, 63) + 64 + rows).ravel(), minlength=128 * r).reshape(r, 128)
+        hc, he = (np.bincount((np.clip(x[::ts], -64, 63) + 64 + rows).ravel(), minlength=128 * r).reshape(r, 128)
                   for x in (c, e))
+    m = -(-n // ts)  # tokens counted
 
     def ent(hist: np.ndarray) -> np.ndarray:
         h = hist.astype(np.float64)
-        return -(h * np.log2(np.where(h > 0, h / n, 1.0))).sum(axis=1) / n
+        return -(h * np.log2(np.where(h > 0, h / m, 1.0))).sum(axis=1) / m
 
     gain = ent(hc) - ent(he)
     use = gain > margin

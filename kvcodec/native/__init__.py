@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -119,9 +119,9 @@ def _build() -> ctypes.CDLL:
     lib.kvn_intq_quant.restype = ctypes.c_int
     lib.kvn_tok_quant.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, i32, p, p]
     lib.kvn_tok_quant.restype = ctypes.c_int
-    lib.kvn_deadzone.argtypes = [p, i64, i64, i64, p, i64, i64, i64, ctypes.c_double, p]
+    lib.kvn_deadzone.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, i64, i64, ctypes.c_double, p]
     lib.kvn_deadzone.restype = ctypes.c_int
-    lib.kvn_escape_split.argtypes = [p, i64, i64, i64, p, p, p, p, p]
+    lib.kvn_escape_split.argtypes = [p, i64, i64, i64, p, p, p, p, p, p]
     lib.kvn_escape_split.restype = ctypes.c_int
     lib.kvn_escape_join.argtypes = [p, i64, i64, i64, p, i64, p]
     lib.kvn_escape_join.restype = ctypes.c_int
@@ -129,7 +129,7 @@ def _build() -> ctypes.CDLL:
     lib.kvn_kvc_dequant.restype = ctypes.c_int
     lib.kvn_member_sums.argtypes = [p, i64, i64, p, i64, p, p]
     lib.kvn_member_sums.restype = None
-    lib.kvn_delta_hist.argtypes = [p, i64, i64, p, p]
+    lib.kvn_delta_hist.argtypes = [p, i64, i64, i64, p, p]
     lib.kvn_delta_hist.restype = None
     lib.kvn_set_hw_f16.argtypes = [ctypes.c_int]
     lib.kvn_set_hw_f16.restype = ctypes.c_int
@@ -388,7 +388,7 @@ def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float) -> np.ndarray
     """:func:`kvcodec.quant.deadzone.deadzone_quantize` for a float32 ``x`` of up to 3 dims (the
     same float64 arithmetic, int64 codes), or ``None`` when this path does not apply (other
     dtypes or shapes, a step that does not broadcast, non-finite values or huge codes): the
-    caller then runs the numpy code."""
+    caller then runs the numpy code. Float32 steps are read as they are (exactly widened)."""
     lb = lib()
     if lb is None:
         return None
@@ -396,15 +396,19 @@ def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float) -> np.ndarray
     if xa.dtype != np.float32 or xa.ndim > 3:
         return None
     x3 = np.ascontiguousarray(xa.reshape((1,) * (3 - xa.ndim) + xa.shape))
+    sa = np.asarray(step)
+    if sa.dtype != np.float32:
+        sa = sa.astype(np.float64)
     try:
-        st = np.broadcast_to(np.asarray(step, dtype=np.float64), xa.shape).reshape(x3.shape)
+        st = np.broadcast_to(sa, xa.shape).reshape(x3.shape)
     except ValueError:
         return None
-    if st.size and any(s % 8 for s in st.strides):
+    if st.size and any(s % st.itemsize for s in st.strides):
         return None
     codes = np.empty(x3.shape, dtype=np.int64)
-    strides = [s // 8 for s in st.strides] if st.size else [0, 0, 0]
-    if lb.kvn_deadzone(_ptr(x3), *x3.shape, st.ctypes.data, *strides, float(rho), _ptr(codes)) != 0:
+    strides = [s // st.itemsize for s in st.strides] if st.size else [0, 0, 0]
+    kind = 1 if st.dtype == np.float32 else 0
+    if lb.kvn_deadzone(_ptr(x3), *x3.shape, st.ctypes.data, kind, *strides, float(rho), _ptr(codes)) != 0:
         return None
     return codes.reshape(xa.shape)
 
@@ -427,10 +431,11 @@ def escape_split_tokens(codes: np.ndarray, max_level: int,
     dp = None if dl is None else _ptr(dl)
     sym = np.empty((n, r), dtype=np.uint16)
     cnt, lv = np.zeros(1, np.int64), np.zeros(1, np.int64)
-    if lb.kvn_escape_split(_ptr(c), n, r, int(max_level), dp, None, None, _ptr(cnt), _ptr(lv)) == _NOMEM:
-        raise MemoryError("native escape split: out of memory")
+    rowcnt = np.zeros(max(r, 1), np.int64)
+    lb.kvn_escape_split(_ptr(c), n, r, int(max_level), dp, None, None, _ptr(rowcnt), _ptr(cnt), _ptr(lv))
     esc = np.empty(int(cnt[0]), dtype=np.int32)
-    if lb.kvn_escape_split(_ptr(c), n, r, int(max_level), dp, _ptr(sym), _ptr(esc), _ptr(cnt), _ptr(lv)) == _NOMEM:
+    if lb.kvn_escape_split(_ptr(c), n, r, int(max_level), dp, _ptr(sym), _ptr(esc), _ptr(rowcnt), _ptr(cnt),
+                           _ptr(lv)) == _NOMEM:
         raise MemoryError("native escape split: out of memory")
     return sym, esc, int(lv[0])
 
@@ -484,17 +489,19 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype)
     return out
 
 
-def delta_histograms(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def delta_histograms(codes: np.ndarray, stride: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """kvc's token-delta statistics of token-major ``int64 codes [n, R]`` (``|c| < 2**62``): per
-    column, ``int64 [R, 128]`` counts of the codes and of their token deltas (first delta = the
-    first code), clipped to ``[-64, 63]`` and shifted by 64 — one pass, the same counts as
-    :func:`kvcodec.codecs.kvc.delta_rows`' numpy path."""
+    column, ``int32 [R, 128]`` counts of the codes and of their token deltas (first delta = the
+    first code) at tokens ``0, stride, 2 stride, ...``, clipped to ``[-64, 63]`` and shifted by
+    64 — one pass, the same counts as :func:`kvcodec.codecs.kvc.delta_rows`' numpy path."""
     lb = _required()
     c = np.ascontiguousarray(codes, dtype=np.int64)
     n, r = c.shape
-    hc = np.empty((r, 128), dtype=np.int64)
-    he = np.empty((r, 128), dtype=np.int64)
-    lb.kvn_delta_hist(_ptr(c), n, r, _ptr(hc), _ptr(he))
+    if n >= 2**31:
+        raise ValueError("delta_histograms: at most 2**31 - 1 tokens")
+    hc = np.empty((r, 128), dtype=np.int32)
+    he = np.empty((r, 128), dtype=np.int32)
+    lb.kvn_delta_hist(_ptr(c), n, r, max(1, int(stride)), _ptr(hc), _ptr(he))
     return hc, he
 
 

@@ -782,23 +782,42 @@ int kvn_tok_quant(const void* x, int xkind, int64_t n, int64_t C, const int64_t*
  * with element strides s0, s1, s2 (0 broadcasts). Returns 1, leaving the rest undone, at a
  * non-finite x or a code beyond +-2^53 (the caller then takes the numpy path, whose result for
  * such inputs is whatever numpy's cast gives). */
-int kvn_deadzone(const float* x, int64_t n0, int64_t n1, int64_t n2, const double* step, int64_t s0, int64_t s1,
-                 int64_t s2, double rho, int64_t* codes) {
-  const double lim = 9007199254740992.0; /* 2^53 */
+/* The inner loop of kvn_deadzone: n values of one (i, j) row; the step is read as float64 or
+ * float32 (converted exactly) with stride ss. Branch-free, so the compiler can vectorise the
+ * division; returns nonzero if any |x| / step + rho is not below 2^53 (or is NaN). */
+#define KVN_DZ_ROW(STYPE)                                                                      \
+  static int dz_row_##STYPE(const float* xr, const STYPE* st, int64_t ss, int64_t n, double rho, \
+                            int64_t* cr) {                                                     \
+    const double lim = 9007199254740992.0; /* 2^53 */                                          \
+    int bad = 0;                                                                               \
+    for (int64_t k = 0; k < n; ++k) {                                                          \
+      const double v = (double)xr[k];                                                          \
+      const double q = fabs(v) / (double)st[k * ss] + rho;                                     \
+      const int ok = q < lim; /* false for NaN */                                              \
+      bad |= !ok;                                                                              \
+      /* q >= 0 (steps > 0), so truncation is floor; out-of-range values are flagged above */  \
+      const int64_t m = (int64_t)(ok ? q : 0.0);                                               \
+      cr[k] = v < 0 ? -m : m;                                                                  \
+    }                                                                                          \
+    return bad;                                                                                \
+  }
+KVN_DZ_ROW(double)
+KVN_DZ_ROW(float)
+
+/* Dead-zone codes sign(x) * floor(|x| / step + rho) of float32 x [n0, n1, n2] (float64 arithmetic,
+ * as kvcodec.quant.deadzone.deadzone_quantize), steps float64 (skind 0) or float32 (skind 1,
+ * converted exactly) with element strides s0, s1, s2 (0 = broadcast). Returns 1 if a value is
+ * not finite or a code would reach 2^53 (the caller then uses the numpy path), else 0. */
+int kvn_deadzone(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
+                 int64_t s1, int64_t s2, double rho, int64_t* codes) {
   int bad = 0;
   for (int64_t i = 0; i < n0 && !bad; ++i) {
     for (int64_t j = 0; j < n1; ++j) {
-      const float* xr = x + (i * n1 + j) * n2;
-      const double* st = step + i * s0 + j * s1;
-      int64_t* cr = codes + (i * n1 + j) * n2;
-      for (int64_t k = 0; k < n2; ++k) {
-        const double v = (double)xr[k];
-        const double q = fabs(v) / st[k * s2] + rho;
-        bad |= !(q < lim); /* also catches NaN */
-        /* q >= 0 (for steps > 0), so floor is truncation: no libm call */
-        const int64_t m = q < lim && q >= 0.0 ? (int64_t)q : (int64_t)floor(q);
-        cr[k] = v > 0 ? m : (v < 0 ? -m : 0);
-      }
+      const int64_t off = (i * n1 + j) * n2, so = i * s0 + j * s1;
+      if (skind == 1)
+        bad |= dz_row_float(x + off, (const float*)step + so, s2, n2, rho, codes + off);
+      else
+        bad |= dz_row_double(x + off, (const double*)step + so, s2, n2, rho, codes + off);
     }
   }
   return bad;
@@ -808,7 +827,8 @@ int kvn_deadzone(const float* x, int64_t n0, int64_t n1, int64_t n2, const doubl
  * 1, max_level); sym = |c| < L ? c + L - 1 : 2L - 1 (uint16 [n, R]); the escaped codes go to esc
  * (int32, wrapped as numpy's astype) in ROW-major order of the [R, n] symbol matrix (row r, then
  * token t), as kvcodec.codecs.kvc.escape_split writes them. esc needs room for every escape:
- * call with esc = NULL first to get the count (returned in *n_esc) and L (in *lv).
+ * call with sym = NULL first: it returns L (in *lv), the escape count (in *n_esc) and each row's
+ * count (rowcnt, int64 [R]); then call again with sym, esc, rowcnt and *lv as returned.
  * delta (uint8 [R] or NULL): columns with delta[r] != 0 are split as their token deltas
  * c[t] - c[t-1] (t > 0; the encoder's codes are far inside the int64 range), as kvc codes them. */
 static inline int64_t esc_val(const int64_t* codes, int64_t t, int64_t r, int64_t R, const uint8_t* delta) {
@@ -817,44 +837,51 @@ static inline int64_t esc_val(const int64_t* codes, int64_t t, int64_t r, int64_
 }
 
 int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_level, const uint8_t* delta,
-                     uint16_t* sym, int32_t* esc, int64_t* n_esc, int64_t* lv) {
-  uint64_t top = 0;
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t c = esc_val(codes, t, r, R, delta);
-      const uint64_t a = c < 0 ? (uint64_t)0 - (uint64_t)c : (uint64_t)c;
-      top = a > top ? a : top;
-    }
-  int64_t L = top + 1 < (uint64_t)max_level ? (int64_t)top + 1 : max_level;
-  if (L < 1) L = 1;
-  *lv = L;
-  int64_t* pos = (int64_t*)calloc((size_t)(R > 0 ? R : 1), sizeof(int64_t));
-  if (!pos) return KVN_NOMEM;
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t c = esc_val(codes, t, r, R, delta);
-      pos[r] += c >= L || c <= -L;
-    }
-  int64_t total = 0;
-  for (int64_t r = 0; r < R; ++r) { /* counts -> first slot of each row */
-    const int64_t k = pos[r];
-    pos[r] = total;
-    total += k;
-  }
-  *n_esc = total;
-  if (sym) {
-    const uint16_t e = (uint16_t)(2 * L - 1);
+                     uint16_t* sym, int32_t* esc, int64_t* rowcnt, int64_t* n_esc, int64_t* lv) {
+  if (!sym) {
+    /* pass 1: the largest magnitude and, per row, how many reach max_level (the escapes if
+       L = max_level; with L = top + 1 < max_level nothing escapes) */
+    uint64_t top = 0;
+    const uint64_t ml = max_level > 0 ? (uint64_t)max_level : 1;
+    for (int64_t r = 0; r < R; ++r) rowcnt[r] = 0;
     for (int64_t t = 0; t < n; ++t)
       for (int64_t r = 0; r < R; ++r) {
         const int64_t c = esc_val(codes, t, r, R, delta);
-        if (c >= L || c <= -L) {
-          sym[t * R + r] = e;
-          if (esc) esc[pos[r]++] = (int32_t)(uint32_t)(uint64_t)c;
-        } else {
-          sym[t * R + r] = (uint16_t)(c + L - 1);
-        }
+        const uint64_t a = c < 0 ? (uint64_t)0 - (uint64_t)c : (uint64_t)c;
+        top = a > top ? a : top;
+        rowcnt[r] += a >= ml;
       }
+    int64_t L = top + 1 < (uint64_t)max_level ? (int64_t)top + 1 : max_level;
+    if (L < 1) L = 1;
+    *lv = L;
+    int64_t total = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      if (L < max_level) rowcnt[r] = 0;
+      total += rowcnt[r];
+    }
+    *n_esc = total;
+    return KVN_OK;
   }
+  /* pass 2, with rowcnt and *lv from pass 1 */
+  const int64_t L = *lv;
+  int64_t* pos = (int64_t*)malloc((size_t)(R > 0 ? R : 1) * sizeof(int64_t));
+  if (!pos) return KVN_NOMEM;
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) { /* counts -> first slot of each row */
+    pos[r] = total;
+    total += rowcnt[r];
+  }
+  const uint16_t e = (uint16_t)(2 * L - 1);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t c = esc_val(codes, t, r, R, delta);
+      if (c >= L || c <= -L) {
+        sym[t * R + r] = e;
+        if (esc) esc[pos[r]++] = (int32_t)(uint32_t)(uint64_t)c;
+      } else {
+        sym[t * R + r] = (uint16_t)(c + L - 1);
+      }
+    }
   free(pos);
   return KVN_OK;
 }
@@ -935,17 +962,19 @@ void kvn_member_sums(const double* h, int64_t r, int64_t a, const int64_t* assig
 }
 
 /* kvc's token-delta choice: per column r of token-major codes [n, R], histograms over 128 bins
- * of the codes and of their token deltas (e[0] = c[0], e[t] = c[t] - c[t-1]), each value
- * clipped to [-64, 63] and shifted by 64. hc, he: int64 [R, 128], zeroed here. */
-void kvn_delta_hist(const int64_t* c, int64_t n, int64_t R, int64_t* hc, int64_t* he) {
-  memset(hc, 0, sizeof(int64_t) * (size_t)(R * 128));
-  memset(he, 0, sizeof(int64_t) * (size_t)(R * 128));
-  for (int64_t t = 0; t < n; ++t) {
+ * of the codes and of their token deltas (e[0] = c[0], e[t] = c[t] - c[t-1]) at the tokens
+ * t = 0, ts, 2 ts, ... (ts >= 1), each value clipped to [-64, 63] and shifted by 64.
+ * hc, he: int32 [R, 128] (n < 2^31), zeroed here. */
+void kvn_delta_hist(const int64_t* c, int64_t n, int64_t R, int64_t ts, int32_t* hc, int32_t* he) {
+  memset(hc, 0, sizeof(int32_t) * (size_t)(R * 128));
+  memset(he, 0, sizeof(int32_t) * (size_t)(R * 128));
+  if (ts < 1) ts = 1;
+  for (int64_t t = 0; t < n; t += ts) {
     const int64_t* ct = c + t * R;
     for (int64_t r = 0; r < R; ++r) {
       const int64_t v = ct[r];
-      /* t = 0: the delta is the code itself; the difference of two int64 codes cannot overflow
-         here because the encoder's codes are far inside the int64 range (|c| < 2**62) */
+      /* the difference of two codes cannot overflow: the encoder's codes are far inside the
+         int64 range (|c| < 2**62) */
       const int64_t e = t ? v - ct[r - R] : v;
       const int64_t vc = v < -64 ? 0 : v > 63 ? 127 : v + 64;
       const int64_t ec = e < -64 ? 0 : e > 63 ? 127 : e + 64;
@@ -966,4 +995,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 10; }
+int kvn_abi_version(void) { return 11; }
