@@ -179,6 +179,31 @@ def test_calibrated_file_names_its_statistics_by_hash(tmp_path):
         kvcodec.get_codec({"id": "kvc", "calibration": str(tmp_path / "missing.safetensors")}).encode(cache)
 
 
+def test_background_attention_estimates_give_the_same_file(tmp_path, monkeypatch):
+    """The encoder computes the attention estimates on a second thread; the bytes are those of
+    the plan computed up front, and an error in the estimate reaches the caller."""
+    from kvcodec.codecs import kvc as kvc_mod
+
+    cache = _cache(layers=3)
+    p = tmp_path / "q.safetensors"
+    save_query_statistics(_stats(cache), p)
+    codec = kvcodec.get_codec({"id": "kvc-near", "calibration": str(p)})
+    threaded = codec.encode(cache)
+    orig = kvc_mod.KVCCodec._calibration_plan
+    monkeypatch.setattr(kvc_mod.KVCCodec, "_calibration_plan", lambda self, c, pool=None: orig(self, c, None))
+    assert codec.encode(cache) == threaded
+    monkeypatch.setattr(kvc_mod.KVCCodec, "_calibration_plan", orig)
+
+    def boom(*a, **k):
+        raise RuntimeError("estimate failed")
+
+    import kvcodec.harness.calibration as cal_mod
+
+    monkeypatch.setattr(cal_mod, "attention_estimate", boom)
+    with pytest.raises(RuntimeError, match="estimate failed"):
+        codec.encode(cache)
+
+
 def test_calibration_for_another_model_is_refused(tmp_path):
     cache = _cache(layers=2)
     p = tmp_path / "q.safetensors"

@@ -261,14 +261,27 @@ class KVCCodec(Codec):
                 raise ConfigError(f"kvc calibration {self.params['calibration']!r} has SHA-256 {digest}, "
                                   f"the config names {given}")
             self.params["calibration_sha256"] = digest  # recorded in the file's codec config
-        self._calib = self._calibration_plan(cache) if self.params["calibration"] else {}
+        pool = None
         try:
+            if self.params["calibration"]:
+                # the attention estimates (the calibrated encoder's costliest part) run on a second
+                # thread, a layer ahead of the coding, which mostly waits in C and releases the GIL
+                from concurrent.futures import ThreadPoolExecutor
+
+                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-attn")
+                self._calib = self._calibration_plan(cache, pool)
+            else:
+                self._calib = {}
             return super().encode(cache, path, tokens_per_chunk=tokens_per_chunk)
         finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
             self._calib = {}
             self.params["calibration_sha256"] = given
 
-    def _calibration_plan(self, cache: KVCache) -> dict[int, dict[str, np.ndarray]]:
+    def _calibration_plan(self, cache: KVCache, pool: Any = None) -> dict[int, dict[str, Any]]:
+        """Per layer: ``q_energy``, ``attn`` (with ``pool``, an executor, a future of it, resolved
+        by :meth:`_layer_calib`), ``k_mult`` / ``v_mult``."""
         from ..harness.calibration import attention_estimate, load_query_statistics
 
         stats = load_query_statistics(self.params["calibration"])
@@ -288,9 +301,12 @@ class KVCCodec(Codec):
                                       f"K heads x channels {list(k.shape[1:])}")
                 entry["q_energy"] = e.astype(np.float64)
             if self.params["v_attn"] > 0 or self.params["k_attn"] > 0:
-                a = attention_estimate(stats, i, k.float().numpy())
-                if a is not None:
-                    entry["attn"] = a
+                if pool is not None:
+                    entry["attn"] = pool.submit(lambda i=i, k=k: attention_estimate(stats, i, k.float().numpy()))
+                else:
+                    a = attention_estimate(stats, i, k.float().numpy())
+                    if a is not None:
+                        entry["attn"] = a
             plan[i] = entry
         if self.params["sens"] > 0:
             for role in ("k", "v"):
@@ -299,6 +315,19 @@ class KVCCodec(Codec):
                     if m is not None and i in plan:
                         plan[i][role + "_mult"] = m
         return plan
+
+    def _layer_calib(self, layer: int) -> dict[str, Any]:
+        """The calibration plan of ``layer`` (empty without a file), its attention estimate
+        waited for if it is still being computed."""
+        entry = getattr(self, "_calib", {}).get(layer, {})
+        a = entry.get("attn")
+        if a is not None and not isinstance(a, np.ndarray):
+            a = a.result()  # a future; re-raises the estimate's own error
+            if a is None:
+                del entry["attn"]
+            else:
+                entry["attn"] = a
+        return entry
 
     @property
     def nominal_bits(self) -> float:
@@ -367,7 +396,7 @@ class KVCCodec(Codec):
         if self._per_channel(ctx):
             step_rel = p["k_step"] if is_k else p["v_step"]
             base = head_rms(z)  # [H]
-            calib = getattr(self, "_calib", {}).get(ctx.layer, {}) if ctx.role == "k" else {}
+            calib = self._layer_calib(ctx.layer) if ctx.role == "k" else {}
             if "k_mult" in calib:  # per-head sensitivity from the calibration (Fisher) statistics
                 base = base * calib["k_mult"]
             if is_k and p["k_qgamma"] > 0 and not use_h and n and "q_energy" in calib:
@@ -406,7 +435,7 @@ class KVCCodec(Codec):
                 tok = codes.reshape(n, h * d)
         else:
             rel = p["v_step"] * token_rms(z)  # [n, H]
-            vcal = getattr(self, "_calib", {}).get(ctx.layer, {}) if ctx.role == "v" else {}
+            vcal = self._layer_calib(ctx.layer) if ctx.role == "v" else {}
             if "v_mult" in vcal:  # per-head sensitivity from the calibration (Fisher) statistics
                 rel = rel * vcal["v_mult"][None, :]
             attn = vcal.get("attn")
