@@ -143,3 +143,26 @@ def test_golden_delta_vector_decodes_like_the_plain_preset():
     head = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])
     assert sum(k.endswith(".pred") for k in head) >= 2  # the vector exercises the plane
     assert rec["decoded_sha256"] == plain["decoded_sha256"]  # same values as the file without deltas
+
+
+def test_escapes_are_stored_in_the_narrowest_integer_type():
+    from kvcodec.codecs.kvc import _narrowest
+
+    assert _narrowest(np.array([-128, 127], np.int64)).dtype == np.int8
+    assert _narrowest(np.array([-129, 5], np.int64)).dtype == np.int16
+    assert _narrowest(np.array([40000], np.int64)).dtype == np.int32
+    # a tensor with a few large values: its escapes fit int8 / int16, and it round-trips
+    g = torch.Generator().manual_seed(4)
+    for scale, want in ((4.0, np.int8), (30.0, np.int16)):
+        k = torch.randn(200, 2, 16, generator=g)
+        k[::17, 0, 3] *= scale
+        cache = kvcodec.KVCache.from_tensors([(k.half(), torch.randn(200, 2, 16, generator=g).half())])
+        codec = kvcodec.get_codec({"id": "kvc-near", "max_level": 8})
+        enc = codec.encode_tensor(cache.layers[0]["k"], TensorContext(0, "k", (200, 2, 16), torch.float16))
+        assert enc.planes["esc"].dtype == want and enc.planes["esc"].size > 0
+        out = kvcodec.decode(codec.encode(cache))
+        ref = kvcodec.get_codec({"id": "kvc-near", "max_level": 8}).decode_tensor(enc, TensorContext(0, "k", (200, 2, 16), torch.float16))
+        assert torch.equal(out.layers[0]["k"], ref)
+        enc.planes["esc"] = enc.planes["esc"].astype(np.int64)  # not a type the format allows
+        with pytest.raises(FormatError, match="esc"):
+            codec.decode_tensor(enc, TensorContext(0, "k", (200, 2, 16), torch.float16))

@@ -57,8 +57,9 @@ Planes of one tensor ``[T, H, D]`` with ``n = T - s - r`` coded tokens (formats:
 * ``side``: float16 ``[2, H, D]``: row 0 the channel means added back after dequantization (zeros
   when not centred), row 1 the log-step codes of the per-channel steps (unused in token mode).
   Token-mode V that is not centred MAY omit it (read as zeros); per-channel tensors MUST have it.
-* ``esc``: int32 codes of escaped symbols, in row-major order of the symbol matrix; MAY be
-  omitted when there are none.
+* ``esc``: the codes of escaped symbols, in row-major order of the symbol matrix, as int8,
+  int16 or int32 (kvcodec writes the narrowest that holds them: they are stored raw, and most
+  escapes of a tensor are within a few steps of ``L``); MAY be omitted when there are none.
 * ``pred`` (only when the tensor's params carry ``pred: 1``): ``uint8 [ceil(R / 8)]``, one bit
   per row ``r`` of the code matrix ``[R, n]`` below (``R = H*D``, plus ``H`` step rows when
   present), bit ``7 - r % 8`` of byte ``r // 8`` (numpy ``packbits`` order); padding bits MUST
@@ -471,7 +472,7 @@ class KVCCodec(Codec):
             sym = sym_rows.T
         params["L"] = lv
         if esc.size:  # no escapes: no plane (each plane costs its header entry)
-            planes["esc"] = esc
+            planes["esc"] = _narrowest(esc)
         if n:
             for k, v in _stage(p).encode(sym, alphabet=2 * lv, layout="tokens").items():
                 planes[_STAGE_PREFIX + k] = v
@@ -524,6 +525,8 @@ class KVCCodec(Codec):
                               f"expected [{rows}, {n}] A={2 * lv}")
         sym = _stage(p).decode(stage_planes, layout="tokens")  # [n, R] token-major
         esc = enc.planes.get("esc", np.zeros(0, np.int32))
+        if esc.dtype not in (np.int8, np.int16, np.int32):
+            raise FormatError(f"{where}: kvc 'esc' plane must be int8, int16 or int32, got {esc.dtype}")
         if native.available():
             codes = native.escape_join_tokens(sym, esc, lv)
         else:
@@ -771,6 +774,15 @@ def detect_sinks(v: torch.Tensor, ratio: float, skip: int = 0) -> np.ndarray:
     return pos[pos >= skip]
 
 
+def _narrowest(v: np.ndarray) -> np.ndarray:
+    """``v`` as int8, int16 or int32, the narrowest that holds every value."""
+    lo, hi = (int(v.min()), int(v.max())) if v.size else (0, 0)
+    for dt in (np.int8, np.int16):
+        if np.iinfo(dt).min <= lo and hi <= np.iinfo(dt).max:
+            return v.astype(dt)
+    return v.astype(np.int32)
+
+
 def _file_sha256(path: str) -> str:
     import hashlib
 
@@ -799,16 +811,18 @@ register_preset("kvc", {"id": "kvc"}, "kvc transform codec, default settings")
 # k_step was the best K/V split for KL; near uses finer V (2.4x), which brought its ΔPPL down.
 # Every preset refines the latest 128 tokens (recent_ramp, up to 4x finer steps for the last 8):
 # the next queries read them most, and it cut the hardest window's KL by ~40 % for ~0.1 bit.
-# Entropy settings (lossless, eval/results/kvc_presets*.md): 14-bit tables save ~0.01 bit per
-# element over 12 at the same decode speed; the finer presets' codes reach further, so their
-# escape threshold is 48 (another 0.005-0.02).
+# Entropy settings (lossless; measured as file sizes on the ctx 1536 and 2048 caches): 14-bit
+# tables save ~0.01 bit per element over 12 at the same decode speed; the escape threshold
+# trades table size against escapes: 48 for kvc-transparent, 16 for the aggressive presets,
+# the default 32 for the others (0.003-0.01 bit each).
 _RAMP = {"recent_ramp": 128, "recent_fine": 4.0, "precision": 14}
 _WIDE = {"max_level": 48}
+_NARROW = {"max_level": 16}
 register_preset("kvc-transparent", {"id": "kvc", "k_step": 0.224, "v_step": 0.672, **_RAMP, **_WIDE},
                 "kvc at about FP8 quality (target mean KL <= 0.002)")
 register_preset("kvc-near", {"id": "kvc", "k_step": 0.418, "v_step": 0.99, **_RAMP},
                 "kvc near-lossless (target mean KL <= 0.01, dPPL <= 1%)")
-register_preset("kvc-aggressive", {"id": "kvc", "k_step": 0.897, "v_step": 2.691, **_RAMP},
+register_preset("kvc-aggressive", {"id": "kvc", "k_step": 0.897, "v_step": 2.691, **_RAMP, **_NARROW},
                 "kvc aggressive (target mean KL <= 0.05)")
 # Tuned for the calibrated encoder (``calibration`` = a file from ``kvcodec calibrate``, with its Fisher
 # sensitivities; recorded on held-out text, eval/results/kvc_presets*.md), same four windows and
@@ -819,11 +833,11 @@ register_preset("kvc-aggressive", {"id": "kvc", "k_step": 0.897, "v_step": 2.691
 # worst-window KL against 2; attn_coarse 1.0 for near (no coarser steps for little-attended tokens):
 # coarsening raised the hardest window's KL and ΔPPL more than it saved.
 register_preset("kvc-transparent-cal", {"id": "kvc", "k_step": 0.2912, "v_step": 0.9984, "k_qgamma": 1.0,
-                                        "sink_v_ratio": 0.0, "attn_clip": 3.0, "attn_coarse": 2.0, **_RAMP, **_WIDE},
+                                        "sink_v_ratio": 0.0, "attn_clip": 3.0, "attn_coarse": 2.0, **_RAMP},
                 "kvc-transparent's bar (mean KL <= 0.002) with a calibration file")
 register_preset("kvc-near-cal", {"id": "kvc", "k_step": 0.5152, "v_step": 1.8515, "sink_v_ratio": 0.0, "attn_clip": 3.0,
-                                 "attn_coarse": 1.0, **_RAMP, **_WIDE},
+                                 "attn_coarse": 1.0, **_RAMP},
                 "kvc-near's bar (mean KL <= 0.01, dPPL <= 1%) with a calibration file")
 register_preset("kvc-aggressive-cal", {"id": "kvc", "k_step": 1.0759, "v_step": 3.5931, "sink_v_ratio": 0.0,
-                                       "attn_clip": 3.0, "attn_coarse": 2.0, **_RAMP},
+                                       "attn_clip": 3.0, "attn_coarse": 2.0, **_RAMP, **_NARROW},
                 "kvc-aggressive's bar (mean KL <= 0.05) with a calibration file")
