@@ -76,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
              f"- command: `{res['command']}`", f"- date: {res['date']}; machine: {res['machine']}",
              "- bits per cached element; `ans_words` are the coded symbols, everything else is side "
              "information: `header` (safetensors index + manifest), `ans_tables` / `ans_row_table` / "
-             "`ans_offsets` / `ans_meta` (the entropy stage's tables and index), `esc` (escaped codes, raw "
-             "int32), `protect` (token 0 exact), `side` (K channel means and step codes), `token_ids` / "
+             "`ans_offsets` / `ans_meta` (the entropy stage's tables and index), `esc` (escaped codes, raw, "
+             "in the narrowest integer type), `protect` (token 0 exact, plus the detected sinks of the "
+             "plain presets), `side` (K channel means and step codes), `token_ids` / "
              "`positions` (the container's), `pred` (token-delta rows), `pad` (64-byte alignment).", "",
              "| preset | total | ans_words | all other | " + " | ".join(kinds) + " |",
              "|---|---|---|---|" + "---|" * len(kinds)]

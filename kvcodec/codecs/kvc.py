@@ -22,7 +22,7 @@ Every stage is a small reference function measured on its own (eval/kvc_rd.py):
    widths only; other widths are coded untransformed and say so in the params).
 5. **Dead-zone uniform quantizer** (:mod:`kvcodec.quant.deadzone`; steps on a 1/8-octave grid so
    they are exact integers in the file), codes limited to ``|c| < L`` with an escape symbol and a
-   raw int32 plane for the rare larger codes.
+   raw integer plane for the rare larger codes.
 6. **Token deltas per row** (``delta``): a row (a channel, or a row of step codes) whose codes
    change slowly along the tokens — K's low-frequency RoPE channels keep their sign and size
    for many tokens — is coded as the differences of consecutive codes instead
