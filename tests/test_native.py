@@ -380,3 +380,23 @@ def test_round_half_even_ties(monkeypatch):
     with monkeypatch.context() as m:
         m.setenv("KVCODEC_NATIVE", "0")
         assert torch.equal(intq_quantize_fast(x, 4, "token", 8).codes, got.codes)
+
+
+def test_deadzone_writes_into_the_first_columns_of_a_wider_matrix(monkeypatch):
+    from kvcodec.quant.deadzone import deadzone_quantize
+
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((37, 3, 8)) * 4).astype(np.float32)
+    for step in ((0.3 + rng.random((37, 3, 8))).astype(np.float32), (0.3 + rng.random((37, 3, 1))),
+                 np.float32(0.7)):
+        want = deadzone_quantize(x, step, 0.5).reshape(37, 24)
+        for native_on in ("auto", "0"):
+            with monkeypatch.context() as m:
+                m.setenv("KVCODEC_NATIVE", native_on)
+                wide = np.full((37, 27), -5, np.int64)
+                got = deadzone_quantize(x, step, 0.5, out=wide[:, :24])
+                assert np.array_equal(got, want) and np.array_equal(wide[:, :24], want)
+                assert (wide[:, 24:] == -5).all()  # the other columns are left alone
+    if native.available():
+        with pytest.raises(ValueError, match="int64"):
+            native.deadzone_quantize(x, np.float32(1.0), 0.5, out=np.zeros((37, 24), np.int32))

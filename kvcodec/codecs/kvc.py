@@ -428,8 +428,9 @@ class KVCCodec(Codec):
                 toff = np.clip(step_code(m), lo[None], hi[None]).astype(np.int64)  # [n, H]
                 params["k_tok"] = 1
                 step = token_steps(sc, toff, where)  # [n, H, D], = step_from_code(sc[None] + toff[:, :, None])
-                codes = deadzone_quantize(z, step, p["rho"])
-                tok = np.concatenate([codes.reshape(n, h * d), toff], axis=1)
+                tok = np.empty((n, h * d + h), dtype=np.int64)  # the codes, then the offset rows
+                deadzone_quantize(z, step, p["rho"], out=tok[:, : h * d])
+                tok[:, h * d:] = toff
             else:
                 step = step_from_code(sc)[None]  # [1, H, D]
                 codes = deadzone_quantize(z, step, p["rho"])
@@ -447,10 +448,11 @@ class KVCCodec(Codec):
                 rel = rel * rec[:, None]
             sc = step_code(rel)
             step = step_from_code(sc)[:, :, None]
-            codes = deadzone_quantize(z, step, p["rho"])
+            tok = np.empty((n, h * d + h), dtype=np.int64)  # the codes, then the step-code rows
+            deadzone_quantize(z, step, p["rho"], out=tok[:, : h * d])
             base = np.median(sc, axis=0).astype(np.int64) if n else np.zeros(h, np.int64)
             params["step_base"] = [int(b) for b in base]
-            tok = np.concatenate([codes.reshape(n, h * d), sc - base[None]], axis=1)
+            tok[:, h * d:] = sc - base[None]
         if self._per_channel(ctx) or p["v_center"]:
             planes["side"] = side  # token-mode V without centring has no side data: no plane
         use = delta_rows(tok, min_gain_bits=1024.0 if p["delta"] == 1 else 0.0) if p["delta"] and n > 1 else None

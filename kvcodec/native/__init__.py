@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -119,7 +119,7 @@ def _build() -> ctypes.CDLL:
     lib.kvn_intq_quant.restype = ctypes.c_int
     lib.kvn_tok_quant.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, i32, p, p]
     lib.kvn_tok_quant.restype = ctypes.c_int
-    lib.kvn_deadzone.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, i64, i64, ctypes.c_double, p]
+    lib.kvn_deadzone.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, i64, i64, ctypes.c_double, p, i64]
     lib.kvn_deadzone.restype = ctypes.c_int
     lib.kvn_escape_split.argtypes = [p, i64, i64, i64, p, p, p, p, p, p]
     lib.kvn_escape_split.restype = ctypes.c_int
@@ -384,11 +384,13 @@ def token_quantize(x, rows: np.ndarray, levels: int, base: np.ndarray | None = N
     return codes, scale
 
 
-def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float) -> np.ndarray | None:
+def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float, out: np.ndarray | None = None) -> np.ndarray | None:
     """:func:`kvcodec.quant.deadzone.deadzone_quantize` for a float32 ``x`` of up to 3 dims (the
     same float64 arithmetic, int64 codes), or ``None`` when this path does not apply (other
     dtypes or shapes, a step that does not broadcast, non-finite values or huge codes): the
-    caller then runs the numpy code. Float32 steps are read as they are (exactly widened)."""
+    caller then runs the numpy code. Float32 steps are read as they are (exactly widened).
+    ``out``: an int64 ``[n0, >= n1 * n2]`` matrix with contiguous rows (a view of the first
+    columns of a wider one is fine) that receives the codes of ``x [n0, n1, n2]``; returned."""
     lb = lib()
     if lb is None:
         return None
@@ -405,12 +407,23 @@ def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float) -> np.ndarray
         return None
     if st.size and any(s % st.itemsize for s in st.strides):
         return None
-    codes = np.empty(x3.shape, dtype=np.int64)
+    n0, n1, n2 = x3.shape
+    if out is None:
+        codes, orow = np.empty(x3.shape, dtype=np.int64), n1 * n2
+    else:
+        codes = out
+        if out.dtype != np.int64 or out.ndim != 2 or out.shape != (n0, n1 * n2):
+            raise ValueError(f"deadzone out must be an int64 [{n0}, {n1 * n2}] matrix")
+        if out.size == 0:
+            return out
+        if (n1 * n2 > 1 and out.strides[1] != 8) or (n0 > 1 and out.strides[0] % 8):
+            raise ValueError(f"deadzone out must be an int64 [{n0}, {n1 * n2}] view with contiguous rows")
+        orow = out.strides[0] // 8 if n0 > 1 else n1 * n2
     strides = [s // st.itemsize for s in st.strides] if st.size else [0, 0, 0]
     kind = 1 if st.dtype == np.float32 else 0
-    if lb.kvn_deadzone(_ptr(x3), *x3.shape, st.ctypes.data, kind, *strides, float(rho), _ptr(codes)) != 0:
+    if lb.kvn_deadzone(_ptr(x3), n0, n1, n2, st.ctypes.data, kind, *strides, float(rho), codes.ctypes.data, orow) != 0:
         return None
-    return codes.reshape(xa.shape)
+    return codes if out is not None else codes.reshape(xa.shape)
 
 
 def escape_split_tokens(codes: np.ndarray, max_level: int,

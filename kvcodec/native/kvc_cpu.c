@@ -806,18 +806,21 @@ KVN_DZ_ROW(float)
 
 /* Dead-zone codes sign(x) * floor(|x| / step + rho) of float32 x [n0, n1, n2] (float64 arithmetic,
  * as kvcodec.quant.deadzone.deadzone_quantize), steps float64 (skind 0) or float32 (skind 1,
- * converted exactly) with element strides s0, s1, s2 (0 = broadcast). Returns 1 if a value is
- * not finite or a code would reach 2^53 (the caller then uses the numpy path), else 0. */
+ * converted exactly) with element strides s0, s1, s2 (0 = broadcast). codes: int64, element
+ * (i, j, k) at i * orow + j * n2 + k (orow >= n1 * n2: a wider matrix can take the codes in its
+ * first columns). Returns 1 if a value is not finite or a code would reach 2^53 (the caller
+ * then uses the numpy path), else 0. */
 int kvn_deadzone(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
-                 int64_t s1, int64_t s2, double rho, int64_t* codes) {
+                 int64_t s1, int64_t s2, double rho, int64_t* codes, int64_t orow) {
   int bad = 0;
   for (int64_t i = 0; i < n0 && !bad; ++i) {
     for (int64_t j = 0; j < n1; ++j) {
       const int64_t off = (i * n1 + j) * n2, so = i * s0 + j * s1;
+      int64_t* out = codes + i * orow + j * n2;
       if (skind == 1)
-        bad |= dz_row_float(x + off, (const float*)step + so, s2, n2, rho, codes + off);
+        bad |= dz_row_float(x + off, (const float*)step + so, s2, n2, rho, out);
       else
-        bad |= dz_row_double(x + off, (const double*)step + so, s2, n2, rho, codes + off);
+        bad |= dz_row_double(x + off, (const double*)step + so, s2, n2, rho, out);
     }
   }
   return bad;
@@ -995,4 +998,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 11; }
+int kvn_abi_version(void) { return 12; }

@@ -69,7 +69,7 @@ def step_from_code(code: np.ndarray) -> np.ndarray:
     return np.ldexp(STEP_MANTISSA[c % 8], (c // 8).astype(np.int32)).astype(np.float32)
 
 
-def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float = 0.5) -> np.ndarray:
+def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float = 0.5, out: np.ndarray | None = None) -> np.ndarray:
     """Codes ``sign(x) * floor(|x| / step + rho)`` (int64); ``step`` broadcasts against ``x``.
 
     Args:
@@ -77,17 +77,23 @@ def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float = 0.5) -> np.n
         step: positive step sizes, broadcastable to ``x``.
         rho: rounding offset in ``(0, 1/2]``; ``1/2`` is round-half-up on magnitudes, smaller
             values widen the zero bin (the dead zone is ``|x| < (1 - rho) * step``).
+        out: for a 3-D ``x [n0, n1, n2]``, an int64 ``[n0, n1 * n2]`` matrix with contiguous
+            rows (e.g. the first columns of a wider one) to write the codes into; returned.
     """
     if not 0.0 < rho <= 0.5:
         raise InputError(f"dead-zone rounding offset rho must be in (0, 0.5], got {rho}")
     from .. import native
 
-    fast = native.deadzone_quantize(x, step, rho)  # the same float64 arithmetic in C, when it applies
+    fast = native.deadzone_quantize(x, step, rho, out)  # the same float64 arithmetic in C, when it applies
     if fast is not None:
         return fast
     xf = np.asarray(x, dtype=np.float64)
     mag = np.floor(np.abs(xf) / np.asarray(step, dtype=np.float64) + rho)
-    return (np.sign(xf) * mag).astype(np.int64)
+    codes = (np.sign(xf) * mag).astype(np.int64)
+    if out is None:
+        return codes
+    out[...] = codes.reshape(out.shape)
+    return out
 
 
 def deadzone_dequantize(codes: np.ndarray, step: np.ndarray) -> np.ndarray:
