@@ -166,3 +166,18 @@ def test_escapes_are_stored_in_the_narrowest_integer_type():
         enc.planes["esc"] = enc.planes["esc"].astype(np.int64)  # not a type the format allows
         with pytest.raises(FormatError, match="esc"):
             codec.decode_tensor(enc, TensorContext(0, "k", (200, 2, 16), torch.float16))
+
+
+def test_native_escape_join_with_deltas_matches_the_reference():
+    if not native.available():
+        pytest.skip("native coder not built here (reference path covered elsewhere)")
+    from kvcodec.codecs.kvc import escape_join
+
+    rng = np.random.default_rng(8)
+    c = np.cumsum(rng.integers(-40, 41, size=(300, 23)), axis=0)
+    use = rng.random(23) < 0.5
+    sym, esc, lv = native.escape_split_tokens(c, 16, use)
+    ref = undelta_rows(escape_join(sym.T, esc, lv).T, np.packbits(use))
+    assert np.array_equal(ref, c)
+    assert np.array_equal(native.escape_join_tokens(sym, esc, lv, use), c)
+    assert np.array_equal(native.escape_join_tokens(sym, esc, lv), escape_join(sym.T, esc, lv).T)

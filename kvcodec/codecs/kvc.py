@@ -529,17 +529,18 @@ class KVCCodec(Codec):
         esc = enc.planes.get("esc", np.zeros(0, np.int32))
         if esc.dtype not in (np.int8, np.int16, np.int32):
             raise FormatError(f"{where}: kvc 'esc' plane must be int8, int16 or int32, got {esc.dtype}")
-        if native.available():
-            codes = native.escape_join_tokens(sym, esc, lv)
-        else:
-            codes = escape_join(sym.T, esc, lv).T
         pred = pr.get("pred", 0)
         if not isinstance(pred, int) or isinstance(pred, bool) or pred not in (0, 1):
             raise FormatError(f"{where}: kvc pred must be 0 or 1, got {pred!r}")
-        if pred:
-            codes = undelta_rows(codes, enc.planes.get("pred"), where)
-        elif "pred" in enc.planes:
+        if not pred and "pred" in enc.planes:
             raise FormatError(f"{where}: kvc 'pred' plane present but the params say pred 0")
+        use = pred_mask(enc.planes.get("pred"), rows, where) if pred else None
+        if native.available():  # escape join and token-delta running sums in one pass
+            codes = native.escape_join_tokens(sym, esc, lv, use)
+        else:
+            codes = escape_join(sym.T, esc, lv).T
+            if use is not None:
+                codes = undelta_rows(codes, enc.planes["pred"], where)
         main = codes[:, : h * d].reshape(n, h, d)
         sc_raw = side[1].astype(np.float64)
         if per_channel:
@@ -616,9 +617,31 @@ def delta_rows(codes: np.ndarray, margin: float = 0.02, method: str = "auto",
     return use
 
 
+def pred_mask(plane: Any, r: int, where: str = "kvc") -> np.ndarray:
+    """The rows a ``pred`` plane marks as token deltas: bool ``[r]`` (see the module docstring).
+
+    Raises:
+        FormatError: the plane is missing, not ``uint8 [ceil(r / 8)]`` or has padding bits set.
+
+    Example:
+        >>> pred_mask(np.packbits([True, False, True]), 3).tolist()
+        [True, False, True]
+    """
+    nb = (r + 7) // 8
+    pl = None if plane is None else np.asarray(plane)
+    if pl is None or pl.dtype != np.uint8 or pl.shape != (nb,):
+        got = "missing" if pl is None else f"{pl.dtype}{list(pl.shape)}"
+        raise FormatError(f"{where}: kvc 'pred' plane must be uint8[{nb}], got {got}")
+    bits = np.unpackbits(pl)
+    if bits[r:].any():
+        raise FormatError(f"{where}: kvc 'pred' plane has padding bits set")
+    return bits[:r].astype(bool)
+
+
 def undelta_rows(codes: np.ndarray, plane: Any, where: str = "kvc") -> np.ndarray:
-    """Inverse of the encoder's token deltas: the running sums over tokens of the columns of
-    ``codes [n, R]`` whose bit is set in the ``pred`` plane (see the module docstring).
+    """Inverse of the encoder's token deltas (the reference; the native escape join does the same
+    in its pass): the running sums over tokens of the columns of ``codes [n, R]`` whose bit is
+    set in the ``pred`` plane (see :func:`pred_mask`).
 
     Raises:
         FormatError: the plane is missing, not ``uint8 [ceil(R / 8)]`` or has padding bits set.
@@ -628,16 +651,7 @@ def undelta_rows(codes: np.ndarray, plane: Any, where: str = "kvc") -> np.ndarra
         [[1, 1], [2, 1], [4, 1]]
     """
     c = np.asarray(codes, dtype=np.int64)
-    r = c.shape[1]
-    nb = (r + 7) // 8
-    pl = None if plane is None else np.asarray(plane)
-    if pl is None or pl.dtype != np.uint8 or pl.shape != (nb,):
-        got = "missing" if pl is None else f"{pl.dtype}{list(pl.shape)}"
-        raise FormatError(f"{where}: kvc 'pred' plane must be uint8[{nb}], got {got}")
-    bits = np.unpackbits(pl)
-    if bits[r:].any():
-        raise FormatError(f"{where}: kvc 'pred' plane has padding bits set")
-    use = bits[:r].astype(bool)
+    use = pred_mask(plane, c.shape[1], where)
     if use.any():
         c = c.copy()
         c[:, use] = np.cumsum(c[:, use], axis=0)

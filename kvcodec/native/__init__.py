@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -123,9 +123,9 @@ def _build() -> ctypes.CDLL:
     lib.kvn_deadzone.restype = ctypes.c_int
     lib.kvn_escape_split.argtypes = [p, i64, i64, i64, p, p, p, p, p, p]
     lib.kvn_escape_split.restype = ctypes.c_int
-    lib.kvn_escape_join.argtypes = [p, i64, i64, i64, p, i64, p]
+    lib.kvn_escape_join.argtypes = [p, i64, i64, i64, p, i64, p, p]
     lib.kvn_escape_join.restype = ctypes.c_int
-    lib.kvn_kvc_dequant.argtypes = [p, i64, i64, i64, p, i64, i64, i64, p, f32, ctypes.c_int, p]
+    lib.kvn_kvc_dequant.argtypes = [p, i64, i64, i64, i64, p, i64, i64, i64, p, f32, ctypes.c_int, p]
     lib.kvn_kvc_dequant.restype = ctypes.c_int
     lib.kvn_member_sums.argtypes = [p, i64, i64, p, i64, p, p]
     lib.kvn_member_sums.restype = None
@@ -453,8 +453,10 @@ def escape_split_tokens(codes: np.ndarray, max_level: int,
     return sym, esc, int(lv[0])
 
 
-def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int) -> np.ndarray:
-    """Inverse of :func:`escape_split_tokens`: ``int64 [n, R]`` codes.
+def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int, delta: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of :func:`escape_split_tokens`: ``int64 [n, R]`` codes; with ``delta`` (bool
+    ``[R]``) those columns become their running sums over the tokens (kvc's token-delta rows,
+    as :func:`kvcodec.codecs.kvc.undelta_rows`), in the same pass.
 
     Raises:
         FormatError: the escape count differs from the escape plane's length, or an escaped code
@@ -470,7 +472,12 @@ def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int) -> np.ndarray:
         raise FormatError(f"kvc: the esc plane must be a 1-D integer array, got {e.dtype}{list(e.shape)}")
     e = np.ascontiguousarray(e, dtype=np.int64)
     out = np.empty((n, r), dtype=np.int64)
-    rc = lb.kvn_escape_join(_ptr(s), n, r, int(lv), _ptr(e), e.size, _ptr(out))
+    dl = None
+    if delta is not None:
+        dl = np.ascontiguousarray(delta, dtype=np.uint8)
+        if dl.shape != (r,):
+            raise ValueError(f"delta must be [{r}], got {list(dl.shape)}")
+    rc = lb.kvn_escape_join(_ptr(s), n, r, int(lv), _ptr(e), e.size, None if dl is None else _ptr(dl), _ptr(out))
     if rc == 1:
         count = int((s == 2 * lv - 1).sum())
         raise FormatError(f"kvc: {count} escape symbols but the esc plane holds {e.size} values")
@@ -489,14 +496,17 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype)
     import torch
 
     lb = _required()
-    c = np.ascontiguousarray(codes, dtype=np.int64)
+    c = np.asarray(codes)
     n, h, d = c.shape
+    if c.dtype != np.int64 or (n > 1 and c.strides[0] % 8) or (h > 1 and c.strides[1] != 8 * d) or (d > 1 and c.strides[2] != 8):
+        c = np.ascontiguousarray(c, dtype=np.int64)  # token rows may be strided (a view of the symbol matrix)
+    crow = c.strides[0] // 8 if n > 1 else h * d
     st = np.broadcast_to(np.asarray(step, dtype=np.float32), c.shape)
     mu = np.ascontiguousarray(mean, dtype=np.float32).reshape(h, d)
     out = torch.empty((n, h, d), dtype=dtype)
     fmax = float(torch.finfo(dtype).max)  # saturate (float32 too: an overflow to inf becomes its max)
     strides = [x // 4 for x in st.strides] if st.size else [0, 0, 0]
-    if lb.kvn_kvc_dequant(_ptr(c), n, h, d, st.ctypes.data, *strides, _ptr(mu), fmax, float_kind(dtype),
+    if lb.kvn_kvc_dequant(c.ctypes.data, crow, n, h, d, st.ctypes.data, *strides, _ptr(mu), fmax, float_kind(dtype),
                           out.data_ptr()) == _NOMEM:
         raise MemoryError("native dequantization: out of memory")
     return out

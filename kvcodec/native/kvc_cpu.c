@@ -890,10 +890,11 @@ int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_lev
 }
 
 /* Inverse: out[t * R + r] = sym - (L - 1), escape symbols (2L - 1) replaced by esc values taken in
- * row-major order of [R, n]. Returns 1 if the escape count differs from n_esc, 2 if an escaped
+ * row-major order of [R, n]; with delta (uint8 [R] or NULL), the columns r with delta[r] != 0
+ * become their running sums over t. Returns 1 if the escape count differs from n_esc, 2 if an escaped
  * value lies inside (-L, L) (both corrupt files), KVN_NOMEM, else KVN_OK. sym: uint16 [n, R]. */
 int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const int64_t* esc, int64_t n_esc,
-                    int64_t* out) {
+                    const uint8_t* delta, int64_t* out) {
   const uint16_t e = (uint16_t)(2 * L - 1);
   int64_t* pos = (int64_t*)calloc((size_t)(R > 0 ? R : 1), sizeof(int64_t));
   if (!pos) return KVN_NOMEM;
@@ -913,13 +914,16 @@ int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const 
   for (int64_t t = 0; t < n; ++t)
     for (int64_t r = 0; r < R; ++r) {
       const uint16_t s = sym[t * R + r];
+      int64_t v;
       if (s == e) {
-        const int64_t v = esc[pos[r]++];
+        v = esc[pos[r]++];
         if (v < L && v > -L) rc = 2;
-        out[t * R + r] = v;
       } else {
-        out[t * R + r] = (int64_t)s - (L - 1);
+        v = (int64_t)s - (L - 1);
       }
+      /* kvc's token-delta rows: running sums down the tokens (wrapping like numpy's cumsum) */
+      if (delta && delta[r] && t) v = (int64_t)((uint64_t)v + (uint64_t)out[(t - 1) * R + r]);
+      out[t * R + r] = v;
     }
   free(pos);
   return rc;
@@ -928,15 +932,15 @@ int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const 
 /* kvc reconstruction (kvcodec/codecs/kvc.py, normative): out[t, h, d] = clamp(f32(code) * step
  * + mean[h, d], +-fmax), cast to the out kind. codes: int64 [n, H, D]; step: float32 with element
  * strides s0, s1, s2 (0 broadcasts); mean: float32 [H, D]. fmax <= 0: no clamp. */
-int kvn_kvc_dequant(const int64_t* codes, int64_t n, int64_t H, int64_t D, const float* step, int64_t s0, int64_t s1,
-                    int64_t s2, const float* mean, float fmax, int out_kind, void* out) {
+int kvn_kvc_dequant(const int64_t* codes, int64_t crow, int64_t n, int64_t H, int64_t D, const float* step,
+                    int64_t s0, int64_t s1, int64_t s2, const float* mean, float fmax, int out_kind, void* out) {
   const int64_t Cn = H * D;
   const float m = fmax > 0.0f ? fmax : bits_f32(0x7f800000u);
   float* row = (float*)malloc(sizeof(float) * (size_t)(Cn > 0 ? Cn : 1));
   if (!row) return KVN_NOMEM;
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t h = 0; h < H; ++h) {
-      const int64_t* c = codes + t * Cn + h * D;
+      const int64_t* c = codes + t * crow + h * D;
       const float* st = step + t * s0 + h * s1;
       const float* mu = mean + h * D;
       float* r = row + h * D;
@@ -998,4 +1002,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 12; }
+int kvn_abi_version(void) { return 13; }
