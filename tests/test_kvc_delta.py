@@ -58,18 +58,24 @@ def test_delta_rows_picks_slow_rows_and_native_agrees_with_numpy():
     assert not delta_rows(c[:1]).any()
 
 
-def test_native_escape_split_of_deltas_matches_the_reference():
+def test_native_escape_split_and_join_with_deltas_match_the_reference():
     if not native.available():
         pytest.skip("native coder not built here (reference path covered elsewhere)")
+    from kvcodec.codecs.kvc import escape_join
+
     rng = np.random.default_rng(5)
     c = np.cumsum(rng.integers(-40, 41, size=(300, 23)), axis=0)
     use = rng.random(23) < 0.5
     d = c.copy()
     d[1:, use] = np.diff(c[:, use], axis=0)
-    for lvl in (4, 32):
-        s1, e1, l1 = native.escape_split_tokens(c, lvl, use)
+    for lvl in (4, 16, 32):
+        sym, esc, lv = native.escape_split_tokens(c, lvl, use)
         s2, e2, l2 = escape_split(d.T, lvl)
-        assert np.array_equal(s1, s2.T) and np.array_equal(e1, e2) and l1 == l2
+        assert np.array_equal(sym, s2.T) and np.array_equal(esc, e2) and lv == l2
+        ref = undelta_rows(escape_join(sym.T, esc, lv).T, np.packbits(use))
+        assert np.array_equal(ref, c)
+        assert np.array_equal(native.escape_join_tokens(sym, esc, lv, use), c)
+        assert np.array_equal(native.escape_join_tokens(sym, esc, lv), escape_join(sym.T, esc, lv).T)
 
 
 def test_undelta_inverts_and_reads_the_plane_strictly():
@@ -166,18 +172,3 @@ def test_escapes_are_stored_in_the_narrowest_integer_type():
         enc.planes["esc"] = enc.planes["esc"].astype(np.int64)  # not a type the format allows
         with pytest.raises(FormatError, match="esc"):
             codec.decode_tensor(enc, TensorContext(0, "k", (200, 2, 16), torch.float16))
-
-
-def test_native_escape_join_with_deltas_matches_the_reference():
-    if not native.available():
-        pytest.skip("native coder not built here (reference path covered elsewhere)")
-    from kvcodec.codecs.kvc import escape_join
-
-    rng = np.random.default_rng(8)
-    c = np.cumsum(rng.integers(-40, 41, size=(300, 23)), axis=0)
-    use = rng.random(23) < 0.5
-    sym, esc, lv = native.escape_split_tokens(c, 16, use)
-    ref = undelta_rows(escape_join(sym.T, esc, lv).T, np.packbits(use))
-    assert np.array_equal(ref, c)
-    assert np.array_equal(native.escape_join_tokens(sym, esc, lv, use), c)
-    assert np.array_equal(native.escape_join_tokens(sym, esc, lv), escape_join(sym.T, esc, lv).T)
