@@ -82,3 +82,30 @@ def test_a_config_id_may_name_a_preset_with_overrides():
     assert kvcodec.get_codec('{"id": "kivi-2"}') == kvcodec.get_codec("kivi-2")
     with pytest.raises(kvcodec.errors.UnknownCodecError):
         kvcodec.get_codec({"id": "no-such-preset"})
+
+
+
+HUGE_INTS = [2**32 + 1, 2**64, -(2**63), 10**30]
+INT_PARAMS = [(n, k) for n in kvcodec.list_codecs() for k, v in kvcodec.get_codec(n).params.items()
+              if isinstance(v, int) and not isinstance(v, bool)]
+
+
+@pytest.mark.parametrize("name,key", INT_PARAMS)
+def test_huge_integer_params_do_not_allocate(name, key):
+    """A file's codec config is untrusted: an enormous integer parameter is either accepted (some
+    are unbounded: chunk sizes, sink counts) or refused with a ConfigError, and in both cases
+    without first being used to size anything (``1 << 2**32`` alone is a 512 MiB int)."""
+    import tracemalloc
+
+    config = kvcodec.get_codec(name).get_config()
+    for v in HUGE_INTS:
+        tracemalloc.start()
+        try:
+            try:
+                kvcodec.get_codec({**config, key: v})
+            except ConfigError:
+                pass
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        assert peak < 8 << 20, f"{name}: {key}={v} allocated {peak >> 20} MiB before refusing"

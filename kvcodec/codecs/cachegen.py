@@ -272,12 +272,12 @@ class CacheGenLMCacheCodec(Codec):
 
     def check_params(self) -> None:
         p = self.params
+        _check_stage_params(self)  # first: bounds precision before it is used as a shift
         for k in ("early_bins", "late_bins"):
             if p[k] < 4 or p[k] % 2 or p[k] > (1 << p["precision"]):
                 raise ConfigError(f"cachegen-lmcache {k} must be even, >= 4 and <= 2**precision, got {p[k]}")
         if p["k_early_layers"] < 0 or p["v_early_layers"] < 0:
             raise ConfigError("cachegen-lmcache early layer counts must be >= 0")
-        _check_stage_params(self)
 
     @property
     def nominal_bits(self) -> float:
