@@ -64,8 +64,10 @@ def base_files() -> dict[str, bytes]:
     mla = kvcodec.KVCache(layers=[{"kv": torch.randn(9, 1, 32, generator=g).half()}])
     out = {}
     # every preset, plus kvc with its token-delta rows forced on (the presets use them only where
-    # they pay, which on these small random caches they do not)
-    for name, cfg in [(n, n) for n in kvcodec.list_codecs()] + [("kvc-near.delta", {"id": "kvc-near", "delta": 2})]:
+    # they pay, which on these small random caches they do not) and kvc with magnitude contexts
+    extra = [("kvc-near.delta", {"id": "kvc-near", "delta": 2}),
+             ("kvc-near.ctx", {"id": "kvc-near", "ctx": [3, 8, 20], "rows_per_stream": 8})]
+    for name, cfg in [(n, n) for n in kvcodec.list_codecs()] + extra:
         codec = kvcodec.get_codec(cfg)
         for tag, cache, chunk in (("gqa", gqa, 0), ("gqa-c16", gqa, 16), ("mla", mla, 0)):
             try:

@@ -121,7 +121,7 @@ def _stage(p: dict[str, Any]):
 
     return EntropyStage(
         precision=p["precision"], chunk=p["chunk"], rows_per_stream=p["rows_per_stream"],
-        tables="cluster", n_tables=p["n_tables"], scope="all",
+        tables="cluster", n_tables=p["n_tables"], scope="ctx" if p["ctx"] else "all", thresholds=list(p["ctx"]),
     )
 
 
@@ -186,6 +186,11 @@ class KVCCodec(Codec):
         transform: ``"none"`` or ``"hadamard"``.
         max_level: escape threshold ``L`` cap (alphabet ``2L``).
         precision, n_tables, rows_per_stream, chunk: entropy stage settings.
+        ctx: magnitude-context thresholds of the entropy stage (``[]`` = off; formats/ANS.md
+            §3.1): each code's table is chosen by its row and by the mean magnitude of the codes
+            above it in its stream at the same token, which tracks the per-token step (attention,
+            recency) a row's single table would otherwise average over. Lossless; the
+            ``n_tables`` tables are shared by all (row, class) pairs.
         calibration: path of a query-statistics file for the encoder ("" = none; see 8. above).
         calibration_sha256: SHA-256 (hex) of that file. The encoder fills it in, so every file
             coded with a calibration names the exact statistics behind its steps (the path alone
@@ -209,7 +214,7 @@ class KVCCodec(Codec):
         "precision": 12, "n_tables": 8, "rows_per_stream": 16, "chunk": 4096,
         "calibration": "", "k_qgamma": 1.5, "v_attn": 0.5, "k_attn": 1.0, "attn_clip": 2.0, "attn_coarse": 1.5,
         "sens": 1.0, "sens_clip": 2.0, "sens_coarse": 1.5, "recent_ramp": 0, "recent_fine": 1.0,
-        "delta": 1, "calibration_sha256": "",
+        "delta": 1, "calibration_sha256": "", "ctx": [],
     }
 
     def check_params(self) -> None:
@@ -248,6 +253,10 @@ class KVCCodec(Codec):
             raise ConfigError(f"kvc delta must be 0, 1 or 2, got {p['delta']!r}")
         if not 0.0 <= p["sens"] <= 4.0 or not 1.0 <= p["sens_clip"] <= 256.0 or not 1.0 <= p["sens_coarse"] <= 256.0:
             raise ConfigError("kvc sens must be in [0, 4], sens_clip and sens_coarse in [1, 256]")
+        try:
+            _stage(p)
+        except ConfigError as e:
+            raise ConfigError(f"kvc ctx / entropy settings: {e}") from None
 
     # ------------------------------------------------------------------ calibration (encoder only)
     def encode(self, cache: KVCache, path: Any = None, *, tokens_per_chunk: int = 0) -> bytes:

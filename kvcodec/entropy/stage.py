@@ -13,8 +13,13 @@ Table modes (``tables``):
 - ``"cluster"``: ``n_tables`` tables shared by rows with similar distributions (KL k-means on the
   row histograms), plus one byte per row naming its table — small side information.
 
-``scope`` is ``"all"`` (one table set for the whole matrix) or ``"chunk"`` (a new set per token
-chunk, as LMCache ships a CDF per chunk). Tables may also be *external*: fitted once per file
+``scope`` is ``"all"`` (one table set for the whole matrix), ``"chunk"`` (a new set per token
+chunk, as LMCache ships a CDF per chunk) or ``"ctx"`` (magnitude contexts, formats/ANS.md §3.1:
+one table set, and each symbol's table is chosen by its row and by the *class* of the mean
+magnitude of the symbols above it in its stream at the same token — ``thresholds`` in eighths;
+encoder and decoder both compute the class from symbols already coded, so it costs nothing but a
+``row_table`` per class. Codes whose scale varies across tokens, such as per-token steps set by
+attention, then stop paying for a mixture of scales in every row's table). Tables may also be *external*: fitted once per file
 (:meth:`EntropyStage.fit_tables`, stored by the codec in ``encode_globals``) and passed to both
 :meth:`EntropyStage.encode` and :meth:`EntropyStage.decode`.
 
@@ -44,7 +49,9 @@ from .ans import _AnsCoder, _need, constriction_models
 from .tables import MAX_PRECISION, build_tables, decode_tables, encode_tables
 
 ANS_STAGE_VERSION = 1
-_SCOPES = {"all": 0, "chunk": 1}
+_SCOPES = {"all": 0, "chunk": 1, "ctx": 2}
+MAX_CLASSES = 16  # scope 2: at most 15 thresholds
+MAX_THRESHOLD = 1 << 16
 _MODES = ("row", "shared", "cluster")
 FLAG_EXTERNAL_TABLES = 1
 FLAG_ROW_TABLE = 2
@@ -59,21 +66,36 @@ class StageLayout:
 
     def __init__(self, meta: np.ndarray) -> None:
         m = np.asarray(meta)
-        if m.dtype != np.uint32 or m.shape != (10,):
-            raise FormatError(f"ANS meta plane must be uint32[10], got {m.dtype}{list(m.shape)}")
-        v, self.R, self.N, self.C, self.G, self.P, self.A, self.K, self.scope, self.flags = (int(x) for x in m)
+        if m.dtype != np.uint32 or m.ndim != 1 or not 10 <= m.shape[0] <= 9 + MAX_CLASSES:
+            raise FormatError(f"ANS meta plane must be uint32[10] (or [10 + Q - 1] with scope 2), "
+                              f"got {m.dtype}{list(m.shape)}")
+        v, self.R, self.N, self.C, self.G, self.P, self.A, self.K, self.scope, self.flags = (int(x) for x in m[:10])
+        #: scope 2 (magnitude contexts): the class thresholds (eighths) and the class count Q
+        self.thresholds = tuple(int(x) for x in m[10:])
+        self.Q = len(self.thresholds) + 1
+        self.center = (self.A - 1) // 2
         if v != ANS_STAGE_VERSION:
             raise FormatError(f"ANS stage version {v} is not supported (this reader knows {ANS_STAGE_VERSION})")
         if not 1 <= self.P <= MAX_PRECISION:
             raise FormatError(f"ANS table precision {self.P} outside [1, 24]")
         if not 2 <= self.A <= (1 << self.P):
             raise FormatError(f"ANS alphabet {self.A} outside [2, 2**P]")
-        if self.C < 1 or self.G < 1 or self.K < 1 or self.scope not in (0, 1) or self.flags > 3:
+        if self.C < 1 or self.G < 1 or self.K < 1 or self.scope not in (0, 1, 2) or self.flags > 3:
             raise FormatError(f"bad ANS meta {m.tolist()}")
+        if (self.scope == 2) != (self.Q > 1):
+            raise FormatError(f"ANS meta {m.tolist()}: thresholds go with scope 2 and scope 2 needs them")
+        if self.scope == 2:
+            th = self.thresholds
+            if any(b <= a for a, b in zip(th, th[1:])) or th[-1] > MAX_THRESHOLD:
+                raise FormatError(f"ANS context thresholds must increase and be <= {MAX_THRESHOLD}, got {list(th)}")
+            if not self.flags & FLAG_ROW_TABLE or self.flags & FLAG_EXTERNAL_TABLES:
+                raise FormatError("an ANS stage with magnitude contexts needs its own tables and a row_table")
         self.n_chunks = -(-self.N // self.C)
         self.n_groups = -(-self.R // self.G)
         self.n_streams = self.n_chunks * self.n_groups
-        self.n_sets = 1 if self.scope == 0 else self.n_chunks
+        self.n_sets = self.n_chunks if self.scope == 1 else 1
+        #: row tables: one per set, or one per class with scope 2
+        self.n_row_sets = self.Q if self.scope == 2 else self.n_sets
         if not self.flags & FLAG_ROW_TABLE and self.K not in (1, self.R):
             raise FormatError(f"without row_table the table count K={self.K} must be 1 or R={self.R}")
 
@@ -101,11 +123,14 @@ class EntropyStage:
         rows_per_stream: rows (channels) per stream.
         tables: ``"row"``, ``"shared"`` or ``"cluster"``.
         n_tables: tables per set in ``"cluster"`` mode.
-        scope: ``"all"`` or ``"chunk"``.
+        scope: ``"all"``, ``"chunk"`` or ``"ctx"``.
+        thresholds: with ``scope="ctx"``, 1..15 increasing integers (eighths of a symbol
+            magnitude): the class boundaries of formats/ANS.md §3.1.
     """
 
     defaults: dict[str, Any] = {
         "precision": 12, "chunk": 4096, "rows_per_stream": 1, "tables": "row", "n_tables": 16, "scope": "all",
+        "thresholds": [],
     }
 
     def __init__(self, **config: Any) -> None:
@@ -123,7 +148,19 @@ class EntropyStage:
         if cfg["tables"] not in _MODES:
             raise ConfigError(f"entropy stage: tables must be one of {_MODES}, got {cfg['tables']!r}")
         if cfg["scope"] not in _SCOPES:
-            raise ConfigError(f"entropy stage: scope must be 'all' or 'chunk', got {cfg['scope']!r}")
+            raise ConfigError(f"entropy stage: scope must be 'all', 'chunk' or 'ctx', got {cfg['scope']!r}")
+        th = cfg["thresholds"]
+        if not isinstance(th, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in th):
+            raise ConfigError(f"entropy stage: thresholds must be a list of integers, got {th!r}")
+        if cfg["scope"] == "ctx":
+            if not 1 <= len(th) < MAX_CLASSES or th[0] < 0 or th[-1] > MAX_THRESHOLD or any(
+                    b <= a for a, b in zip(th, th[1:])):
+                raise ConfigError(f"entropy stage: scope 'ctx' needs 1..{MAX_CLASSES - 1} increasing thresholds "
+                                  f"in [0, {MAX_THRESHOLD}], got {th}")
+            if cfg["tables"] == "row":
+                raise ConfigError("entropy stage: scope 'ctx' needs tables 'cluster' or 'shared'")
+        elif th:
+            raise ConfigError("entropy stage: thresholds are only for scope 'ctx'")
         self.config = cfg
 
     def get_config(self) -> dict[str, Any]:
@@ -221,6 +258,10 @@ class EntropyStage:
         g = cfg["rows_per_stream"]
         n_chunks, n_groups = -(-n // c), -(-r // g)
         flags = 0
+        if cfg["scope"] == "ctx":
+            if tables is not None:
+                raise ConfigError("scope 'ctx' fits its own tables (no external tables)")
+            return self._encode_ctx(x, r, n, a, c, g, n_chunks, n_groups, use_native, layout)
         if tables is not None:
             if cfg["scope"] != "all":
                 raise ConfigError("external tables need scope 'all'")
@@ -294,6 +335,45 @@ class EntropyStage:
         w_all = np.concatenate(words).astype(np.uint32) if words else np.zeros(0, np.uint32)
         return self._planes(meta, w_all, offsets, sets, rts, flags, k, r, a, p)
 
+    def _encode_ctx(self, x, r, n, a, c, g, n_chunks, n_groups, use_native, layout) -> dict[str, np.ndarray]:
+        """Scope 2: fit one table set to the (row, class) histograms, code each symbol with the
+        table of its row and class (formats/ANS.md §3.1)."""
+        cfg = self.config
+        p, th = cfg["precision"], list(cfg["thresholds"])
+        q = len(th) + 1
+        xr = x if layout == "rows" else x.T  # a view: [R, N]
+        # histograms of the virtual rows (class, row): row q * R + r
+        if use_native:
+            from .. import native
+
+            hist = native.ctx_histograms(x, a, layout, g, th)
+        else:
+            cls = magnitude_classes(xr, g, th, (a - 1) // 2)  # uint8 [R, N]
+            vr = (cls.astype(np.int64) * r + np.arange(r, dtype=np.int64)[:, None]) * a + xr
+            hist = np.bincount(vr.ravel(), minlength=q * r * a).reshape(q * r, a)
+        if cfg["tables"] == "shared" or q * r <= 1:
+            tabs, rt = build_tables(hist.sum(axis=0, keepdims=True), p), np.zeros(q * r, np.int64)
+        else:
+            tabs, rt = _cluster_tables(hist, min(cfg["n_tables"], q * r), p)
+        k = int(tabs.shape[0])
+        rt = np.asarray(rt, dtype=np.int64).reshape(q, r)
+        flags = FLAG_ROW_TABLE
+        meta = np.array([ANS_STAGE_VERSION, r, n, c, g, p, a, k, _SCOPES["ctx"], flags, *th], dtype=np.uint32)
+        lay = StageLayout(meta)
+        if n and use_native:
+            from .. import native
+
+            w_all, offsets = native.encode_stage(lay, x, tabs[None], rt, layout=layout)
+        else:
+            cls = magnitude_classes(xr, g, th, (a - 1) // 2)
+            w_all, offsets = _encode_ctx_reference(lay, np.ascontiguousarray(xr), tabs, rt, cls)
+        planes = {"meta": meta, "words": w_all, "offsets": offsets.astype(np.uint32),
+                  "tables": encode_tables(tabs[None], p),
+                  "row_table": rt.astype(np.uint8 if k <= 256 else np.uint16)}
+        if int(offsets[-1]) >= 1 << 32:
+            raise InputError("entropy stage output exceeds 2**32 words; use smaller tensors")
+        return planes
+
     @staticmethod
     def _planes(meta, w_all, offsets, sets, rts, flags, k, r, a, p) -> dict[str, np.ndarray]:
         if int(offsets[-1]) >= 1 << 32:
@@ -354,7 +434,10 @@ class EntropyStage:
             if method == "native" or native.available():
                 return native.decode_stage(lay, words, offsets, tsets, rts, layout=layout)
             method = "constriction"
-        out = self._decode_rows(lay, words, offsets, tsets, rts, method)
+        if lay.scope == 2:  # magnitude contexts: the pure-integer reference (no vectorised twin)
+            out = _decode_ctx_reference(lay, words, offsets, tsets, rts)
+        else:
+            out = self._decode_rows(lay, words, offsets, tsets, rts, method)
         if layout == "rows":
             return out
         dt = np.uint8 if lay.A <= 256 else np.uint16 if lay.A <= 65536 else np.int32
@@ -430,14 +513,95 @@ def parse_planes(
         rt = np.asarray(rt_in)
         if rt.ndim == 1:
             rt = rt[None]
-        if rt.dtype.kind not in "ui" or rt.shape != (lay.n_sets, lay.R):
-            raise FormatError(f"ANS row_table must be [{lay.n_sets}, {lay.R}] integers, got {rt.dtype}{list(rt.shape)}")
+        if rt.dtype.kind not in "ui" or rt.shape != (lay.n_row_sets, lay.R):
+            raise FormatError(f"ANS row_table must be [{lay.n_row_sets}, {lay.R}] integers, "
+                              f"got {rt.dtype}{list(rt.shape)}")
         rt = rt.astype(np.int64)
         if rt.size and (int(rt.min()) < 0 or int(rt.max()) >= lay.K):
             raise FormatError(f"ANS row_table has an index outside [0, {lay.K})")
     else:
         rt = np.broadcast_to(np.arange(lay.R) if lay.K == lay.R else np.zeros(lay.R, np.int64), (lay.n_sets, lay.R))
     return lay, words, off, t, rt
+
+
+def magnitude_classes(x: np.ndarray, g: int, thresholds: list[int], center: int) -> np.ndarray:
+    """The class of every symbol of ``x[R, N]`` under scope 2 (formats/ANS.md §3.1), ``uint8``.
+
+    Row ``r`` is row ``k = r mod G`` of its stream; its class at token ``t`` is 0 when ``k = 0``,
+    else the number of thresholds ``T_i`` with ``8 * a >= T_i * k``, where ``a`` is the sum of
+    ``|x - center|`` over the rows above it in its stream at token ``t``.
+
+    Example:
+        >>> magnitude_classes(np.array([[3, 0], [2, 2], [2, 2]]), 3, [4, 12], 2).tolist()
+        [[0, 0], [1, 2], [1, 1]]
+    """
+    x = np.asarray(x, dtype=np.int64)
+    r, n = x.shape
+    mag = np.abs(x - int(center))
+    k = np.arange(r, dtype=np.int64) % g
+    cum = np.cumsum(mag, axis=0)
+    start = np.arange(r) - k  # first row of each row's stream
+    above = np.where((start > 0)[:, None], cum[np.maximum(start - 1, 0)], 0)  # sums of earlier streams' rows
+    acc = cum - mag - above  # sums over the rows above in the same stream
+    a8 = 8 * acc
+    cls = np.zeros((r, n), dtype=np.uint8)
+    for t_i in thresholds:
+        cls += (a8 >= int(t_i) * k[:, None]) & (k[:, None] > 0)
+    return cls
+
+
+def _encode_ctx_reference(lay, x, tabs, rt, cls) -> tuple[np.ndarray, np.ndarray]:
+    """Scope 2 encoder on the executable spec: each stream's rows as runs of equal class."""
+    from .ans_ref import ans_encode_segments_reference
+
+    words, offsets = [], np.zeros(lay.n_streams + 1, dtype=np.int64)
+    for s in range(lay.n_streams):
+        r0, r1, t0, t1 = lay.stream(s)
+        segs = []
+        for row in range(r0, r1):
+            cr, xr = cls[row, t0:t1], x[row, t0:t1]
+            cut = np.flatnonzero(np.diff(cr)) + 1
+            for a, b in zip([0, *cut.tolist()], [*cut.tolist(), t1 - t0]):
+                segs.append((xr[a:b], tabs[rt[int(cr[a]), row]]))
+        w = ans_encode_segments_reference(segs)
+        words.append(w)
+        offsets[s + 1] = offsets[s] + len(w)
+    return (np.concatenate(words).astype(np.uint32) if words else np.zeros(0, np.uint32)), offsets
+
+
+def _decode_ctx_reference(lay, words, offsets, tsets, rts) -> np.ndarray:
+    """Scope 2 decoder on the executable spec (pure integers, symbol by symbol)."""
+    from .ans_ref import CODER_PRECISION, _cdf
+
+    pmask, low = (1 << CODER_PRECISION) - 1, 1 << 32
+    cdfs = [_cdf(t) for t in tsets[0]]
+    out = np.zeros((lay.R, lay.N), dtype=np.int32)
+    for s in range(lay.n_streams):
+        r0, r1, t0, t1 = lay.stream(s)
+        w = [int(v) for v in words[offsets[s]:offsets[s + 1]]]
+        pos, state = len(w), 0
+        if pos:
+            state, pos = w[pos - 1], pos - 1
+            if state == 0:
+                raise StreamError(f"ANS stream {s}: ANS stream ends in a zero word")
+            if pos and state < low:
+                state, pos = (state << 32) | w[pos - 1], pos - 1
+        acc = [0] * (t1 - t0)
+        for row in range(r0, r1):
+            k = row - r0
+            for j in range(t1 - t0):
+                q = 0 if k == 0 else sum(1 for t_i in lay.thresholds if 8 * acc[j] >= t_i * k)
+                f, c = cdfs[int(rts[q][row])]
+                v = state & pmask
+                sym = next(i for i in range(len(f)) if c[i + 1] > v)
+                state = (state >> CODER_PRECISION) * f[sym] + v - c[sym]
+                if state < low and pos:
+                    state, pos = (state << 32) | w[pos - 1], pos - 1
+                out[row, t0 + j] = sym
+                acc[j] += abs(sym - lay.center)
+        if pos != 0 or state != 0:
+            raise StreamError(f"ANS stream {s} not consumed exactly (corrupt or wrong index)")
+    return out
 
 
 def _decode_reference(lay, words, offsets, tsets, rts) -> np.ndarray:
@@ -481,6 +645,11 @@ def ideal_bits(symbols: np.ndarray, planes: dict[str, np.ndarray], tables: np.nd
     lay, _, _, tsets, rts = parse_planes(planes, tables, row_table)
     x = np.asarray(symbols, dtype=np.int64)
     total = 0.0
+    if lay.scope == 2:  # per symbol: the table of its row and magnitude class
+        cls = magnitude_classes(x, lay.G, list(lay.thresholds), lay.center).astype(np.int64)
+        logf = np.log2(tsets[0].astype(np.float64))
+        tab = np.asarray(rts)[cls, np.arange(lay.R)[:, None]]
+        return float((lay.P - logf[tab, x]).sum())
     for si in range(lay.n_sets):
         t0, t1 = (0, lay.N) if lay.scope == 0 else (si * lay.C, min(lay.N, (si + 1) * lay.C))
         logf = np.log2(tsets[si].astype(np.float64))  # [K, A]

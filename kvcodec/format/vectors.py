@@ -35,6 +35,9 @@ EXTRA_VECTORS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
     # kvc with token-delta rows (its ``pred`` planes): the presets only use them where they pay,
     # which on this small random input they do not
     "kvc-near.delta": ({"id": "kvc-near", "delta": 2}, {}),
+    # kvc with magnitude contexts in its entropy stage (scope 2, formats/ANS.md §3.1): lossless, so
+    # it decodes to exactly kvc-near's values
+    "kvc-near.ctx": ({"id": "kvc-near", "ctx": [3, 8, 20], "rows_per_stream": 64}, {}),
 }
 
 

@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -111,6 +111,8 @@ def _build() -> ctypes.CDLL:
     lib.kvn_ans_encode.restype = ctypes.c_int
     lib.kvn_hist.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, i64, i64, p]
     lib.kvn_hist.restype = ctypes.c_int
+    lib.kvn_ctx_hist.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, i64, i64, p, i64, i64, p]
+    lib.kvn_ctx_hist.restype = ctypes.c_int
     lib.kvn_convert.argtypes = [ctypes.c_int, ctypes.c_int, p, p, i64]
     lib.kvn_convert.restype = None
     lib.kvn_intq_dequant.argtypes = [p, i64, i64, i64, ctypes.c_int, i64, p, p, f32, ctypes.c_int, p]
@@ -188,9 +190,15 @@ def _ptr(a: np.ndarray) -> int:
 
 def _flat_tables(lay, tsets: np.ndarray, rts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     tabs = np.ascontiguousarray(np.asarray(tsets, dtype=np.uint32).reshape(-1, lay.A))
-    table_of = np.asarray(rts, dtype=np.int64) + (np.arange(lay.n_sets, dtype=np.int64)[:, None] * lay.K)
-    geom = np.array([lay.R, lay.N, lay.C, lay.G, lay.P, lay.A, tabs.shape[0], lay.scope], dtype=np.int64)
-    return geom, tabs, np.ascontiguousarray(table_of, dtype=np.int32)
+    rts = np.asarray(rts, dtype=np.int64)
+    if lay.scope == 1:  # a table set per chunk: row tables index into their own set
+        rts = rts + np.arange(lay.n_sets, dtype=np.int64)[:, None] * lay.K
+    # scope 2: one set, a row table per magnitude class ([Q, R])
+    q = getattr(lay, "Q", 1)
+    thr = list(getattr(lay, "thresholds", ()))
+    geom = np.array([lay.R, lay.N, lay.C, lay.G, lay.P, lay.A, tabs.shape[0], lay.scope, q,
+                     getattr(lay, "center", 0), *thr, *([0] * (15 - len(thr)))], dtype=np.int64)
+    return geom, tabs, np.ascontiguousarray(rts, dtype=np.int32)
 
 
 _STATUS_TEXT = {
@@ -260,6 +268,28 @@ def histograms(symbols: np.ndarray, alphabet: int, layout: str = "rows", t0: int
     t1 = n if t1 is None else t1
     hist = np.zeros((r, alphabet), dtype=np.int64)
     if lb.kvn_hist(_ptr(x), kind, r, sr, st, t0, t1, alphabet, _ptr(hist)) != _OK:
+        raise StreamError(f"symbols must lie in [0, {alphabet})")
+    return hist
+
+
+def ctx_histograms(symbols: np.ndarray, alphabet: int, layout: str, g: int, thresholds: list[int]) -> np.ndarray:
+    """``int64 [Q * R, A]`` symbol counts per (magnitude class, row) of a scope-2 stage
+    (row ``q * R + r``; formats/ANS.md §3.1), equal to counting
+    :func:`kvcodec.entropy.stage.magnitude_classes` by hand.
+
+    Raises:
+        StreamError: a symbol outside ``[0, alphabet)``.
+    """
+    lb = _required()
+    x, kind, sr, st = symbol_view(symbols, layout)
+    r, n = (x.shape if layout == "rows" else x.shape[::-1])
+    q = len(thresholds) + 1
+    hist = np.zeros((q * r, alphabet), dtype=np.int64)
+    thr = np.ascontiguousarray(np.asarray(list(thresholds) or [0], dtype=np.int64))
+    rc = lb.kvn_ctx_hist(_ptr(x), kind, r, sr, st, n, g, q - 1, _ptr(thr), (alphabet - 1) // 2, alphabet, _ptr(hist))
+    if rc == _NOMEM:
+        raise MemoryError("native context histograms: out of memory")
+    if rc != _OK:
         raise StreamError(f"symbols must lie in [0, {alphabet})")
     return hist
 

@@ -14,6 +14,10 @@
  * Stage geometry (ANS.md §3): symbols X[R, N]; stream s = c * n_groups + g holds rows
  * [g*G, min(R, g*G+G)) over tokens [c*C, min(N, c*C+C)), row after row; the table of row r in
  * chunk c is table_of[set * R + r] with set = scope ? c : 0, an index into the flat table list.
+ * Scope 2 (magnitude contexts, ANS.md §3.1): one table set, but the table of X[r, t] is
+ * table_of[q * R + r], where the class q of the k-th row of a stream at token t is 0 for k = 0,
+ * else the number of thresholds T_i with 8 * a >= T_i * k, a = sum over the stream's earlier rows
+ * of |X - center| at that token. Encoder and decoder compute q from the symbols themselves.
  *
  * Speed: symbols are found with a slot table (one load when its resolution equals the table
  * precision; otherwise a few steps forward from the slot's first symbol), and LANES streams of the
@@ -31,14 +35,19 @@ enum { OUT_I32_RN = 0, OUT_U16_NR = 1, OUT_U8_NR = 2 }; /* int32 [R, N]; uint16 
 #define PREC 24
 #define QMASK ((1u << PREC) - 1u)
 #define LANES 4
+#define MAXQ 16
 
-/* geometry vector passed from Python: R, N, C, G, P, A, n_tables, scope */
+/* geometry vector passed from Python: R, N, C, G, P, A, n_tables, scope, Q, center, T_1 .. T_15
+ * (Q = 1 and no thresholds unless scope == 2) */
 typedef struct {
-  int64_t R, N, C, G, P, A, T, scope, n_groups, n_chunks, n_streams;
+  int64_t R, N, C, G, P, A, T, scope, n_groups, n_chunks, n_streams, Q, center, thr[MAXQ];
 } Geom;
 
 static void geom_read(const int64_t* g, Geom* o) {
   o->R = g[0]; o->N = g[1]; o->C = g[2]; o->G = g[3]; o->P = g[4]; o->A = g[5]; o->T = g[6]; o->scope = g[7];
+  o->Q = g[8] >= 1 && g[8] <= MAXQ ? g[8] : 1; /* validated by the caller */
+  o->center = g[9];
+  for (int64_t i = 0; i < MAXQ; ++i) o->thr[i] = i < o->Q - 1 ? g[10 + i] : 0;
   o->n_groups = (o->R + o->G - 1) / o->G;
   o->n_chunks = o->N ? (o->N + o->C - 1) / o->C : 0;
   o->n_streams = o->n_groups * o->n_chunks;
@@ -135,7 +144,7 @@ static int decode_lanes(const Geom* g, const uint32_t* words, const uint32_t* of
                         int kind, int64_t* bad) {
   Stream st[LANES];
   const int64_t t0 = c * g->C, t1 = t0 + g->C < g->N ? t0 + g->C : g->N;
-  const int64_t set = g->scope ? c : 0;
+  const int64_t set = g->scope == 1 ? c : 0;
   const int64_t nrows = (g0 * g->G + g->G < g->R ? g->G : g->R - g0 * g->G);
   for (int l = 0; l < nl; ++l) {
     const int64_t s = c * g->n_groups + g0 + l;
@@ -177,6 +186,60 @@ static int decode_lanes(const Geom* g, const uint32_t* words, const uint32_t* of
   return KVN_OK;
 }
 
+/* The class of one symbol (scope 2): 0 for the first row of a stream (k = 0), else the number of
+ * thresholds with 8 * a >= T_i * k (thr[i] = T_i * k precomputed per row). */
+static inline int ctx_class(int64_t a, const int64_t* thr, int64_t nthr, int64_t k) {
+  if (!k) return 0;
+  int q = 0;
+  const int64_t a8 = a * 8;
+  for (int64_t i = 0; i < nthr; ++i) q += a8 >= thr[i];
+  return q;
+}
+
+/* decode_lanes for scope 2: per symbol, the table of the symbol's magnitude class; acc holds
+ * LANES * C running magnitude sums (scratch). */
+static int decode_lanes_ctx(const Geom* g, const uint32_t* words, const uint32_t* offsets, const Table* tabs,
+                            const Lookup* lk, const int32_t* table_of, int64_t c, int64_t g0, int nl, void* out,
+                            int kind, int64_t* bad, int64_t* acc) {
+  Stream st[LANES];
+  const int64_t t0 = c * g->C, t1 = t0 + g->C < g->N ? t0 + g->C : g->N, nt = t1 - t0;
+  const int64_t nrows = (g0 * g->G + g->G < g->R ? g->G : g->R - g0 * g->G);
+  const int64_t nthr = g->Q - 1, h = g->center;
+  for (int l = 0; l < nl; ++l) {
+    const int64_t s = c * g->n_groups + g0 + l;
+    const int rc = stream_init(&st[l], words + offsets[s], (int64_t)offsets[s + 1] - (int64_t)offsets[s]);
+    if (rc != KVN_OK) {
+      *bad = s;
+      return rc;
+    }
+    memset(acc + l * nt, 0, sizeof(int64_t) * (size_t)nt);
+  }
+  for (int64_t k = 0; k < nrows; ++k) {
+    const Table* tq[LANES][MAXQ];
+    int64_t row[LANES], thr[MAXQ];
+    for (int64_t i = 0; i < nthr; ++i) thr[i] = g->thr[i] * k;
+    for (int l = 0; l < nl; ++l) {
+      row[l] = (g0 + l) * g->G + k;
+      for (int64_t q = 0; q < g->Q; ++q) tq[l][q] = &tabs[table_of[q * g->R + row[l]]];
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int l = 0; l < nl; ++l) {
+        int64_t* a = acc + l * nt + (t - t0);
+        const uint32_t s = pop(&st[l], tq[l][ctx_class(*a, thr, nthr, k)], lk);
+        put(out, kind, g, row[l], t, s);
+        *a += (int64_t)s >= h ? (int64_t)s - h : h - (int64_t)s;
+      }
+    }
+  }
+  for (int l = 0; l < nl; ++l) {
+    if (st[l].pos != 0 || st[l].x != 0) {
+      *bad = c * g->n_groups + g0 + l;
+      return KVN_NOT_CONSUMED;
+    }
+  }
+  return KVN_OK;
+}
+
 /* Decode a validated stage. geom: R, N, C, G, P, A, n_tables, scope. tables: [n_tables, A]
  * frequencies at precision P; table_of: [n_sets, R]; out: see OUT_*. On error, *bad is the
  * first failing stream (streams are checked in order). */
@@ -201,8 +264,10 @@ int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
   const int64_t stride = ((int64_t)1 << b) + 1; /* slots plus an end entry */
   uint16_t* lut = NULL;
   if (g.A <= 65536) lut = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(g.T * stride));
-  if (!cum || !tabs || (g.A <= 65536 && !lut)) {
-    free(cum); free(tabs); free(lut);
+  int64_t* acc = NULL;
+  if (g.Q > 1) acc = (int64_t*)malloc(sizeof(int64_t) * (size_t)(LANES * (g.C < g.N ? g.C : g.N)));
+  if (!cum || !tabs || (g.A <= 65536 && !lut) || (g.Q > 1 && !acc)) {
+    free(cum); free(tabs); free(lut); free(acc);
     return KVN_NOMEM;
   }
   Lookup lk;
@@ -231,6 +296,16 @@ int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
     /* full groups in batches of LANES; the last (ragged) group alone */
     const int64_t full = (g.R % g.G == 0) ? g.n_groups : g.n_groups - 1;
     int64_t g0 = 0;
+    if (g.Q > 1) { /* any run of full groups shares lanes */
+      while (g0 < full && rc == KVN_OK) {
+        const int nl = full - g0 < LANES ? (int)(full - g0) : LANES;
+        rc = decode_lanes_ctx(&g, words, offsets, tabs, &lk, table_of, c, g0, nl, out, kind, bad, acc);
+        g0 += nl;
+      }
+      for (; g0 < g.n_groups && rc == KVN_OK; ++g0)
+        rc = decode_lanes_ctx(&g, words, offsets, tabs, &lk, table_of, c, g0, 1, out, kind, bad, acc);
+      continue;
+    }
     for (; g0 + LANES <= full && rc == KVN_OK; g0 += LANES)
       rc = decode_lanes(&g, words, offsets, tabs, &lk, table_of, c, g0, LANES, out, kind, bad);
     for (; g0 < g.n_groups && rc == KVN_OK; ++g0)
@@ -239,6 +314,7 @@ int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
   free(cum);
   free(tabs);
   free(lut);
+  free(acc);
   return rc;
 }
 
@@ -264,15 +340,20 @@ static inline int32_t sym_at(const void* sym, int kind, int64_t i) {
 }
 
 /* One encoder step of lane L (symbols last to first; see the file header). */
-#define ENC_STEP(L)                                                  \
+#define ENC_STEP(L) ENC_STEP_T(L, fcr[L], invr[L])
+/* scope 2: the tables of the symbol's class */
+#define ENC_STEP_CTX(L) ENC_STEP_T(L, fcq[L][xq[L][t]], invq[L][xq[L][t]])
+#define ENC_STEP_T(L, FCR, INVR)                                     \
   do {                                                               \
     const int32_t s_ = xs[L][t];                                     \
-    const uint64_t f_ = fcr[L][2 * s_], c_ = fcr[L][2 * s_ + 1];     \
+    const uint32_t* fr_ = (FCR);                                     \
+    const uint64_t* ir_ = (INVR);                                    \
+    const uint64_t f_ = fr_[2 * s_], c_ = fr_[2 * s_ + 1];           \
     const uint64_t e_ = (x[L] >> 40) >= f_; /* emit a word: branch-free */ \
     *o[L] = (uint32_t)x[L];                                          \
     o[L] += e_;                                                      \
     x[L] >>= (e_ << 5);                                              \
-    uint64_t q_ = mulhi64(x[L], invr[L][s_]);                        \
+    uint64_t q_ = mulhi64(x[L], ir_[s_]);                            \
     uint64_t r_ = x[L] - q_ * f_;                                    \
     if (r_ >= f_) {                                                  \
       q_ += 1;                                                       \
@@ -294,6 +375,49 @@ int kvn_hist(const void* sym, int kind, int64_t R, int64_t sr, int64_t st, int64
     }
   }
   return KVN_OK;
+}
+
+/* Scope 2 histograms: hist[(q * R + r) * A + s] (int64, accumulated) of the symbols of rows
+ * [0, R) over all N tokens by row and magnitude class q (streams of G rows; thr: the nthr
+ * thresholds, center: the zero symbol). KVN_BAD_SYMBOL if a symbol lies outside [0, A). */
+int kvn_ctx_hist(const void* sym, int kind, int64_t R, int64_t sr, int64_t st, int64_t N, int64_t G, int64_t nthr,
+                 const int64_t* thr, int64_t center, int64_t A, int64_t* hist) {
+  if (nthr < 0 || nthr >= MAXQ || G < 1) return KVN_BAD_SYMBOL;
+  const int64_t gk = G < R ? G : R; /* rows of the longest stream */
+  int64_t* tk = (int64_t*)malloc(sizeof(int64_t) * (size_t)(gk * MAXQ + 1)); /* T_i * k */
+  if (!tk) return KVN_NOMEM;
+  for (int64_t k = 0; k < gk; ++k)
+    for (int64_t i = 0; i < nthr; ++i) tk[k * MAXQ + i] = thr[i] * k;
+  /* counts in [R][Q][A] order while scanning (one row's classes stay together), then moved */
+  const int64_t Q = nthr + 1;
+  int64_t* h = (int64_t*)calloc((size_t)(R * Q * A + 1), sizeof(int64_t));
+  if (!h) {
+    free(tk);
+    return KVN_NOMEM;
+  }
+  int rc = KVN_OK;
+  for (int64_t t = 0; t < N && rc == KVN_OK; ++t) {
+    for (int64_t r0 = 0; r0 < R && rc == KVN_OK; r0 += G) {
+      const int64_t r1 = r0 + G < R ? r0 + G : R;
+      int64_t a = 0; /* the running magnitude sum of this stream at token t */
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t k = r - r0;
+        const int32_t s = sym_at(sym, kind, r * sr + t * st);
+        if (s < 0 || s >= A) {
+          rc = KVN_BAD_SYMBOL;
+          break;
+        }
+        h[(r * Q + ctx_class(a, tk + k * MAXQ, nthr, k)) * A + s] += 1;
+        a += s >= center ? s - center : center - s;
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t q = 0; q < Q; ++q)
+      for (int64_t s = 0; s < A; ++s) hist[(q * R + r) * A + s] += h[(r * Q + q) * A + s];
+  free(h);
+  free(tk);
+  return rc;
 }
 
 /* Encode a stage. sym: symbols X[r, t] at sym[r * sr + t * st] of element kind `kind` (OUT_*),
@@ -333,15 +457,21 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
   int32_t* tmp = (int32_t*)malloc(sizeof(int32_t) * (size_t)(max_rows * max_tok + 1));
   const int64_t lane_cap = g.G * max_tok + 2; /* words one stream can produce */
   uint32_t* lw = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(LANES * lane_cap));
-  if (!tmp || !lw) {
-    free(tmp); free(lw); free(fc); free(inv);
+  uint8_t* cls = NULL; /* scope 2: the class of every symbol of the block */
+  int64_t* acc = NULL;
+  if (g.Q > 1) {
+    cls = (uint8_t*)malloc((size_t)(max_rows * max_tok + 1));
+    acc = (int64_t*)malloc(sizeof(int64_t) * (size_t)(max_tok + 1));
+  }
+  if (!tmp || !lw || (g.Q > 1 && (!cls || !acc))) {
+    free(tmp); free(lw); free(fc); free(inv); free(cls); free(acc);
     return KVN_NOMEM;
   }
   int64_t w = 0;
   int rc = KVN_OK;
   for (int64_t c = 0; c < g.n_chunks && rc == KVN_OK; ++c) {
     const int64_t t0 = c * g.C, t1 = t0 + g.C < g.N ? t0 + g.C : g.N, nt = t1 - t0;
-    const int64_t set = g.scope ? c : 0;
+    const int64_t set = g.scope == 1 ? c : 0;
     for (int64_t gb = 0; gb < g.n_groups && rc == KVN_OK; gb += EBLOCK) {
       const int64_t ge = gb + EBLOCK < g.n_groups ? gb + EBLOCK : g.n_groups;
       const int64_t rb0 = gb * g.G, rb1 = ge * g.G < g.R ? ge * g.G : g.R;
@@ -361,11 +491,30 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
         rc = KVN_BAD_SYMBOL;
         break;
       }
+      if (g.Q > 1) { /* classes from the earlier rows of each stream (the decoder's rule) */
+        int64_t thr[MAXQ];
+        for (int64_t gi = gb; gi < ge; ++gi) {
+          const int64_t r0 = gi * g.G, r1 = r0 + g.G < g.R ? r0 + g.G : g.R;
+          memset(acc, 0, sizeof(int64_t) * (size_t)nt);
+          for (int64_t r = r0; r < r1; ++r) {
+            const int64_t k = r - r0;
+            for (int64_t i = 0; i < g.Q - 1; ++i) thr[i] = g.thr[i] * k;
+            const int32_t* xr = tmp + (r - rb0) * nt;
+            uint8_t* cr = cls + (r - rb0) * nt;
+            for (int64_t t = 0; t < nt; ++t) {
+              cr[t] = (uint8_t)ctx_class(acc[t], thr, g.Q - 1, k);
+              acc[t] += xr[t] >= g.center ? xr[t] - g.center : g.center - xr[t];
+            }
+          }
+        }
+      }
       /* LANES full groups at a time (their dependency chains -- multiply, compare, shift --
        * overlap), else one (a ragged last group); each lane writes its words to its own scratch,
        * copied out in stream order */
       for (int64_t gi = gb; gi < ge && rc == KVN_OK;) {
-        const int nl = gi + LANES <= ge && (gi + LANES) * g.G <= g.R ? LANES : 1;
+        int nl = gi + LANES <= ge && (gi + LANES) * g.G <= g.R ? LANES : 1;
+        if (g.Q > 1) /* any run of full groups shares lanes (wide streams leave few groups) */
+          while (nl < LANES && gi + nl < ge && (gi + nl + 1) * g.G <= g.R) ++nl;
         const int64_t nrows = gi * g.G + g.G < g.R ? g.G : g.R - gi * g.G;
         uint64_t x[LANES] = {0};
         uint32_t* o[LANES];
@@ -374,14 +523,41 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
           const uint32_t* fcr[LANES];
           const uint64_t* invr[LANES];
           const int32_t* xs[LANES];
+          const uint32_t* fcq[LANES][MAXQ];
+          const uint64_t* invq[LANES][MAXQ];
+          const uint8_t* xq[LANES];
           for (int l = 0; l < nl; ++l) {
             const int64_t r = (gi + l) * g.G + k;
             const int64_t base = (int64_t)table_of[set * g.R + r] * A;
             fcr[l] = fc + 2 * base;
             invr[l] = inv + base;
             xs[l] = tmp + (r - rb0) * nt;
+            if (g.Q > 1) {
+              for (int64_t q = 0; q < g.Q; ++q) {
+                const int64_t bq = (int64_t)table_of[q * g.R + r] * A;
+                fcq[l][q] = fc + 2 * bq;
+                invq[l][q] = inv + bq;
+              }
+              xq[l] = cls + (r - rb0) * nt;
+            }
           }
-          if (nl == LANES) {
+          if (g.Q > 1) {
+            if (nl == LANES) {
+              for (int64_t t = nt - 1; t >= 0; --t) {
+                ENC_STEP_CTX(0); ENC_STEP_CTX(1); ENC_STEP_CTX(2); ENC_STEP_CTX(3);
+              }
+            } else if (nl == 3) {
+              for (int64_t t = nt - 1; t >= 0; --t) {
+                ENC_STEP_CTX(0); ENC_STEP_CTX(1); ENC_STEP_CTX(2);
+              }
+            } else if (nl == 2) {
+              for (int64_t t = nt - 1; t >= 0; --t) {
+                ENC_STEP_CTX(0); ENC_STEP_CTX(1);
+              }
+            } else {
+              for (int64_t t = nt - 1; t >= 0; --t) ENC_STEP_CTX(0);
+            }
+          } else if (nl == LANES) {
             for (int64_t t = nt - 1; t >= 0; --t) {
               ENC_STEP(0); ENC_STEP(1); ENC_STEP(2); ENC_STEP(3);
             }
@@ -411,6 +587,8 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
   free(tmp);
   free(fc);
   free(inv);
+  free(cls);
+  free(acc);
   return rc;
 }
 
@@ -1002,4 +1180,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 13; }
+int kvn_abi_version(void) { return 14; }
