@@ -161,3 +161,29 @@ def test_golden_ctx_vector_decodes_like_the_plain_preset():
     blob = (V1 / "kvc-near.ctx.kvc").read_bytes()
     head = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])
     assert all(v["shape"] == [13] for k, v in head.items() if k.endswith(".ans_meta"))  # scope 2, 3 thresholds
+
+
+@pytest.mark.skipif(not native.available(), reason="native coder not built here")
+def test_native_encoder_takes_the_histogram_pass_classes_and_refuses_bad_ones():
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, 9, size=(70, 40)).astype(np.uint16)  # tokens layout [N, R]
+    stage = EntropyStage(precision=12, chunk=32, rows_per_stream=16, tables="cluster", n_tables=3,
+                         scope="ctx", thresholds=[3, 8])
+    planes = stage.encode(x, alphabet=9, layout="tokens")
+    lay = StageLayout(planes["meta"])
+    hist, cls = native.ctx_histograms(x, 9, "tokens", 16, [3, 8], classes=True)
+    # the classes are the rule's (magnitude_classes works on [R, N])
+    np.testing.assert_array_equal(cls.T, magnitude_classes(x.T, 16, [3, 8], 4))
+    np.testing.assert_array_equal(hist, native.ctx_histograms(x, 9, "tokens", 16, [3, 8]))
+    from kvcodec.entropy.tables import decode_tables
+
+    tsets = decode_tables(planes["tables"], lay.P)
+    rts = planes["row_table"].astype(np.int64).reshape(lay.n_row_sets, lay.R)
+    w1, o1 = native.encode_stage(lay, x, tsets, rts, layout="tokens", classes=cls)
+    w0, o0 = native.encode_stage(lay, x, tsets, rts, layout="tokens")
+    np.testing.assert_array_equal(w1, planes["words"])
+    np.testing.assert_array_equal(w0, planes["words"])
+    bad = cls.copy()
+    bad[5, 3] = 3  # Q = 3 classes: 0..2
+    with pytest.raises(StreamError, match="classes"):
+        native.encode_stage(lay, x, tsets, rts, layout="tokens", classes=bad)

@@ -346,7 +346,7 @@ class EntropyStage:
         if use_native:
             from .. import native
 
-            hist = native.ctx_histograms(x, a, layout, g, th)
+            hist, cls = native.ctx_histograms(x, a, layout, g, th, classes=True)
         else:
             cls = magnitude_classes(xr, g, th, (a - 1) // 2)  # uint8 [R, N]
             vr = (cls.astype(np.int64) * r + np.arange(r, dtype=np.int64)[:, None]) * a + xr
@@ -363,7 +363,7 @@ class EntropyStage:
         if n and use_native:
             from .. import native
 
-            w_all, offsets = native.encode_stage(lay, x, tabs[None], rt, layout=layout)
+            w_all, offsets = native.encode_stage(lay, x, tabs[None], rt, layout=layout, classes=cls)
         else:
             cls = magnitude_classes(xr, g, th, (a - 1) // 2)
             w_all, offsets = _encode_ctx_reference(lay, np.ascontiguousarray(xr), tabs, rt, cls)
@@ -702,10 +702,10 @@ def _cluster_tables(hist: np.ndarray, k: int, precision: int) -> tuple[np.ndarra
     order = np.lexsort((np.arange(r), mean))
     centers = h[order[np.linspace(0, r - 1, k).round().astype(int)]] + 0.5
     assign = np.zeros(r, dtype=np.int64)
-    for _ in range(12):
+    for _ in range(8):
         q = centers / centers.sum(1, keepdims=True)
-        cost = -h @ np.log(q).T  # [r, k]
-        new = cost.argmin(1)
+        gain = h @ np.log(q).T  # [r, k]: minus each row's code length with each table (in nats)
+        new = gain.argmax(1)
         if _ and (new == assign).all():
             break
         assign = new

@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 14
+ABI_VERSION = 15
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -107,11 +107,11 @@ def _build() -> ctypes.CDLL:
     lib.kvn_ans_decode.argtypes = [p, p, p, p, p, p, ctypes.c_int, p]
     lib.kvn_ans_decode.restype = ctypes.c_int
     i64, i32, f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-    lib.kvn_ans_encode.argtypes = [p, p, p, p, ctypes.c_int, i64, i64, p, i64, p]
+    lib.kvn_ans_encode.argtypes = [p, p, p, p, ctypes.c_int, i64, i64, p, i64, p, p]
     lib.kvn_ans_encode.restype = ctypes.c_int
     lib.kvn_hist.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, i64, i64, p]
     lib.kvn_hist.restype = ctypes.c_int
-    lib.kvn_ctx_hist.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, i64, i64, p, i64, i64, p]
+    lib.kvn_ctx_hist.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, i64, i64, p, i64, i64, p, p]
     lib.kvn_ctx_hist.restype = ctypes.c_int
     lib.kvn_convert.argtypes = [ctypes.c_int, ctypes.c_int, p, p, i64]
     lib.kvn_convert.restype = None
@@ -272,10 +272,13 @@ def histograms(symbols: np.ndarray, alphabet: int, layout: str = "rows", t0: int
     return hist
 
 
-def ctx_histograms(symbols: np.ndarray, alphabet: int, layout: str, g: int, thresholds: list[int]) -> np.ndarray:
+def ctx_histograms(symbols: np.ndarray, alphabet: int, layout: str, g: int, thresholds: list[int],
+                   classes: bool = False):
     """``int64 [Q * R, A]`` symbol counts per (magnitude class, row) of a scope-2 stage
     (row ``q * R + r``; formats/ANS.md §3.1), equal to counting
-    :func:`kvcodec.entropy.stage.magnitude_classes` by hand.
+    :func:`kvcodec.entropy.stage.magnitude_classes` by hand. With ``classes=True``, returns
+    ``(counts, cls)``: ``cls`` is every symbol's class, uint8 in the layout of ``symbols``, for
+    :func:`encode_stage` (which then does not compute them again).
 
     Raises:
         StreamError: a symbol outside ``[0, alphabet)``.
@@ -285,36 +288,45 @@ def ctx_histograms(symbols: np.ndarray, alphabet: int, layout: str, g: int, thre
     r, n = (x.shape if layout == "rows" else x.shape[::-1])
     q = len(thresholds) + 1
     hist = np.zeros((q * r, alphabet), dtype=np.int64)
+    cls = np.empty(x.shape, dtype=np.uint8) if classes else None
     thr = np.ascontiguousarray(np.asarray(list(thresholds) or [0], dtype=np.int64))
-    rc = lb.kvn_ctx_hist(_ptr(x), kind, r, sr, st, n, g, q - 1, _ptr(thr), (alphabet - 1) // 2, alphabet, _ptr(hist))
+    rc = lb.kvn_ctx_hist(_ptr(x), kind, r, sr, st, n, g, q - 1, _ptr(thr), (alphabet - 1) // 2, alphabet, _ptr(hist),
+                         None if cls is None else _ptr(cls))
     if rc == _NOMEM:
         raise MemoryError("native context histograms: out of memory")
     if rc != _OK:
         raise StreamError(f"symbols must lie in [0, {alphabet})")
-    return hist
+    return (hist, cls) if classes else hist
 
 
 def encode_stage(lay, symbols: np.ndarray, tsets: np.ndarray, rts: np.ndarray,
-                 layout: str = "rows") -> tuple[np.ndarray, np.ndarray]:
+                 layout: str = "rows", classes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Encode ``symbols`` (``[R, N]``, or ``[N, R]`` with ``layout="tokens"``) with the stage
     geometry ``lay``; return ``(words uint32 [W], offsets int64 [S + 1])``, identical to the
-    reference encoder.
+    reference encoder. ``classes`` (scope 2 only): the symbols' magnitude classes as
+    :func:`ctx_histograms` returns them, used instead of computing them again (they must be
+    the rule's classes for the output to decode; a class ``>= Q`` is refused).
 
     Raises:
-        StreamError: a symbol outside the alphabet.
+        StreamError: a symbol outside the alphabet (or a class outside ``[0, Q)``).
     """
     lb = _required()
     geom, tabs, table_of = _flat_tables(lay, tsets, rts)
     x, kind, sr, st = symbol_view(symbols, layout)
+    cls = None
+    if classes is not None and lay.scope == 2:
+        cls = np.ascontiguousarray(classes, dtype=np.uint8)
+        if cls.shape != x.shape:
+            raise ValueError(f"classes must have the symbols' shape {x.shape}, got {cls.shape}")
     cap = lay.R * lay.N + 2 * lay.n_streams + 1
     words = np.empty(cap, dtype=np.uint32)
     offsets = np.zeros(lay.n_streams + 1, dtype=np.int64)
     rc = lb.kvn_ans_encode(_ptr(geom), _ptr(tabs), _ptr(table_of), _ptr(x), kind, sr, st, _ptr(words), cap,
-                           _ptr(offsets))
+                           _ptr(offsets), None if cls is None else _ptr(cls))
     if rc == _NOMEM:
         raise MemoryError("native ANS encoder: out of memory")
     if rc == _BAD_SYMBOL:
-        raise StreamError(f"symbols must lie in [0, {lay.A})")
+        raise StreamError(f"symbols must lie in [0, {lay.A})" + ("" if cls is None else f" and classes in [0, {lay.Q})"))
     if rc != _OK:  # pragma: no cover - the capacity bound is exact
         raise StreamError(f"native ANS encoder failed ({rc})")
     return words[: int(offsets[-1])].copy(), offsets

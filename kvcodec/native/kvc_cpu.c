@@ -187,13 +187,26 @@ static int decode_lanes(const Geom* g, const uint32_t* words, const uint32_t* of
 }
 
 /* The class of one symbol (scope 2): 0 for the first row of a stream (k = 0), else the number of
- * thresholds with 8 * a >= T_i * k (thr[i] = T_i * k precomputed per row). */
-static inline int ctx_class(int64_t a, const int64_t* thr, int64_t nthr, int64_t k) {
-  if (!k) return 0;
-  int q = 0;
-  const int64_t a8 = a * 8;
-  for (int64_t i = 0; i < nthr; ++i) q += a8 >= thr[i];
-  return q;
+ * thresholds with 8 * a >= T_i * k, i.e. with a >= b_i = ceil(T_i * k / 8). ctx_bounds fills b
+ * for row k (k = 0: bounds no sum reaches, so class 0); ctx_class counts them without branches
+ * for the usual one to four thresholds. */
+static inline void ctx_bounds(const int64_t* thr, int64_t nthr, int64_t k, int64_t* b) {
+  for (int64_t i = 0; i < nthr; ++i) b[i] = k ? (thr[i] * k + 7) / 8 : INT64_MAX;
+}
+
+static inline int ctx_class(int64_t a, const int64_t* b, int64_t nthr) {
+  switch (nthr) {
+    case 0: return 0;
+    case 1: return (a >= b[0]);
+    case 2: return (a >= b[0]) + (a >= b[1]);
+    case 3: return (a >= b[0]) + (a >= b[1]) + (a >= b[2]);
+    case 4: return (a >= b[0]) + (a >= b[1]) + (a >= b[2]) + (a >= b[3]);
+    default: {
+      int q = 0;
+      for (int64_t i = 0; i < nthr; ++i) q += a >= b[i];
+      return q;
+    }
+  }
 }
 
 /* decode_lanes for scope 2: per symbol, the table of the symbol's magnitude class; acc holds
@@ -217,19 +230,36 @@ static int decode_lanes_ctx(const Geom* g, const uint32_t* words, const uint32_t
   for (int64_t k = 0; k < nrows; ++k) {
     const Table* tq[LANES][MAXQ];
     int64_t row[LANES], thr[MAXQ];
-    for (int64_t i = 0; i < nthr; ++i) thr[i] = g->thr[i] * k;
+    ctx_bounds(g->thr, nthr, k, thr);
     for (int l = 0; l < nl; ++l) {
       row[l] = (g0 + l) * g->G + k;
       for (int64_t q = 0; q < g->Q; ++q) tq[l][q] = &tabs[table_of[q * g->R + row[l]]];
     }
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int l = 0; l < nl; ++l) {
-        int64_t* a = acc + l * nt + (t - t0);
-        const uint32_t s = pop(&st[l], tq[l][ctx_class(*a, thr, nthr, k)], lk);
-        put(out, kind, g, row[l], t, s);
-        *a += (int64_t)s >= h ? (int64_t)s - h : h - (int64_t)s;
+    /* lanes unrolled for three and four streams (their dependency chains overlap) */
+#define DEC_CTX_STEP(L)                                                      \
+  do {                                                                       \
+    int64_t* a_ = acc + (L) * nt + (t - t0);                                 \
+    const uint32_t s_ = pop(&st[L], tq[L][ctx_class(*a_, thr, nthr)], lk);   \
+    put(out, kind, g, row[L], t, s_);                                        \
+    *a_ += (int64_t)s_ >= h ? (int64_t)s_ - h : h - (int64_t)s_;             \
+  } while (0)
+    if (nl == 4) {
+      for (int64_t t = t0; t < t1; ++t) {
+        DEC_CTX_STEP(0); DEC_CTX_STEP(1); DEC_CTX_STEP(2); DEC_CTX_STEP(3);
       }
+    } else if (nl == 3) {
+      for (int64_t t = t0; t < t1; ++t) {
+        DEC_CTX_STEP(0); DEC_CTX_STEP(1); DEC_CTX_STEP(2);
+      }
+    } else if (nl == 2) {
+      for (int64_t t = t0; t < t1; ++t) {
+        DEC_CTX_STEP(0); DEC_CTX_STEP(1);
+      }
+    } else {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int l = 0; l < nl; ++l) DEC_CTX_STEP(l);
     }
+#undef DEC_CTX_STEP
   }
   for (int l = 0; l < nl; ++l) {
     if (st[l].pos != 0 || st[l].x != 0) {
@@ -381,42 +411,54 @@ int kvn_hist(const void* sym, int kind, int64_t R, int64_t sr, int64_t st, int64
  * [0, R) over all N tokens by row and magnitude class q (streams of G rows; thr: the nthr
  * thresholds, center: the zero symbol). KVN_BAD_SYMBOL if a symbol lies outside [0, A). */
 int kvn_ctx_hist(const void* sym, int kind, int64_t R, int64_t sr, int64_t st, int64_t N, int64_t G, int64_t nthr,
-                 const int64_t* thr, int64_t center, int64_t A, int64_t* hist) {
+                 const int64_t* thr, int64_t center, int64_t A, int64_t* hist, uint8_t* cls_out) {
   if (nthr < 0 || nthr >= MAXQ || G < 1) return KVN_BAD_SYMBOL;
   const int64_t gk = G < R ? G : R; /* rows of the longest stream */
-  int64_t* tk = (int64_t*)malloc(sizeof(int64_t) * (size_t)(gk * MAXQ + 1)); /* T_i * k */
-  if (!tk) return KVN_NOMEM;
-  for (int64_t k = 0; k < gk; ++k)
-    for (int64_t i = 0; i < nthr; ++i) tk[k * MAXQ + i] = thr[i] * k;
+  int64_t* bk = (int64_t*)malloc(sizeof(int64_t) * (size_t)(gk * MAXQ + 1)); /* class bounds per row */
+  if (!bk) return KVN_NOMEM;
+  for (int64_t k = 0; k < gk; ++k) ctx_bounds(thr, nthr, k, bk + k * MAXQ);
   /* counts in [R][Q][A] order while scanning (one row's classes stay together), then moved */
   const int64_t Q = nthr + 1;
   int64_t* h = (int64_t*)calloc((size_t)(R * Q * A + 1), sizeof(int64_t));
   if (!h) {
-    free(tk);
+    free(bk);
     return KVN_NOMEM;
   }
   int rc = KVN_OK;
-  for (int64_t t = 0; t < N && rc == KVN_OK; ++t) {
-    for (int64_t r0 = 0; r0 < R && rc == KVN_OK; r0 += G) {
-      const int64_t r1 = r0 + G < R ? r0 + G : R;
-      int64_t a = 0; /* the running magnitude sum of this stream at token t */
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t k = r - r0;
-        const int32_t s = sym_at(sym, kind, r * sr + t * st);
-        if (s < 0 || s >= A) {
-          rc = KVN_BAD_SYMBOL;
-          break;
-        }
-        h[(r * Q + ctx_class(a, tk + k * MAXQ, nthr, k)) * A + s] += 1;
-        a += s >= center ? s - center : center - s;
-      }
-    }
+  /* one loop per element type (the symbols are checked against A as they are read) */
+#define CTX_HIST_LOOP(TYPE)                                                                  \
+  for (int64_t t = 0; t < N && rc == KVN_OK; ++t) {                                         \
+    const TYPE* x = (const TYPE*)sym + t * st;                                              \
+    for (int64_t r0 = 0; r0 < R && rc == KVN_OK; r0 += G) {                                 \
+      const int64_t r1 = r0 + G < R ? r0 + G : R;                                           \
+      int64_t a = 0; /* the running magnitude sum of this stream at token t */              \
+      for (int64_t r = r0; r < r1; ++r) {                                                   \
+        const int64_t s = (int64_t)x[r * sr];                                               \
+        if (s < 0 || s >= A) {                                                              \
+          rc = KVN_BAD_SYMBOL;                                                              \
+          break;                                                                            \
+        }                                                                                   \
+        const int q = ctx_class(a, bk + (r - r0) * MAXQ, nthr);                             \
+        if (cls_out) cls_out[r * sr + t * st] = (uint8_t)q;                                 \
+        h[(r * Q + q) * A + s] += 1;                                                        \
+        a += s >= center ? s - center : center - s;                                         \
+      }                                                                                     \
+    }                                                                                       \
   }
+  if (kind == OUT_U8_NR) {
+    CTX_HIST_LOOP(uint8_t)
+  } else if (kind == OUT_U16_NR) {
+    CTX_HIST_LOOP(uint16_t)
+  } else {
+    CTX_HIST_LOOP(int32_t)
+  }
+#undef CTX_HIST_LOOP
   for (int64_t r = 0; r < R; ++r)
     for (int64_t q = 0; q < Q; ++q)
-      for (int64_t s = 0; s < A; ++s) hist[(q * R + r) * A + s] += h[(r * Q + q) * A + s];
+      for (int64_t s = 0; s < A; ++s)
+        hist[(q * R + r) * A + s] += h[(r * Q + q) * A + s];
   free(h);
-  free(tk);
+  free(bk);
   return rc;
 }
 
@@ -424,7 +466,7 @@ int kvn_ctx_hist(const void* sym, int kind, int64_t R, int64_t sr, int64_t st, i
  * values in [0, A) (else KVN_BAD_SYMBOL). words: capacity `cap` (R*N + 2*S always suffices: at
  * most one word per symbol plus the two-word flush); offsets: int64 [S + 1]. */
 int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* table_of, const void* sym, int kind,
-                   int64_t sr, int64_t st, uint32_t* words, int64_t cap, int64_t* offsets) {
+                   int64_t sr, int64_t st, uint32_t* words, int64_t cap, int64_t* offsets, const uint8_t* cls_in) {
   Geom g;
   geom_read(geom, &g);
   offsets[0] = 0;
@@ -491,18 +533,31 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
         rc = KVN_BAD_SYMBOL;
         break;
       }
-      if (g.Q > 1) { /* classes from the earlier rows of each stream (the decoder's rule) */
+      if (g.Q > 1 && cls_in) { /* classes as kvn_ctx_hist gave them (same layout as sym) */
+        int bad = 0;
+        for (int64_t r = rb0; r < rb1; ++r) {
+          uint8_t* cr = cls + (r - rb0) * nt;
+          for (int64_t t = t0; t < t1; ++t) {
+            cr[t - t0] = cls_in[r * sr + t * st];
+            bad |= cr[t - t0] >= g.Q;
+          }
+        }
+        if (bad) {
+          rc = KVN_BAD_SYMBOL;
+          break;
+        }
+      } else if (g.Q > 1) { /* classes from the earlier rows of each stream (the decoder's rule) */
         int64_t thr[MAXQ];
         for (int64_t gi = gb; gi < ge; ++gi) {
           const int64_t r0 = gi * g.G, r1 = r0 + g.G < g.R ? r0 + g.G : g.R;
           memset(acc, 0, sizeof(int64_t) * (size_t)nt);
           for (int64_t r = r0; r < r1; ++r) {
             const int64_t k = r - r0;
-            for (int64_t i = 0; i < g.Q - 1; ++i) thr[i] = g.thr[i] * k;
+            ctx_bounds(g.thr, g.Q - 1, k, thr);
             const int32_t* xr = tmp + (r - rb0) * nt;
             uint8_t* cr = cls + (r - rb0) * nt;
             for (int64_t t = 0; t < nt; ++t) {
-              cr[t] = (uint8_t)ctx_class(acc[t], thr, g.Q - 1, k);
+              cr[t] = (uint8_t)ctx_class(acc[t], thr, g.Q - 1);
               acc[t] += xr[t] >= g.center ? xr[t] - g.center : g.center - xr[t];
             }
           }
@@ -1180,4 +1235,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 14; }
+int kvn_abi_version(void) { return 15; }

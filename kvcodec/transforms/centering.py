@@ -23,27 +23,32 @@ FP16_MAX = 65504.0
 
 def channel_means(x: np.ndarray) -> np.ndarray:
     """Mean over tokens of ``x [T, H, D]``, as float16 values (returned as float64 ``[H, D]``)."""
-    x = np.asarray(x, dtype=np.float64)
+    x = np.asarray(x)
+    if x.dtype not in (np.float16, np.float32, np.float64):
+        x = x.astype(np.float64)
     if x.shape[0] == 0:
         return np.zeros(x.shape[1:])
-    m = np.clip(x.mean(axis=0), -FP16_MAX, FP16_MAX)
+    # summed in float64, token after token, as the float64 array's mean (no float64 copy)
+    m = np.clip(x.mean(axis=0, dtype=np.float64), -FP16_MAX, FP16_MAX)
     return m.astype(np.float16).astype(np.float64)
 
 
 def head_rms(z: np.ndarray) -> np.ndarray:
     """Root mean square per head of ``z [T, H, D]`` over tokens and channels -> ``[H]``."""
-    z = np.asarray(z, dtype=np.float64)
+    z = np.asarray(z)
     if z.shape[0] == 0 or z.shape[2] == 0:
         return np.zeros(z.shape[1])
-    return np.sqrt((z * z).mean(axis=(0, 2)))
+    # squares summed in float64 without a float64 copy of z (an encoder statistic: the order of
+    # the additions is not part of any format)
+    return np.sqrt(np.einsum("thd,thd->h", z, z, dtype=np.float64) / (z.shape[0] * z.shape[2]))
 
 
 def token_rms(z: np.ndarray) -> np.ndarray:
     """Root mean square per (token, head) of ``z [T, H, D]`` over channels -> ``[T, H]``."""
-    z = np.asarray(z, dtype=np.float64)
+    z = np.asarray(z)
     if z.shape[2] == 0:
         return np.zeros(z.shape[:2])
-    return np.sqrt((z * z).mean(axis=2))
+    return np.sqrt(np.einsum("thd,thd->th", z, z, dtype=np.float64) / z.shape[2])
 
 
 __all__ = ["FP16_MAX", "channel_means", "head_rms", "token_rms"]
