@@ -65,6 +65,7 @@ ABLATION = [
     ("kvc-near + calib: + no detected sinks", {"id": "kvc-near", "calibration": "CAL", "sink_v_ratio": 0.0, "sens": 0.0, "recent_ramp": 0}),
     ("kvc-near + calib: + Fisher per-(layer, head) steps", {"id": "kvc-near", "calibration": "CAL", "sink_v_ratio": 0.0, "recent_ramp": 0}),
     ("kvc-near + calib: + latest tokens finer (ramp 128)", {"id": "kvc-near", "calibration": "CAL", "sink_v_ratio": 0.0}),
+    ("kvc-near + calib: + magnitude contexts (lossless)", {"id": "kvc-near", "calibration": "CAL", "sink_v_ratio": 0.0, "ctx": [3, 8, 20], "rows_per_stream": 64}),
 ]
 PRESETS = ["kvc", "kvc-transparent", "kvc-near", "kvc-aggressive"]
 CAL_PRESETS = ["kvc-transparent-cal", "kvc-near-cal", "kvc-aggressive-cal"]

@@ -803,6 +803,11 @@ class DeviceStage:
         from .entropy.stage import parse_planes
 
         lay, words, off, tsets, rts = parse_planes(planes, tables, row_table)
+        if lay.scope == 2:
+            # no kernel computes §3.1's classes: decoding with the row table of class 0 would give
+            # wrong symbols, so refuse before uploading anything
+            raise DeviceError("entropy stage scope 2 (magnitude contexts, formats/ANS.md §3.1) has no GPU "
+                              "kernel yet; decode this file with device='cpu'")
         self.layout = lay
         f = tsets.astype(np.uint64) << np.uint64(24 - lay.P)  # [n_sets, K, A] at precision 24
         log = max(1, (lay.A - 1).bit_length())  # 2**log >= A

@@ -362,6 +362,16 @@ def test_ans_stage_host_build_matches_reference(harness, r, n, a, cfg):
         assert np.array_equal(out.numpy(), x), (mode, bucket)
 
 
+def test_device_stage_refuses_scope_2_with_a_clear_error():
+    """No kernel computes the magnitude classes of formats/ANS.md §3.1: a scope-2 stage (valid on
+    the CPU) must be refused before upload, not decoded with the wrong tables."""
+    x, st, planes = _random_stage(11, 6, 120, 9, chunk=40, rows_per_stream=3, tables="cluster", n_tables=3,
+                                  scope="ctx", thresholds=[4, 12])
+    assert np.array_equal(st.decode(planes, method="reference"), x)
+    with pytest.raises(DeviceError, match=r"scope 2.*device='cpu'"):
+        gpu.DeviceStage(planes, torch.device("cpu"))
+
+
 def test_ans_stage_host_build_rejects_corrupt_streams(harness):
     from kvcodec.errors import StreamError
 
