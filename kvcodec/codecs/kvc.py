@@ -870,8 +870,9 @@ register_preset("kvc-aggressive", {"id": "kvc", "k_step": 0.897, "v_step": 2.691
 # magnitude of the codes above it at its token, in streams of 64 rows. With the calibrated
 # per-token steps (attention, recency) code magnitudes swing from token to token, and on the ctx
 # 1536 cache contexts saved 4.6 % (transparent), 2.9 % (near) and 9.9 % (aggressive, lower
-# thresholds) of the file, for ~25 % more encode and ~40 % more decode time. The presets above
-# (one step per channel) gained nothing from them (files 0.0-0.4 % larger), so they stay off there.
+# thresholds) of the file, for ~25 % more encode and ~40 % more decode time (eval/results/kvc_ctx.md;
+# streams of 48 rows, four to a 192-row matrix, cost 0.5-1 % and decoded no faster there). The
+# presets above (one step per channel) gained nothing from contexts (files 0.0-0.4 % larger): off.
 _CTX = {"ctx": [3, 8, 20], "rows_per_stream": 64}
 _CTX_LOW = {"ctx": [2, 5, 12], "rows_per_stream": 64}
 register_preset("kvc-transparent-cal", {"id": "kvc", "k_step": 0.2912, "v_step": 0.9984, "k_qgamma": 1.0,
