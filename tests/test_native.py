@@ -363,6 +363,15 @@ def test_kvc_dequantize_matches_numpy(dtype, f16_path):
         lim = float(torch.finfo(dtype).max)
         want = from_f32_numpy(np.clip(z, -lim, lim), dtype)
         assert torch.equal(got.float(), want.float()) and got.dtype == dtype
+        # in place, into rows 2..34 of a bigger tensor (kvc's decoder: the coded tokens' run)
+        big = torch.full((40, 3, 24), 7.0, dtype=dtype)
+        assert native.kvc_dequantize(codes, step, mean, dtype, out=big[2:35]).data_ptr() == big[2].data_ptr()
+        assert torch.equal(big[2:35].float(), want.float())
+        assert torch.all(big[:2] == 7) and torch.all(big[35:] == 7)
+    for bad in (torch.empty((33, 3, 24), dtype=torch.float64 if dtype != torch.float64 else torch.float16),
+                torch.empty((32, 3, 24), dtype=dtype), torch.empty((33, 24, 3), dtype=dtype).transpose(1, 2)):
+        with pytest.raises(ValueError, match="out must be"):
+            native.kvc_dequantize(codes, step, mean, dtype, out=bad)
 
 
 def test_round_half_even_ties(monkeypatch):

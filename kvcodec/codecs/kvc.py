@@ -579,7 +579,11 @@ class KVCCodec(Codec):
         if not np.all(np.isfinite(mean)):
             raise FormatError(f"{where}: kvc channel means are not finite")
         if tr == "none" and native.available():  # the same float32 arithmetic, saturation and cast
-            out[~keep] = native.kvc_dequantize(main, step, mean, ctx.dtype)
+            free = np.flatnonzero(~mask)
+            if free[-1] - free[0] + 1 == n:  # the coded tokens are one run: write them in place
+                native.kvc_dequantize(main, step, mean, ctx.dtype, out=out[int(free[0]):int(free[-1]) + 1])
+            else:
+                out[~keep] = native.kvc_dequantize(main, step, mean, ctx.dtype)
             return out
         z = main.astype(np.float32) * step  # normative: one float32 multiply
         if tr == "hadamard":
@@ -677,7 +681,8 @@ def undelta_rows(codes: np.ndarray, plane: Any, where: str = "kvc") -> np.ndarra
 
 
 def token_steps(sc: np.ndarray, toff: np.ndarray, where: str = "kvc") -> np.ndarray:
-    """Steps ``step_from_code(sc[h, c] + toff[t, h])`` as float32 ``[n, H, D]`` (``k_tok`` tensors).
+    """Steps ``step_from_code(sc[h, c] + toff[t, h])`` as float32 ``[n, H, D]`` (``k_tok`` tensors;
+    a view of a head-major array).
 
     Same values as the direct formula, computed from one small table per head (a token's
     offsets take few distinct values), because an ``ldexp`` per element was the slowest part of
@@ -698,11 +703,14 @@ def token_steps(sc: np.ndarray, toff: np.ndarray, where: str = "kvc") -> np.ndar
     if n and h and d and (int((sc.min(axis=1) + off.min(axis=0)).min()) < STEP_CODE_MIN
                           or int((sc.max(axis=1) + off.max(axis=0)).max()) > STEP_CODE_MAX):
         raise FormatError(f"{where}: kvc step code outside [{STEP_CODE_MIN}, {STEP_CODE_MAX}]")
-    step = np.empty((n, h, d), dtype=np.float32)
-    for j in range(h):
-        u, inv = np.unique(off[:, j], return_inverse=True)
-        step[:, j] = step_from_code(sc[j][None, :] + u[:, None])[inv.reshape(-1)]
-    return step
+    step = np.empty((h, n, d), dtype=np.float32)  # head-major: each head's gather is contiguous
+    for j in range(h if n else 0):
+        # a row per offset from the head's smallest to its largest (at most 641: the check above
+        # bounds sc + off), then one gather -- no sort
+        lo, hi = int(off[:, j].min()), int(off[:, j].max())
+        tab = step_from_code(sc[j][None, :] + np.arange(lo, hi + 1, dtype=np.int64)[:, None])
+        np.take(tab, off[:, j] - lo, axis=0, out=step[j])
+    return step.transpose(1, 0, 2)  # [n, H, D] view
 
 
 def recency_factor(t: int, coded: np.ndarray, ramp: int, fine: float) -> np.ndarray | None:

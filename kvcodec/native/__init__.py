@@ -530,11 +530,12 @@ def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int, delta: np.ndar
     return out
 
 
-def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype):
+def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype, out=None):
     """kvc's normative reconstruction without a transform: ``float32(code) * step + mean``
     (separately rounded float32 operations), clamped to the finite range of ``dtype`` (fp16/bf16)
     and cast with round-to-nearest-even. ``codes`` int64 ``[n, H, D]`` (token-major), ``step``
-    float32 broadcastable to it, ``mean`` float32 ``[H, D]``. Returns a torch tensor."""
+    float32 broadcastable to it, ``mean`` float32 ``[H, D]``. Returns a torch tensor: ``out``
+    when given (a contiguous ``[n, H, D]`` CPU tensor of ``dtype``, written in place)."""
     import torch
 
     lb = _required()
@@ -545,7 +546,11 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype)
     crow = c.strides[0] // 8 if n > 1 else h * d
     st = np.broadcast_to(np.asarray(step, dtype=np.float32), c.shape)
     mu = np.ascontiguousarray(mean, dtype=np.float32).reshape(h, d)
-    out = torch.empty((n, h, d), dtype=dtype)
+    if out is None:
+        out = torch.empty((n, h, d), dtype=dtype)
+    elif (tuple(out.shape) != (n, h, d) or out.dtype != dtype or out.device.type != "cpu"
+          or not out.is_contiguous()):
+        raise ValueError(f"kvc_dequantize: out must be a contiguous CPU {dtype} tensor of shape {(n, h, d)}")
     fmax = float(torch.finfo(dtype).max)  # saturate (float32 too: an overflow to inf becomes its max)
     strides = [x // 4 for x in st.strides] if st.size else [0, 0, 0]
     if lb.kvn_kvc_dequant(c.ctypes.data, crow, n, h, d, st.ctypes.data, *strides, _ptr(mu), fmax, float_kind(dtype),
