@@ -15,8 +15,9 @@ import torch
 import kvcodec
 from kvcodec import native
 from kvcodec.entropy import EntropyStage
-from kvcodec.entropy.stage import StageLayout, ideal_bits, magnitude_classes
+from kvcodec.entropy.stage import StageLayout, ctx_row_table_bits, ideal_bits, magnitude_classes
 from kvcodec.errors import ConfigError, FormatError, StreamError
+from kvcodec.quant.packing import pack_bits, unpack_bits
 
 from conftest import make_cache
 
@@ -58,7 +59,9 @@ def test_ctx_round_trip_every_path(r, n, a, g, chunk):
     st = EntropyStage(precision=12, chunk=chunk, rows_per_stream=g, tables="cluster", n_tables=6, scope="ctx",
                       thresholds=[3, 8, 20])
     ref = st.encode(x, alphabet=a, method="constriction")  # the pure-integer reference encoder
-    assert StageLayout(ref["meta"]).Q == 4 and ref["row_table"].shape == (4, r)
+    lay = StageLayout(ref["meta"])  # the [Q, R] row table bit-packed, ceil(log2 K) bits per entry
+    assert lay.Q == 4 and ref["row_table"].dtype == np.uint8
+    assert ref["row_table"].shape == ((4 * r * ctx_row_table_bits(lay.K) + 7) // 8,)
     assert np.array_equal(st.decode(ref, method="reference"), x)
     if native.available():
         nat = st.encode(x, alphabet=a, method="native")
@@ -114,10 +117,29 @@ def test_ctx_bad_meta_and_planes_are_refused(method):
     for m in bad_metas:
         with pytest.raises(FormatError):
             st.decode({**planes, "meta": m}, method=method)
-    with pytest.raises(FormatError, match="row_table"):
+    with pytest.raises(FormatError, match="row_table|packed"):
         st.decode({**planes, "row_table": planes["row_table"][:2]}, method=method)
+    lay = StageLayout(meta)
+    b = ctx_row_table_bits(lay.K)
+    rt = unpack_bits(planes["row_table"], b, lay.Q * lay.R)
+    with pytest.raises(FormatError, match="row_table"):  # unpacked [Q, R] is not the scope-2 layout
+        st.decode({**planes, "row_table": rt.reshape(lay.Q, lay.R)}, method=method)
     with pytest.raises(FormatError, match="row_table"):
-        st.decode({**planes, "row_table": planes["row_table"] + 7}, method=method)
+        st.decode({**planes, "row_table": planes["row_table"].astype(np.uint16)}, method=method)
+    assert (lay.Q * lay.R * b) % 8  # the last byte has padding bits: they must be zero
+    pad = planes["row_table"].copy()
+    pad[-1] |= 0x80
+    with pytest.raises(FormatError, match="padding"):
+        st.decode({**planes, "row_table": pad}, method=method)
+    # an index the packing can hold but the table set lacks (K = 3 tables, 2 bits)
+    st3 = EntropyStage(precision=12, rows_per_stream=5, tables="cluster", n_tables=3, scope="ctx", thresholds=[4, 12])
+    p3 = st3.encode(x, alphabet=12)
+    lay3 = StageLayout(p3["meta"])
+    assert lay3.K == 3 and ctx_row_table_bits(3) == 2
+    rt3 = unpack_bits(p3["row_table"], 2, lay3.Q * lay3.R)
+    rt3[7] = 3
+    with pytest.raises(FormatError, match="outside"):
+        st3.decode({**p3, "row_table": pack_bits(rt3, 2)}, method=method)
     words = planes["words"].copy()
     words[len(words) // 2] ^= 0x10001
     try:  # a damaged stream either fails its exact-consumption check or decodes other symbols
@@ -178,7 +200,7 @@ def test_native_encoder_takes_the_histogram_pass_classes_and_refuses_bad_ones():
     from kvcodec.entropy.tables import decode_tables
 
     tsets = decode_tables(planes["tables"], lay.P)
-    rts = planes["row_table"].astype(np.int64).reshape(lay.n_row_sets, lay.R)
+    rts = unpack_bits(planes["row_table"], ctx_row_table_bits(lay.K), lay.Q * lay.R).astype(np.int64).reshape(lay.Q, lay.R)
     w1, o1 = native.encode_stage(lay, x, tsets, rts, layout="tokens", classes=cls)
     w0, o0 = native.encode_stage(lay, x, tsets, rts, layout="tokens")
     np.testing.assert_array_equal(w1, planes["words"])

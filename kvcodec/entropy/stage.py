@@ -47,6 +47,7 @@ import numpy as np
 from ..errors import ConfigError, FormatError, InputError, StreamError
 from .ans import _AnsCoder, _need, constriction_models
 from .tables import MAX_PRECISION, build_tables, decode_tables, encode_tables
+from ..quant.packing import pack_bits, packed_nbytes, unpack_bits
 
 ANS_STAGE_VERSION = 1
 _SCOPES = {"all": 0, "chunk": 1, "ctx": 2}
@@ -369,7 +370,7 @@ class EntropyStage:
             w_all, offsets = _encode_ctx_reference(lay, np.ascontiguousarray(xr), tabs, rt, cls)
         planes = {"meta": meta, "words": w_all, "offsets": offsets.astype(np.uint32),
                   "tables": encode_tables(tabs[None], p),
-                  "row_table": rt.astype(np.uint8 if k <= 256 else np.uint16)}
+                  "row_table": pack_bits(rt, ctx_row_table_bits(k))}  # §3.1: bit-packed [Q, R]
         if int(offsets[-1]) >= 1 << 32:
             raise InputError("entropy stage output exceeds 2**32 words; use smaller tensors")
         return planes
@@ -511,6 +512,13 @@ def parse_planes(
         if rt_in is None:
             raise FormatError("ANS stage needs a row_table plane")
         rt = np.asarray(rt_in)
+        if lay.scope == 2 and not lay.flags & FLAG_EXTERNAL_TABLES:
+            # §3.1: the [Q, R] indices bit-packed, ctx_row_table_bits(K) bits each, LSB first
+            b = ctx_row_table_bits(lay.K)
+            if rt.dtype != np.uint8 or rt.ndim != 1:
+                raise FormatError(f"ANS row_table of a scope-2 stage must be uint8[{packed_nbytes(lay.Q * lay.R, b)}] "
+                                  f"(bit-packed), got {rt.dtype}{list(rt.shape)}")
+            rt = unpack_bits(rt, b, lay.Q * lay.R).reshape(lay.Q, lay.R)
         if rt.ndim == 1:
             rt = rt[None]
         if rt.dtype.kind not in "ui" or rt.shape != (lay.n_row_sets, lay.R):
@@ -522,6 +530,17 @@ def parse_planes(
     else:
         rt = np.broadcast_to(np.arange(lay.R) if lay.K == lay.R else np.zeros(lay.R, np.int64), (lay.n_sets, lay.R))
     return lay, words, off, t, rt
+
+
+def ctx_row_table_bits(k: int) -> int:
+    """Bits per entry of a scope-2 stage's bit-packed row table (formats/ANS.md §3.1):
+    ``max(1, ceil(log2 K))``.
+
+    Example:
+        >>> [ctx_row_table_bits(k) for k in (1, 2, 3, 8, 9, 256, 257)]
+        [1, 1, 2, 3, 4, 8, 9]
+    """
+    return max(1, (int(k) - 1).bit_length())
 
 
 def magnitude_classes(x: np.ndarray, g: int, thresholds: list[int], center: int) -> np.ndarray:
