@@ -224,3 +224,18 @@ def test_v_token_mode_side_and_empty_esc_planes_are_optional():
     e2.planes.pop("side")
     with pytest.raises(FormatError):
         cc.decode_tensor(e2, ctx)
+
+
+def test_stage_geometry_that_disagrees_with_the_params_is_refused_before_decoding():
+    """A manifest whose levels L disagree with the stage's alphabet (A = 2L): the stage checks
+    its geometry against the tensor's before it allocates, and the error names the tensor."""
+    from kvc_tools import rewrite
+
+    blob = kvcodec.get_codec("kvc-near").encode(make_cache(layers=1, tokens=20, heads=2, dim=16))
+    assert kvcodec.decode(blob).num_tokens == 20
+
+    def levels(m):
+        m["layers"][0]["tensors"]["k"]["chunks"][0]["params"]["L"] = 8
+
+    with pytest.raises(FormatError, match=r"layers\.0\.k: kvc entropy stage: .*expected"):
+        kvcodec.decode(rewrite(blob, manifest=levels))

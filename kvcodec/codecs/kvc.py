@@ -537,13 +537,10 @@ class KVCCodec(Codec):
             raise FormatError(f"{where}: kvc k_tok must be 0 or 1 (per-channel tensors only), got {k_tok!r}")
         rows = h * d + (0 if per_channel and not k_tok else h)
         stage_planes = {k: enc.planes[_STAGE_PREFIX + k] for k in _STAGE_PLANES if _STAGE_PREFIX + k in enc.planes}
-        from ..entropy.stage import parse_planes
-
-        lay = parse_planes(stage_planes)[0]
-        if lay.R != rows or lay.N != n or lay.A != 2 * lv:
-            raise FormatError(f"{where}: kvc entropy stage is [{lay.R}, {lay.N}] A={lay.A}, "
-                              f"expected [{rows}, {n}] A={2 * lv}")
-        sym = _stage(p).decode(stage_planes, layout="tokens")  # [n, R] token-major
+        try:  # the stage checks its geometry against ours before it allocates, then validates
+            sym = _stage(p).decode(stage_planes, layout="tokens", expected=(rows, n, 2 * lv))  # [n, R]
+        except FormatError as e:  # the same error class (StreamError, ...), located
+            raise type(e)(f"{where}: kvc entropy stage: {e}") from None
         esc = enc.planes.get("esc", np.zeros(0, np.int32))
         if esc.dtype not in (np.int8, np.int16, np.int32):
             raise FormatError(f"{where}: kvc 'esc' plane must be int8, int16 or int32, got {esc.dtype}")
