@@ -83,6 +83,34 @@ def test_bench_on_raw_dump(tmp_path, capsys):
     assert (tmp_path / "b" / "bench.md").read_text().count("raw") >= 1
 
 
+def test_bench_interleaves_rounds_and_divides_by_the_reference(tmp_path, capsys, monkeypatch):
+    from kvcodec.commands import bench
+
+    calls = []
+    real = bench._timed_round_trip
+
+    def spy(codec, cache):
+        calls.append(codec.codec_id)
+        return real(codec, cache)
+
+    monkeypatch.setattr(bench, "_timed_round_trip", spy)
+    raw = tmp_path / "in.safetensors"
+    make_cache(tokens=20).to_safetensors(raw)
+    assert main(["bench", "--input", str(raw), "--codecs", "raw,fp8-e4m3,cachegen", "--repeat", "2",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert calls == ["raw", "fp8", "cachegen"] * 2  # round after round, not codec after codec
+    rows = {r["codec"]: r for r in res["rows"]}
+    assert res["reference"] == "cachegen" and rows["cachegen"]["encode_x_ref"] == 1.0
+    assert rows["cachegen"]["decode_x_ref"] == 1.0 and rows["fp8-e4m3"]["bits_per_element"] < 16
+    mbps = {n: (r["encode_MBps"], r["decode_MBps"]) for n, r in rows.items()}  # x_ref = MB/s ratio
+    assert rows["raw"]["encode_x_ref"] == pytest.approx(mbps["cachegen"][0] / mbps["raw"][0], rel=0.05, abs=0.006)
+    # without the reference in the run: no ratio columns
+    assert main(["bench", "--input", str(raw), "--codecs", "raw", "--repeat", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["reference"] is None and "encode_x_ref" not in res["rows"][0]
+
+
 def test_bench_with_a_calibration_file_encodes_the_cal_presets_with_it(tmp_path, capsys):
     import numpy as np
 

@@ -18,6 +18,8 @@ from typing import Any
 from . import format_table, print_json
 
 COLUMNS = ["codec", "bits_per_element", "ratio_vs_fp16", "rel_err_k", "rel_err_v", "encode_MBps", "decode_MBps"]
+#: with a reference codec in the run: each codec's best encode / decode time over the reference's
+REF_COLUMNS = ["encode_x_ref", "decode_x_ref"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input", help="raw safetensors dump (default: the built-in SmolLM2 cache)")
     p.add_argument("--context", type=int, default=1024, help="tokens of the built-in cache (default 1024)")
     p.add_argument("--codecs", default="all", help="comma-separated codec names, or 'all'")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs per codec; the fastest is kept")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="timed rounds; each round runs every codec once (interleaved, so a machine "
+                   "whose speed drifts skews no codec more than another); the fastest is kept")
+    p.add_argument("--reference", default="cachegen",
+                   help="codec whose times the others' are divided by (columns encode_x_ref, "
+                   "decode_x_ref; default cachegen, when it is in the run)")
     p.add_argument("--calibration", metavar="FILE",
                    help="calibration file (kvcodec calibrate) for the kvc presets tuned for one (names "
                    "ending in -cal): their encode time then includes the encoder's use of it")
@@ -46,24 +53,64 @@ def relative_error(cache, out, role: str) -> float:
     return (num / den) ** 0.5 if den > 0 else 0.0
 
 
+def _timed_round_trip(codec: Any, cache) -> tuple[float, float, bytes, Any]:
+    from .. import decode
+
+    t0 = time.perf_counter()
+    blob = codec.encode(cache)
+    t1 = time.perf_counter()
+    out = decode(blob)
+    return t1 - t0, time.perf_counter() - t1, blob, out
+
+
 def bench_codec(name: str, cache, repeat: int = 3, codec: Any = None) -> dict[str, Any]:
     """Encode and decode ``cache`` with codec ``name`` (or ``codec``, shown as ``name``); return
     one table row."""
-    from .. import decode
     from ..codec import get_codec
 
     codec = get_codec(name) if codec is None else codec
     enc_t, dec_t = [], []
-    blob = b""
-    out = None
+    blob, out = b"", None
     for _ in range(max(1, repeat)):
-        t0 = time.perf_counter()
-        blob = codec.encode(cache)
-        t1 = time.perf_counter()
-        out = decode(blob)
-        t2 = time.perf_counter()
-        enc_t.append(t1 - t0)
-        dec_t.append(t2 - t1)
+        te, td, blob, out = _timed_round_trip(codec, cache)
+        enc_t.append(te)
+        dec_t.append(td)
+    return _row(name, codec, cache, blob, out, min(enc_t), min(dec_t))
+
+
+def bench_interleaved(settings: list[tuple[str, Any]], cache, repeat: int = 3,
+                      reference: str | None = "cachegen", progress: Any = None) -> list[dict[str, Any]]:
+    """Rows for ``settings`` (``(name, codec)`` pairs), timed in ``repeat`` rounds that each run
+    every codec once, keeping each codec's fastest encode and decode. On a machine whose speed
+    drifts (shared cores, thermal limits) consecutive runs of one codec would all land in one
+    phase of the drift; interleaved, every codec samples every phase, so the ratios between
+    codecs hold even when the absolute times do not. With ``reference`` among the names, every
+    row also gets ``encode_x_ref`` / ``decode_x_ref``: its time over the reference's."""
+    rows: list[dict[str, Any]] = []
+    best: list[list[float]] = []
+    for rnd in range(max(1, repeat)):
+        for i, (name, codec) in enumerate(settings):
+            if progress is not None:
+                progress(f"bench: round {rnd + 1}/{max(1, repeat)}: {name} ...")
+            te, td, blob, out = _timed_round_trip(codec, cache)
+            if rnd == 0:  # size and error from the first round (the output is the same every time)
+                rows.append(_row(name, codec, cache, blob, out, te, td))
+                best.append([te, td])
+            else:
+                best[i] = [min(best[i][0], te), min(best[i][1], td)]
+            del blob, out
+    mb = cache.fp16_bytes() / 1e6
+    for row, (te, td) in zip(rows, best):
+        row["encode_MBps"], row["decode_MBps"] = round(mb / te, 1), round(mb / td, 1)
+    ref = next((i for i, (name, _) in enumerate(settings) if name == reference), None)
+    if ref is not None:
+        for row, (te, td) in zip(rows, best):
+            row["encode_x_ref"] = round(te / best[ref][0], 3)
+            row["decode_x_ref"] = round(td / best[ref][1], 3)
+    return rows
+
+
+def _row(name: str, codec: Any, cache, blob: bytes, out: Any, enc_s: float, dec_s: float) -> dict[str, Any]:
     mb = cache.fp16_bytes() / 1e6
     roles = {"k", "v"} if any("k" in layer for layer in cache.layers) else {"kv"}
     return {
@@ -74,8 +121,8 @@ def bench_codec(name: str, cache, repeat: int = 3, codec: Any = None) -> dict[st
         "ratio_vs_fp16": round(cache.fp16_bytes() / max(1, len(blob)), 3),
         "rel_err_k": round(relative_error(cache, out, "k" if "k" in roles else "kv"), 6),
         "rel_err_v": round(relative_error(cache, out, "v"), 6) if "v" in roles else None,
-        "encode_MBps": round(mb / min(enc_t), 1),
-        "decode_MBps": round(mb / min(dec_t), 1),
+        "encode_MBps": round(mb / enc_s, 1),
+        "decode_MBps": round(mb / dec_s, 1),
     }
 
 
@@ -105,10 +152,9 @@ def run(args: argparse.Namespace) -> int:
 
     # with a calibration file the kvc presets tuned for one (*-cal) use it: rows "<name> +calibration"
     settings, _ = with_calibration([(name, get_codec(name)) for name in names], args.calibration)
-    rows = []
-    for name, codec in settings:
-        print(f"bench: {name} ...", file=sys.stderr, flush=True)
-        rows.append(bench_codec(name, cache, args.repeat, codec))
+    rows = bench_interleaved(settings, cache, args.repeat, args.reference,
+                             progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    has_ref = any("encode_x_ref" in r for r in rows)
     result = {
         "command": "kvcodec " + " ".join(getattr(args, "argv", ["bench"])),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -120,9 +166,10 @@ def run(args: argparse.Namespace) -> int:
         "source_dtype": str(cache.dtype).replace("torch.", ""),
         "fp16_MB": round(cache.fp16_bytes() / 1e6, 3),
         "native": native_status,
+        "reference": args.reference if has_ref else None,
         "rows": rows,
     }
-    table = format_table(rows, COLUMNS)
+    table = format_table(rows, COLUMNS + (REF_COLUMNS if has_ref else []))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench.json"), "w") as f:
@@ -133,7 +180,10 @@ def run(args: argparse.Namespace) -> int:
                 f"Machine: {result['machine']}, torch threads: 1  \nEntropy coding: {native_status}  \nCache: {source}, "
                 f"{cache.num_layers} layers, {result['source_dtype']}, {result['fp16_MB']} MB as fp16\n\n"
                 "MB/s are of fp16-equivalent input (2 bytes per element), fastest of "
-                f"{args.repeat} runs; the decode column includes container parsing and validation.\n\n"
+                f"{args.repeat} interleaved rounds (each round runs every codec once); the decode "
+                "column includes container parsing and validation."
+                + (f" `*_x_ref`: time over `{args.reference}`'s in the same run." if has_ref else "")
+                + "\n\n"
                 "```\n" + table + "\n```\n"
             )
     if args.json:
