@@ -210,10 +210,10 @@ static inline int ctx_class(int64_t a, const int64_t* b, int64_t nthr) {
 }
 
 /* decode_lanes for scope 2: per symbol, the table of the symbol's magnitude class; acc holds
- * LANES * C running magnitude sums (scratch). */
+ * LANES * C running magnitude sums and LANES * C classes (scratch). */
 static int decode_lanes_ctx(const Geom* g, const uint32_t* words, const uint32_t* offsets, const Table* tabs,
                             const Lookup* lk, const int32_t* table_of, int64_t c, int64_t g0, int nl, void* out,
-                            int kind, int64_t* bad, int64_t* acc) {
+                            int kind, int64_t* bad, int64_t* acc, uint8_t* cls) {
   Stream st[LANES];
   const int64_t t0 = c * g->C, t1 = t0 + g->C < g->N ? t0 + g->C : g->N, nt = t1 - t0;
   const int64_t nrows = (g0 * g->G + g->G < g->R ? g->G : g->R - g0 * g->G);
@@ -234,12 +234,24 @@ static int decode_lanes_ctx(const Geom* g, const uint32_t* words, const uint32_t
     for (int l = 0; l < nl; ++l) {
       row[l] = (g0 + l) * g->G + k;
       for (int64_t q = 0; q < g->Q; ++q) tq[l][q] = &tabs[table_of[q * g->R + row[l]]];
+      /* the row's classes first, in a pass of their own (off the decoder's dependency chain) */
+      const int64_t* al = acc + l * nt;
+      uint8_t* cl = cls + l * nt;
+      switch (k ? nthr : 0) {
+        case 0: memset(cl, 0, (size_t)nt); break;
+        case 1: for (int64_t i = 0; i < nt; ++i) cl[i] = (uint8_t)(al[i] >= thr[0]); break;
+        case 2: for (int64_t i = 0; i < nt; ++i) cl[i] = (uint8_t)((al[i] >= thr[0]) + (al[i] >= thr[1])); break;
+        case 3:
+          for (int64_t i = 0; i < nt; ++i) cl[i] = (uint8_t)((al[i] >= thr[0]) + (al[i] >= thr[1]) + (al[i] >= thr[2]));
+          break;
+        default: for (int64_t i = 0; i < nt; ++i) cl[i] = (uint8_t)ctx_class(al[i], thr, nthr);
+      }
     }
     /* lanes unrolled for three and four streams (their dependency chains overlap) */
 #define DEC_CTX_STEP(L)                                                      \
   do {                                                                       \
     int64_t* a_ = acc + (L) * nt + (t - t0);                                 \
-    const uint32_t s_ = pop(&st[L], tq[L][ctx_class(*a_, thr, nthr)], lk);   \
+    const uint32_t s_ = pop(&st[L], tq[L][cls[(L) * nt + (t - t0)]], lk);    \
     put(out, kind, g, row[L], t, s_);                                        \
     *a_ += (int64_t)s_ >= h ? (int64_t)s_ - h : h - (int64_t)s_;             \
   } while (0)
@@ -295,9 +307,13 @@ int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
   uint16_t* lut = NULL;
   if (g.A <= 65536) lut = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(g.T * stride));
   int64_t* acc = NULL;
-  if (g.Q > 1) acc = (int64_t*)malloc(sizeof(int64_t) * (size_t)(LANES * (g.C < g.N ? g.C : g.N)));
-  if (!cum || !tabs || (g.A <= 65536 && !lut) || (g.Q > 1 && !acc)) {
-    free(cum); free(tabs); free(lut); free(acc);
+  uint8_t* cls = NULL;
+  if (g.Q > 1) {
+    acc = (int64_t*)malloc(sizeof(int64_t) * (size_t)(LANES * (g.C < g.N ? g.C : g.N)));
+    cls = (uint8_t*)malloc((size_t)(LANES * (g.C < g.N ? g.C : g.N)));
+  }
+  if (!cum || !tabs || (g.A <= 65536 && !lut) || (g.Q > 1 && (!acc || !cls))) {
+    free(cum); free(tabs); free(lut); free(acc); free(cls);
     return KVN_NOMEM;
   }
   Lookup lk;
@@ -329,11 +345,11 @@ int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
     if (g.Q > 1) { /* any run of full groups shares lanes */
       while (g0 < full && rc == KVN_OK) {
         const int nl = full - g0 < LANES ? (int)(full - g0) : LANES;
-        rc = decode_lanes_ctx(&g, words, offsets, tabs, &lk, table_of, c, g0, nl, out, kind, bad, acc);
+        rc = decode_lanes_ctx(&g, words, offsets, tabs, &lk, table_of, c, g0, nl, out, kind, bad, acc, cls);
         g0 += nl;
       }
       for (; g0 < g.n_groups && rc == KVN_OK; ++g0)
-        rc = decode_lanes_ctx(&g, words, offsets, tabs, &lk, table_of, c, g0, 1, out, kind, bad, acc);
+        rc = decode_lanes_ctx(&g, words, offsets, tabs, &lk, table_of, c, g0, 1, out, kind, bad, acc, cls);
       continue;
     }
     for (; g0 + LANES <= full && rc == KVN_OK; g0 += LANES)
@@ -345,6 +361,7 @@ int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
   free(tabs);
   free(lut);
   free(acc);
+  free(cls);
   return rc;
 }
 
