@@ -209,8 +209,8 @@ static inline int ctx_class(int64_t a, const int64_t* b, int64_t nthr) {
   }
 }
 
-/* decode_lanes for scope 2: per symbol, the table of the symbol's magnitude class; acc holds
- * LANES * C running magnitude sums and LANES * C classes (scratch). */
+/* decode_lanes for scope 2: per symbol, the table of the symbol's magnitude class; acc and cls
+ * hold LANES * C running magnitude sums and classes (scratch). */
 static int decode_lanes_ctx(const Geom* g, const uint32_t* words, const uint32_t* offsets, const Table* tabs,
                             const Lookup* lk, const int32_t* table_of, int64_t c, int64_t g0, int nl, void* out,
                             int kind, int64_t* bad, int64_t* acc, uint8_t* cls) {
