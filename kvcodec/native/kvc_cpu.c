@@ -237,15 +237,14 @@ static int decode_lanes_ctx(const Geom* g, const uint32_t* words, const uint32_t
       /* the row's classes first, in a pass of their own (off the decoder's dependency chain) */
       const int64_t* al = acc + l * nt;
       uint8_t* cl = cls + l * nt;
-      switch (k ? nthr : 0) {
-        case 0: memset(cl, 0, (size_t)nt); break;
-        case 1: for (int64_t i = 0; i < nt; ++i) cl[i] = (uint8_t)(al[i] >= thr[0]); break;
-        case 2: for (int64_t i = 0; i < nt; ++i) cl[i] = (uint8_t)((al[i] >= thr[0]) + (al[i] >= thr[1])); break;
-        case 3:
-          for (int64_t i = 0; i < nt; ++i) cl[i] = (uint8_t)((al[i] >= thr[0]) + (al[i] >= thr[1]) + (al[i] >= thr[2]));
-          break;
-        default: for (int64_t i = 0; i < nt; ++i) cl[i] = (uint8_t)ctx_class(al[i], thr, nthr);
-      }
+      /* a constant threshold count lets the inlined ctx_class drop its switch from the loop */
+#define CLS_LOOP(NTHR) for (int64_t i = 0; i < nt; ++i) cl[i] = (uint8_t)ctx_class(al[i], thr, NTHR)
+      if (k == 0) memset(cl, 0, (size_t)nt); /* a stream's first row: class 0 */
+      else if (nthr == 1) CLS_LOOP(1);
+      else if (nthr == 2) CLS_LOOP(2);
+      else if (nthr == 3) CLS_LOOP(3);
+      else CLS_LOOP(nthr);
+#undef CLS_LOOP
     }
     /* lanes unrolled for three and four streams (their dependency chains overlap) */
 #define DEC_CTX_STEP(L)                                                      \
