@@ -69,13 +69,7 @@ def bench_codec(name: str, cache, repeat: int = 3, codec: Any = None) -> dict[st
     from ..codec import get_codec
 
     codec = get_codec(name) if codec is None else codec
-    enc_t, dec_t = [], []
-    blob, out = b"", None
-    for _ in range(max(1, repeat)):
-        te, td, blob, out = _timed_round_trip(codec, cache)
-        enc_t.append(te)
-        dec_t.append(td)
-    return _row(name, codec, cache, blob, out, min(enc_t), min(dec_t))
+    return bench_interleaved([(name, codec)], cache, repeat, reference=None)[0]
 
 
 def bench_interleaved(settings: list[tuple[str, Any]], cache, repeat: int = 3,
