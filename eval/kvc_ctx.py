@@ -5,7 +5,7 @@ For each ``kvc-*-cal`` preset, on the built-in model's cache (SmolLM2-135M, buil
 ``--context`` tokens) and with a calibration file, the exact file size in bits per element:
 
 * contexts off (``ctx: []``, one row table per row, streams of 16 rows: the stage as before);
-* the preset as shipped (contexts on, streams of 48 rows);
+* the preset as shipped (contexts on, streams of 64 rows);
 * contexts on in streams of 48 rows (four streams to a 192-row matrix, which the decoder runs
   side by side, against three of 64 rows and a ragged one: the trade-off the presets settled).
 
@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -41,10 +39,6 @@ PRESETS = ["kvc-transparent-cal", "kvc-near-cal", "kvc-aggressive-cal"]
 ALT_ROWS = 48
 
 
-def machine() -> str:
-    return f"{platform.machine()} {os.cpu_count()}-core CPU, {platform.system()} {platform.release()}, torch {torch.__version__}"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--context", type=int, default=1536)
@@ -52,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out", default="eval/results/kvc_ctx")
     args = ap.parse_args(argv)
-
+    sys.path.insert(0, str(Path(__file__).parent))
     import kvcodec
+    from kvc_rd import machine
     from kvcodec.codec import get_codec
     from kvcodec.harness.capture import default_cache
     from kvcodec.harness.models import cache_dir
