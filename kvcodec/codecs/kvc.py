@@ -875,8 +875,8 @@ register_preset("kvc-aggressive", {"id": "kvc", "k_step": 0.897, "v_step": 2.691
 # magnitude of the codes above it at its token, in streams of 64 rows. With the calibrated
 # per-token steps (attention, recency) code magnitudes swing from token to token, and on the ctx
 # 1536 cache contexts saved 5.2 % (transparent), 3.7 % (near) and 11.4 % (aggressive, lower
-# thresholds) of the file, for ~15 % more encode and ~35 % more decode time (eval/results/kvc_ctx.md;
-# streams of 48 rows, four to a 192-row matrix, cost 0.5-1.1 % and decoded only ~5 % faster). The
+# thresholds) of the file, for 15-30 % more encode and 35-50 % more decode time (eval/results/kvc_ctx.md;
+# streams of 48 rows, four to a 192-row matrix, cost 0.5-1.1 % and decoded only 5-8 % faster). The
 # presets above (one step per channel) gained nothing from contexts (files 0.0-0.4 % larger): off.
 _CTX = {"ctx": [3, 8, 20], "rows_per_stream": 64}
 _CTX_LOW = {"ctx": [2, 5, 12], "rows_per_stream": 64}
