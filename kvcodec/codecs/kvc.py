@@ -73,8 +73,14 @@ Planes of one tensor ``[T, H, D]`` with ``n = T - s - r`` coded tokens (formats:
   step of element ``(t, h, c)`` is ``step_from_code(side[1][h, c] + o[t, h])`` (the sum MUST lie
   in the step-code range; a file where it does not is rejected). ``k_tok`` absent or 0: no rows.
 
-Decode arithmetic (normative, float32, no fused multiply-add): ``x = code * step`` then
-``x = x + mean``; with Hadamard, the inverse transform (:func:`kvcodec.transforms.fwht`, its own
+* ``rc`` (a tensor param, only on per-channel tensors; kvcodec writes it on K and MLA latents when
+  ``k_recon > 0``): reconstruction offsets, a list of 1 to 16 integers in ``[0, 128]``. A code
+  ``c`` with ``1 <= |c| <= len(rc)`` stands for ``sign(c) * (|c| - rc[|c| - 1] / 256)`` instead of
+  ``c`` (exact in float32; :func:`kvcodec.quant.deadzone.recon_values`). ``rc`` absent: every
+  code stands for itself.
+
+Decode arithmetic (normative, float32, no fused multiply-add): ``x = value(code) * step`` (``value``
+the code itself, or its ``rc`` value) then ``x = x + mean``; with Hadamard, the inverse transform (:func:`kvcodec.transforms.fwht`, its own
 inverse) is applied to ``code * step`` before the mean is added; clamp to the destination dtype's finite range;
 cast with round-to-nearest-even.
 
@@ -102,7 +108,11 @@ from ..errors import ConfigError, FormatError
 from ..quant.deadzone import (
     STEP_CODE_MAX,
     STEP_CODE_MIN,
+    RECON_MAX_LEVELS,
+    RECON_UNIT,
     deadzone_quantize,
+    recon_offsets,
+    recon_values,
     step_code,
     step_from_code,
 )
@@ -191,6 +201,13 @@ class KVCCodec(Codec):
             above it in its stream at the same token, which tracks the per-token step (attention,
             recency) a row's single table would otherwise average over. Lossless; the
             ``n_tables`` tables are shared by all (row, class) pairs.
+        k_recon: reconstruction offsets for K's codes ``±1 .. ±k_recon`` (0 = off; at most 16):
+            the encoder measures, per tensor, how far inside each level the values it codes lie
+            and writes that as the tensor's ``rc`` (2 bytes per level), the decoder reconstructs
+            there. K values crowd the inner edge of their bins (peaked distributions), so this
+            lowers K's error for nothing; measured on SmolLM2 at kvc-near-cal's steps, mean KL
+            fell 3-18 % on four windows. Not for V: shrinking V's values toward zero shrinks every
+            attention output coherently, and KL rose (eval/results/kvc_recon.md).
         calibration: path of a query-statistics file for the encoder ("" = none; see 8. above).
         calibration_sha256: SHA-256 (hex) of that file. The encoder fills it in, so every file
             coded with a calibration names the exact statistics behind its steps (the path alone
@@ -214,7 +231,7 @@ class KVCCodec(Codec):
         "precision": 12, "n_tables": 8, "rows_per_stream": 16, "chunk": 4096,
         "calibration": "", "k_qgamma": 1.5, "v_attn": 0.5, "k_attn": 1.0, "attn_clip": 2.0, "attn_coarse": 1.5,
         "sens": 1.0, "sens_clip": 2.0, "sens_coarse": 1.5, "recent_ramp": 0, "recent_fine": 1.0,
-        "delta": 1, "calibration_sha256": "", "ctx": [],
+        "delta": 1, "calibration_sha256": "", "ctx": [], "k_recon": 0,
     }
 
     def check_params(self) -> None:
@@ -249,6 +266,8 @@ class KVCCodec(Codec):
         h = p["calibration_sha256"]
         if not isinstance(h, str) or (h and (len(h) != 64 or any(ch not in "0123456789abcdef" for ch in h))):
             raise ConfigError(f"kvc calibration_sha256 must be '' or 64 lowercase hex digits, got {h!r}")
+        if not isinstance(p["k_recon"], int) or isinstance(p["k_recon"], bool) or not 0 <= p["k_recon"] <= RECON_MAX_LEVELS:
+            raise ConfigError(f"kvc k_recon must be an integer in [0, {RECON_MAX_LEVELS}], got {p['k_recon']!r}")
         if not isinstance(p["delta"], int) or p["delta"] not in (0, 1, 2):
             raise ConfigError(f"kvc delta must be 0, 1 or 2, got {p['delta']!r}")
         if not 0.0 <= p["sens"] <= 4.0 or not 1.0 <= p["sens_clip"] <= 256.0 or not 1.0 <= p["sens_coarse"] <= 256.0:
@@ -471,6 +490,10 @@ class KVCCodec(Codec):
             base = np.median(sc, axis=0).astype(np.int64) if n else np.zeros(h, np.int64)
             params["step_base"] = [int(b) for b in base]
             tok[:, h * d:] = sc - base[None]
+        if p["k_recon"] and n and is_k:
+            # reconstruction offsets of K's first levels (K and MLA latents only): the mean inward
+            # distance of the values coded +-k, measured here (see kvcodec.quant.deadzone)
+            params["rc"] = recon_offsets(z, step, tok, p["k_recon"])
         if self._per_channel(ctx) or p["v_center"]:
             planes["side"] = side  # token-mode V without centring has no side data: no plane
         use = delta_rows(tok, min_gain_bits=1024.0 if p["delta"] == 1 else 0.0) if p["delta"] and n > 1 else None
@@ -575,20 +598,30 @@ class KVCCodec(Codec):
         mean = side[0].astype(np.float32)
         if not np.all(np.isfinite(mean)):
             raise FormatError(f"{where}: kvc channel means are not finite")
+        rc = _checked_recon(pr.get("rc"), where)
+        if rc and not per_channel:
+            raise FormatError(f"{where}: kvc rc (reconstruction offsets) is for per-channel tensors only")
         if tr == "none" and native.available():  # the same float32 arithmetic, saturation and cast
             free = np.flatnonzero(~mask)
             if free[-1] - free[0] + 1 == n:  # the coded tokens are one run: write them in place
-                native.kvc_dequantize(main, step, mean, ctx.dtype, out=out[int(free[0]):int(free[-1]) + 1])
+                native.kvc_dequantize(main, step, mean, ctx.dtype, out=out[int(free[0]):int(free[-1]) + 1], recon=rc)
             else:
-                out[~keep] = native.kvc_dequantize(main, step, mean, ctx.dtype)
+                out[~keep] = native.kvc_dequantize(main, step, mean, ctx.dtype, recon=rc)
             return out
-        z = main.astype(np.float32) * step  # normative: one float32 multiply
+        # normative: the exact value each code stands for, then one float32 multiply
+        z = (recon_values(main, rc) if rc else main.astype(np.float32)) * step
         if tr == "hadamard":
             z = fwht(z)
+        return self._finish(out, keep, mask, z, mean, ctx.dtype)
+
+    @staticmethod
+    def _finish(out: torch.Tensor, keep: torch.Tensor, mask: np.ndarray, z: np.ndarray, mean: np.ndarray,
+                dtype: torch.dtype) -> torch.Tensor:
+        """The reference's last steps: add the means (float32), saturate, cast (RNE) into ``out``."""
         xh = z + mean[None]
-        lim = float(torch.finfo(ctx.dtype).max)  # saturate instead of overflowing to inf
+        lim = float(torch.finfo(dtype).max)  # saturate instead of overflowing to inf
         xh = np.clip(xh, -lim, lim)
-        out[~keep] = torch.from_numpy(np.ascontiguousarray(xh)).to(ctx.dtype)
+        out[~keep] = torch.from_numpy(np.ascontiguousarray(xh)).to(dtype)
         return out
 
 
@@ -835,6 +868,22 @@ def _file_sha256(path: str) -> str:
         raise ConfigError(f"kvc calibration file {path!r} cannot be read: {e}") from None
 
 
+def _checked_recon(rc: Any, where: str) -> list[int] | None:
+    """A tensor's ``rc`` param (reconstruction offsets): None when absent, else a list of 1 to
+    16 integers in ``[0, 128]``.
+
+    Raises:
+        FormatError: any other value.
+    """
+    if rc is None:
+        return None
+    if (not isinstance(rc, list) or not 1 <= len(rc) <= RECON_MAX_LEVELS
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= RECON_UNIT // 2 for v in rc)):
+        raise FormatError(f"{where}: kvc rc must list 1 to {RECON_MAX_LEVELS} integers in [0, {RECON_UNIT // 2}], "
+                          f"got {rc!r}")
+    return rc
+
+
 def _checked_codes(sc: np.ndarray, where: str) -> np.ndarray:
     c = np.asarray(sc, dtype=np.int64)
     if c.size and (int(c.min()) < STEP_CODE_MIN or int(c.max()) > STEP_CODE_MAX):
@@ -878,13 +927,19 @@ register_preset("kvc-aggressive", {"id": "kvc", "k_step": 0.897, "v_step": 2.691
 # thresholds) of the file, for 15-30 % more encode and 35-50 % more decode time (eval/results/kvc_ctx.md;
 # streams of 48 rows, four to a 192-row matrix, cost 0.5-1.1 % and decoded only 5-8 % faster). The
 # presets above (one step per channel) gained nothing from contexts (files 0.0-0.4 % larger): off.
+# Reconstruction offsets for K's first four levels (k_recon, lossless in bits, 8 bytes per K
+# tensor): at unchanged steps they lowered mean KL on all four windows, by 3-18 % (near) and 3-8 %
+# (transparent); on the aggressive preset the change was mixed (-14 % to +13 %), so it is off there
+# (eval/results/kvc_recon.md).
+_KREC = {"k_recon": 4}
 _CTX = {"ctx": [3, 8, 20], "rows_per_stream": 64}
 _CTX_LOW = {"ctx": [2, 5, 12], "rows_per_stream": 64}
 register_preset("kvc-transparent-cal", {"id": "kvc", "k_step": 0.2912, "v_step": 0.9984, "k_qgamma": 1.0,
-                                        "sink_v_ratio": 0.0, "attn_clip": 3.0, "attn_coarse": 2.0, **_RAMP, **_CTX},
+                                        "sink_v_ratio": 0.0, "attn_clip": 3.0, "attn_coarse": 2.0, **_RAMP, **_CTX,
+                                        **_KREC},
                 "kvc-transparent's bar (mean KL <= 0.002) with a calibration file")
 register_preset("kvc-near-cal", {"id": "kvc", "k_step": 0.5152, "v_step": 1.8515, "sink_v_ratio": 0.0, "attn_clip": 3.0,
-                                 "attn_coarse": 1.0, **_RAMP, **_CTX},
+                                 "attn_coarse": 1.0, **_RAMP, **_CTX, **_KREC},
                 "kvc-near's bar (mean KL <= 0.01, dPPL <= 1%) with a calibration file")
 register_preset("kvc-aggressive-cal", {"id": "kvc", "k_step": 1.0759, "v_step": 3.5931, "sink_v_ratio": 0.0,
                                        "attn_clip": 3.0, "attn_coarse": 2.0, **_RAMP, **_NARROW, **_CTX_LOW},

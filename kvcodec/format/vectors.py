@@ -38,6 +38,8 @@ EXTRA_VECTORS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
     # kvc with magnitude contexts in its entropy stage (scope 2, formats/ANS.md §3.1): lossless, so
     # it decodes to exactly kvc-near's values
     "kvc-near.ctx": ({"id": "kvc-near", "ctx": [3, 8, 20], "rows_per_stream": 64}, {}),
+    # kvc with reconstruction offsets on K (the tensor param ``rc``)
+    "kvc-near.rc": ({"id": "kvc-near", "k_recon": 4}, {}),
 }
 
 

@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 15
+ABI_VERSION = 16
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -123,11 +123,13 @@ def _build() -> ctypes.CDLL:
     lib.kvn_tok_quant.restype = ctypes.c_int
     lib.kvn_deadzone.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, i64, i64, ctypes.c_double, p, i64]
     lib.kvn_deadzone.restype = ctypes.c_int
+    lib.kvn_recon_sums.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, i64, i64, p, i64, i64, p, p]
+    lib.kvn_recon_sums.restype = None
     lib.kvn_escape_split.argtypes = [p, i64, i64, i64, p, p, p, p, p, p]
     lib.kvn_escape_split.restype = ctypes.c_int
     lib.kvn_escape_join.argtypes = [p, i64, i64, i64, p, i64, p, p]
     lib.kvn_escape_join.restype = ctypes.c_int
-    lib.kvn_kvc_dequant.argtypes = [p, i64, i64, i64, i64, p, i64, i64, i64, p, f32, ctypes.c_int, p]
+    lib.kvn_kvc_dequant.argtypes = [p, i64, i64, i64, i64, p, i64, i64, i64, p, f32, ctypes.c_int, p, p, i64]
     lib.kvn_kvc_dequant.restype = ctypes.c_int
     lib.kvn_member_sums.argtypes = [p, i64, i64, p, i64, p, p]
     lib.kvn_member_sums.restype = None
@@ -468,6 +470,43 @@ def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float, out: np.ndarr
     return codes if out is not None else codes.reshape(xa.shape)
 
 
+def recon_sums(x: np.ndarray, step: np.ndarray, codes: np.ndarray, levels: int) -> tuple[list[int], list[int]] | None:
+    """:func:`kvcodec.quant.deadzone.recon_sums` (the same integers) for a float32 ``x`` of 3 dims
+    and the int64 codes :func:`deadzone_quantize` wrote (``[n0, n1, n2]``, or a ``[n0, >= n1 *
+    n2]`` matrix with contiguous rows holding them in its first columns); ``None`` when this path
+    does not apply (the caller runs the numpy code)."""
+    lb = lib()
+    xa = np.asarray(x)
+    if lb is None or xa.dtype != np.float32 or xa.ndim != 3 or levels < 1:
+        return None
+    n0, n1, n2 = xa.shape
+    x3 = np.ascontiguousarray(xa)
+    sa = np.asarray(step)
+    if sa.dtype != np.float32:
+        sa = sa.astype(np.float64)
+    try:
+        st = np.broadcast_to(sa, xa.shape)
+    except ValueError:
+        return None
+    if st.size and any(s % st.itemsize for s in st.strides):
+        return None
+    c = np.asarray(codes)
+    if c.dtype != np.int64:
+        return None
+    if c.ndim == 3 and c.shape == xa.shape:
+        c = np.ascontiguousarray(c).reshape(n0, n1 * n2)
+    if c.ndim != 2 or c.shape[0] != n0 or c.shape[1] < n1 * n2 or (n1 * n2 > 1 and c.strides[1] != 8) \
+            or (n0 > 1 and c.strides[0] % 8):
+        return None
+    orow = c.strides[0] // 8 if n0 > 1 else n1 * n2
+    strides = [s // st.itemsize for s in st.strides] if st.size else [0, 0, 0]
+    sums = np.zeros(levels, dtype=np.int64)
+    counts = np.zeros(levels, dtype=np.int64)
+    lb.kvn_recon_sums(_ptr(x3), n0, n1, n2, st.ctypes.data, 1 if st.dtype == np.float32 else 0, *strides,
+                      c.ctypes.data, orow, int(levels), sums.ctypes.data, counts.ctypes.data)
+    return [int(v) for v in sums], [int(v) for v in counts]
+
+
 def escape_split_tokens(codes: np.ndarray, max_level: int,
                         delta: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """kvc's escape split of a token-major ``int64 codes [n, R]``: returns ``(symbols uint16
@@ -530,11 +569,13 @@ def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int, delta: np.ndar
     return out
 
 
-def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype, out=None):
+def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype, out=None, recon=None):
     """kvc's normative reconstruction without a transform: ``float32(code) * step + mean``
     (separately rounded float32 operations), clamped to the finite range of ``dtype`` (fp16/bf16)
     and cast with round-to-nearest-even. ``codes`` int64 ``[n, H, D]`` (token-major), ``step``
-    float32 broadcastable to it, ``mean`` float32 ``[H, D]``. Returns a torch tensor: ``out``
+    float32 broadcastable to it, ``mean`` float32 ``[H, D]``. ``recon``: reconstruction offsets
+    (:func:`kvcodec.quant.deadzone.recon_values`: codes ``1 <= |c| <= len(recon)`` stand for
+    ``sign(c) * (|c| - recon[|c| - 1] / 256)``) or None. Returns a torch tensor: ``out``
     when given (a contiguous ``[n, H, D]`` CPU tensor of ``dtype``, written in place)."""
     import torch
 
@@ -553,8 +594,14 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
         raise ValueError(f"kvc_dequantize: out must be a contiguous CPU {dtype} tensor of shape {(n, h, d)}")
     fmax = float(torch.finfo(dtype).max)  # saturate (float32 too: an overflow to inf becomes its max)
     strides = [x // 4 for x in st.strides] if st.size else [0, 0, 0]
+    rtab, rm = None, 0
+    if recon:
+        from ..quant.deadzone import recon_values
+
+        rm = len(recon)
+        rtab = np.ascontiguousarray(recon_values(np.arange(-rm, rm + 1), list(recon)), dtype=np.float32)
     if lb.kvn_kvc_dequant(c.ctypes.data, crow, n, h, d, st.ctypes.data, *strides, _ptr(mu), fmax, float_kind(dtype),
-                          out.data_ptr()) == _NOMEM:
+                          out.data_ptr(), None if rtab is None else rtab.ctypes.data, rm) == _NOMEM:
         raise MemoryError("native dequantization: out of memory")
     return out
 

@@ -1075,6 +1075,32 @@ int kvn_deadzone(const float* x, int64_t n0, int64_t n1, int64_t n2, const void*
   return bad;
 }
 
+/* kvc's reconstruction-offset statistics (kvcodec.quant.deadzone.recon_sums): for the codes of
+ * kvn_deadzone's layout (x float32 [n0, n1, n2], steps as there, codes at i * orow + j * n2 + k),
+ * per level l = 1..levels: counts[l - 1] = #{|c| = l}, sums[l - 1] = sum of
+ * llrint((l - |x| / step) * 2^24) (float64 residuals, rounded half to even, summed exactly). */
+void kvn_recon_sums(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
+                    int64_t s1, int64_t s2, const int64_t* codes, int64_t orow, int64_t levels, int64_t* sums,
+                    int64_t* counts) {
+  for (int64_t l = 0; l < levels; ++l) sums[l] = counts[l] = 0;
+  for (int64_t i = 0; i < n0; ++i) {
+    for (int64_t j = 0; j < n1; ++j) {
+      const float* xr = x + (i * n1 + j) * n2;
+      const int64_t so = i * s0 + j * s1;
+      const int64_t* cr = codes + i * orow + j * n2;
+      for (int64_t k = 0; k < n2; ++k) {
+        const int64_t c = cr[k];
+        const int64_t m = c < 0 ? -c : c;
+        if (m < 1 || m > levels) continue;
+        const double st = skind == 1 ? (double)((const float*)step)[so + k * s2] : ((const double*)step)[so + k * s2];
+        const double r = ((double)m - fabs((double)xr[k]) / st) * 16777216.0;
+        sums[m - 1] += (int64_t)llrint(r);
+        counts[m - 1] += 1;
+      }
+    }
+  }
+}
+
 /* kvc escapes on a token-major code matrix codes[t * R + r] (int64 [n, R]): L = clamp(max|c| + 1,
  * 1, max_level); sym = |c| < L ? c + L - 1 : 2L - 1 (uint16 [n, R]); the escaped codes go to esc
  * (int32, wrapped as numpy's astype) in ROW-major order of the [R, n] symbol matrix (row r, then
@@ -1182,7 +1208,10 @@ int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const 
  * + mean[h, d], +-fmax), cast to the out kind. codes: int64 [n, H, D]; step: float32 with element
  * strides s0, s1, s2 (0 broadcasts); mean: float32 [H, D]. fmax <= 0: no clamp. */
 int kvn_kvc_dequant(const int64_t* codes, int64_t crow, int64_t n, int64_t H, int64_t D, const float* step,
-                    int64_t s0, int64_t s1, int64_t s2, const float* mean, float fmax, int out_kind, void* out) {
+                    int64_t s0, int64_t s1, int64_t s2, const float* mean, float fmax, int out_kind, void* out,
+                    const float* rtab, int64_t rm) {
+  /* rtab (NULL, or 2 * rm + 1 floats): the value of each code in [-rm, rm] (kvc's reconstruction
+     offsets, exact float32); other codes stand for themselves */
   const int64_t Cn = H * D;
   const float m = fmax > 0.0f ? fmax : bits_f32(0x7f800000u);
   float* row = (float*)malloc(sizeof(float) * (size_t)(Cn > 0 ? Cn : 1));
@@ -1193,7 +1222,15 @@ int kvn_kvc_dequant(const int64_t* codes, int64_t crow, int64_t n, int64_t H, in
       const float* st = step + t * s0 + h * s1;
       const float* mu = mean + h * D;
       float* r = row + h * D;
-      for (int64_t d = 0; d < D; ++d) r[d] = clampf((float)c[d] * st[d * s2] + mu[d], m);
+      if (rtab) {
+        for (int64_t d = 0; d < D; ++d) {
+          const int64_t v = c[d];
+          const float cv = (v >= -rm && v <= rm) ? rtab[v + rm] : (float)v;
+          r[d] = clampf(cv * st[d * s2] + mu[d], m);
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) r[d] = clampf((float)c[d] * st[d * s2] + mu[d], m);
+      }
     }
     store_row(out, out_kind, t * Cn, row, Cn);
   }
@@ -1251,4 +1288,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 15; }
+int kvn_abi_version(void) { return 16; }
