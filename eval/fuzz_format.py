@@ -64,9 +64,13 @@ def base_files() -> dict[str, bytes]:
     mla = kvcodec.KVCache(layers=[{"kv": torch.randn(9, 1, 32, generator=g).half()}])
     out = {}
     # every preset, plus kvc with its token-delta rows forced on (the presets use them only where
-    # they pay, which on these small random caches they do not) and kvc with magnitude contexts
+    # they pay, which on these small random caches they do not), kvc with magnitude contexts,
+    # unpacked planes and K reconstruction offsets
     extra = [("kvc-near.delta", {"id": "kvc-near", "delta": 2}),
-             ("kvc-near.ctx", {"id": "kvc-near", "ctx": [3, 8, 20], "rows_per_stream": 8})]
+             ("kvc-near.ctx", {"id": "kvc-near", "ctx": [3, 8, 20], "rows_per_stream": 8}),
+             # the presets pack their planes (one 'pack' plane per tensor); the loose layout too
+             ("kvc-near.loose", {"id": "kvc-near", "pack": 0}),
+             ("kvc-near.rc", {"id": "kvc-near", "k_recon": 4})]
     for name, cfg in [(n, n) for n in kvcodec.list_codecs()] + extra:
         codec = kvcodec.get_codec(cfg)
         for tag, cache, chunk in (("gqa", gqa, 0), ("gqa-c16", gqa, 16), ("mla", mla, 0)):

@@ -3,7 +3,8 @@
 Encodes the built-in SmolLM2 cache with each kvc preset (the -cal presets with a calibration
 file, recorded on held-out tokens 8192– of the built-in text as in eval/kvc_rd.py) and splits the
 file's size into the safetensors header (index and manifest), the ANS words (the coded symbols)
-and every other plane kind, in bits per cached element.
+and every other plane kind, in bits per cached element (a packed tensor's plane is split into its
+pieces by its directory; the gaps between them count as ``pad``).
 
     python eval/kvc_overhead.py --context 1536 --out eval/results/kvc_overhead
 """
@@ -25,14 +26,30 @@ PRESETS = ["kvc-transparent", "kvc-near", "kvc-aggressive", "kvc-transparent-cal
 def split(blob: bytes, elements: int) -> dict[str, float]:
     """Bits per element of each part of a KVC file: ``header``, then each plane kind (the last
     component of the plane name; ``pad`` for alignment padding), and ``total``."""
+    from kvcodec.codecs.kvc import PACK_PIECES
+    from kvcodec.format.pack import PACK_DTYPES
+
     (n,) = struct.unpack("<Q", blob[:8])
     head = json.loads(blob[8:8 + n])
+    layers = json.loads(head["__metadata__"]["manifest"])["layers"]
     sizes: collections.Counter = collections.Counter()
     for name, entry in head.items():
         if name == "__metadata__":
             continue
         kind = "pad" if name.startswith("pad.") else name.split(".")[-1]
         a, b = entry["data_offsets"]
+        parts = name.split(".")
+        if kind == "pack" and len(parts) == 4:  # a packed kvc tensor: split it by its directory
+            (chunk,) = layers[int(parts[1])]["tensors"][parts[2]]["chunks"]
+            used = 0
+            for e in chunk["params"]["pk"]:
+                size = PACK_DTYPES[e[1]].itemsize
+                for dim in e[2:]:
+                    size *= dim
+                sizes[PACK_PIECES[e[0]]] += size
+                used += size
+            sizes["pad"] += (b - a) - used  # the alignment gaps inside the packed plane
+            continue
         sizes[kind] += b - a
     out = {"header": 8.0 * (n + 8) / elements}
     out.update({k: 8.0 * v / elements for k, v in sizes.most_common()})
@@ -79,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
              "`ans_offsets` / `ans_meta` (the entropy stage's tables and index), `esc` (escaped codes, raw, "
              "in the narrowest integer type), `protect` (token 0 exact, plus the detected sinks of the "
              "plain presets), `side` (K channel means and step codes), `token_ids` / "
-             "`positions` (the container's), `pred` (token-delta rows), `pad` (64-byte alignment).", "",
+             "`positions` (the container's), `pred` (token-delta rows), `pad` (64-byte alignment, and the 4-byte gaps inside packed planes).", "",
              "| preset | total | ans_words | all other | " + " | ".join(kinds) + " |",
              "|---|---|---|---|" + "---|" * len(kinds)]
     for p, r in rows.items():

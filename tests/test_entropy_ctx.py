@@ -163,7 +163,8 @@ def test_ctx_different_thresholds_decode_differently():
 def test_kvc_ctx_is_lossless_and_matches_without_native(dtype, monkeypatch):
     cache = make_cache(layers=2, tokens=70, heads=2, dim=24, dtype=dtype, seed=9)
     plain = kvcodec.get_codec({"id": "kvc-near", "recent_ramp": 32})
-    ctx = kvcodec.get_codec({"id": "kvc-near", "recent_ramp": 32, "ctx": [3, 8, 20], "rows_per_stream": 24})
+    # unpacked planes, so that the file header shows the stage metadata's shape
+    ctx = kvcodec.get_codec({"id": "kvc-near", "recent_ramp": 32, "ctx": [3, 8, 20], "rows_per_stream": 24, "pack": 0})
     blob = ctx.encode(cache)
     head = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])
     metas = [k for k in head if k.endswith(".ans_meta")]

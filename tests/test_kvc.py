@@ -41,7 +41,7 @@ def test_k_error_within_half_step_and_sinks_exact(dtype):
                            k[sl].view(torch.int16 if dtype != torch.float32 else torch.int32))
     # coded tokens: |err| <= step/2 (+ output rounding), with the step read back from the file
     ctx = TensorContext(0, "k", tuple(k.shape), dtype)
-    enc = codec.encode_tensor(k, ctx)
+    enc = codec.encode_planes(k, ctx)
     step = torch.from_numpy(step_from_code(enc.planes["side"][1].astype(np.int64)))
     err = (kh[2:-3].float() - k[2:-3].float()).abs()
     ulp = k[2:-3].float().abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11 if dtype == torch.float16 else 1e-6)
@@ -75,7 +75,7 @@ def test_escapes_carry_outliers_exactly():
     cache.layers[0]["k"][10, 0, 3] = 5000.0  # thousands of steps away: escape path
     cache.layers[0]["v"][20, 1, 5] = -3000.0
     codec = kvcodec.get_codec({"id": "kvc", "max_level": 4, "v_scale": "head", "k_step": 0.3, "v_step": 0.3})
-    enc = codec.encode_tensor(cache.layers[0]["k"], TensorContext(0, "k", (64, 2, 8), torch.float32))
+    enc = codec.encode_planes(cache.layers[0]["k"], TensorContext(0, "k", (64, 2, 8), torch.float32))
     assert enc.params["L"] == 4 and enc.planes["esc"].size > 0
     out = codec.decode(codec.encode(cache))
     assert abs(float(out.layers[0]["k"][10, 0, 3]) - 5000.0) < 50
@@ -122,7 +122,7 @@ def test_hadamard_option_and_fallback_on_other_widths():
     for d, expect in ((16, "hadamard"), (24, "none")):
         cache = _kv_cache(t=60, d=d)
         c = kvcodec.get_codec({"id": "kvc", "transform": "hadamard", "k_step": 0.2})
-        enc = c.encode_tensor(cache.layers[0]["k"], TensorContext(0, "k", (60, 2, d), torch.float32))
+        enc = c.encode_planes(cache.layers[0]["k"], TensorContext(0, "k", (60, 2, d), torch.float32))
         assert enc.params["transform"] == expect
         out = c.decode(c.encode(cache))
         rel = float((out.layers[0]["k"] - cache.layers[0]["k"]).pow(2).mean() / cache.layers[0]["k"].var())
@@ -141,8 +141,8 @@ def test_channel_weighting_moves_precision_to_high_energy_channels():
     cache = _kv_cache(t=200, d=16)
     k = cache.layers[0]["k"]
     ctx = TensorContext(0, "k", tuple(k.shape), torch.float32)
-    flat = kvcodec.get_codec({"id": "kvc", "k_gamma": 0.0}).encode_tensor(k, ctx).planes["side"][1]
-    wt = kvcodec.get_codec({"id": "kvc", "k_gamma": 1.0}).encode_tensor(k, ctx).planes["side"][1]
+    flat = kvcodec.get_codec({"id": "kvc", "k_gamma": 0.0}).encode_planes(k, ctx).planes["side"][1]
+    wt = kvcodec.get_codec({"id": "kvc", "k_gamma": 1.0}).encode_planes(k, ctx).planes["side"][1]
     energy = k.double().pow(2).mean(0).numpy()
     assert len(set(flat[0].tolist())) == 1  # gamma 0: one step per head
     # gamma 1: larger second moment -> smaller step code
@@ -158,7 +158,7 @@ def test_bad_params_and_corrupt_files():
     c = kvcodec.get_codec("kvc-near")
     k = cache.layers[0]["k"]
     ctx = TensorContext(0, "k", tuple(k.shape), torch.float32)
-    enc = c.encode_tensor(k, ctx)
+    enc = c.encode_planes(k, ctx)
     assert c.decode_tensor(enc, ctx).shape == k.shape
     for mutate in (
         lambda e: e.params.update(n=e.params["n"] + 1),
@@ -197,7 +197,7 @@ def test_detected_sinks_are_stored_exactly_and_validated():
         assert not torch.equal(out.layers[i]["k"][8], cache.layers[i]["k"][8])
     # the decoder checks the sink list against the tensor
     ctx = TensorContext(0, "k", (90, 2, 16), torch.float32, globals=glob)
-    enc = codec.encode_tensor(k, ctx)
+    enc = codec.encode_planes(k, ctx)
     for bad in (np.array([[0, 90]], np.int32), np.array([[0, 7]], np.int64), np.array([0, 7], np.int32)):
         with pytest.raises(FormatError):
             codec.decode_tensor(enc, TensorContext(0, "k", (90, 2, 16), torch.float32, globals={"kvc_sinks": bad}))
@@ -208,7 +208,7 @@ def test_v_token_mode_side_and_empty_esc_planes_are_optional():
     c = kvcodec.get_codec("kvc-near")
     v = cache.layers[0]["v"]
     ctx = TensorContext(0, "v", tuple(v.shape), torch.float32)
-    enc = c.encode_tensor(v, ctx)
+    enc = c.encode_planes(v, ctx)
     assert "side" not in enc.planes  # token-mode V, not centred: nothing to store
     if enc.planes.get("esc") is None:
         assert enc.params["L"] >= 1
@@ -219,7 +219,7 @@ def test_v_token_mode_side_and_empty_esc_planes_are_optional():
     assert torch.equal(c.decode_tensor(old, ctx), ref)
     # a centred V needs its means
     cc = kvcodec.get_codec({"id": "kvc", "v_center": True})
-    e2 = cc.encode_tensor(v, ctx)
+    e2 = cc.encode_planes(v, ctx)
     assert "side" in e2.planes
     e2.planes.pop("side")
     with pytest.raises(FormatError):

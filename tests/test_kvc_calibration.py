@@ -131,7 +131,7 @@ def test_calibrated_k_error_within_half_of_its_per_token_step(tmp_path):
     k = cache.layers[0]["k"]
     plan = codec._calibration_plan(cache)
     codec._calib = plan
-    enc = codec.encode_tensor(k, TensorContext(0, "k", tuple(k.shape), k.dtype))
+    enc = codec.encode_planes(k, TensorContext(0, "k", tuple(k.shape), k.dtype))
     codec._calib = {}
     assert enc.params["k_tok"] == 1
     dec = codec.decode_tensor(enc, TensorContext(0, "k", tuple(k.shape), k.dtype))

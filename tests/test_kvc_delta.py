@@ -97,8 +97,9 @@ def test_undelta_inverts_and_reads_the_plane_strictly():
 @pytest.mark.parametrize("preset", ["kvc-near", "kvc-aggressive"])
 def test_delta_is_lossless_and_saves_bits_on_slow_channels(preset):
     cache = _smooth_cache()
-    plain = kvcodec.get_codec({"id": preset, "delta": 0})
-    delta = kvcodec.get_codec(preset)
+    # unpacked planes, so that the file header shows which tensors carry a pred plane
+    plain = kvcodec.get_codec({"id": preset, "delta": 0, "pack": 0})
+    delta = kvcodec.get_codec({"id": preset, "pack": 0})
     assert delta.params["delta"] == 1
     b0, b1 = plain.encode(cache), delta.encode(cache)
     head = json.loads(b1[8:8 + int.from_bytes(b1[:8], "little")])
@@ -115,11 +116,11 @@ def test_hostile_pred_params_and_planes_are_refused():
     codec = kvcodec.get_codec("kvc-near")
     k = cache.layers[0]["k"]
     ctx = TensorContext(0, "k", tuple(k.shape), k.dtype)
-    enc = codec.encode_tensor(k, ctx)
+    enc = codec.encode_planes(k, ctx)
     assert enc.params["pred"] == 1
     good = codec.decode_tensor(enc, ctx)
     assert torch.equal(good, kvcodec.get_codec({"id": "kvc-near", "delta": 0}).decode_tensor(
-        kvcodec.get_codec({"id": "kvc-near", "delta": 0}).encode_tensor(k, ctx), ctx))
+        kvcodec.get_codec({"id": "kvc-near", "delta": 0}).encode_planes(k, ctx), ctx))
     for bad in (2, True, 1.0, "1"):
         enc.params["pred"] = bad
         with pytest.raises(FormatError, match="pred"):
@@ -164,7 +165,7 @@ def test_escapes_are_stored_in_the_narrowest_integer_type():
         k[::17, 0, 3] *= scale
         cache = kvcodec.KVCache.from_tensors([(k.half(), torch.randn(200, 2, 16, generator=g).half())])
         codec = kvcodec.get_codec({"id": "kvc-near", "max_level": 8})
-        enc = codec.encode_tensor(cache.layers[0]["k"], TensorContext(0, "k", (200, 2, 16), torch.float16))
+        enc = codec.encode_planes(cache.layers[0]["k"], TensorContext(0, "k", (200, 2, 16), torch.float16))
         assert enc.planes["esc"].dtype == want and enc.planes["esc"].size > 0
         out = kvcodec.decode(codec.encode(cache))
         ref = kvcodec.get_codec({"id": "kvc-near", "max_level": 8}).decode_tensor(enc, TensorContext(0, "k", (200, 2, 16), torch.float16))

@@ -40,6 +40,8 @@ EXTRA_VECTORS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
     "kvc-near.ctx": ({"id": "kvc-near", "ctx": [3, 8, 20], "rows_per_stream": 64}, {}),
     # kvc with reconstruction offsets on K (the tensor param ``rc``)
     "kvc-near.rc": ({"id": "kvc-near", "k_recon": 4}, {}),
+    # kvc with its planes packed into one per tensor (the ``pack`` plane and ``pk`` directory)
+    "kvc-near.pack": ({"id": "kvc-near", "pack": 1}, {}),
 }
 
 
