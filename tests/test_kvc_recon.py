@@ -107,7 +107,7 @@ def test_k_recon_lowers_k_error_leaves_v_alone_and_decodes_by_the_formula():
     assert len(offs) == 4 and offs[0] > 10  # Laplacian values sit well inside the +-1 bins
     assert "rc" not in rc.encode_tensor(cache.layers[0]["v"], TensorContext(0, "v", tuple(k.shape), k.dtype)).params
     # the offsets are what moves the decoded K (the numpy reference path is checked against the
-    # native one in the next test)
+    # native one in tests/test_native.py, k_recon row)
     enc0 = dict(enc.params)
     enc.params.pop("rc")
     base = rc.decode_tensor(enc, ctx).float()
@@ -115,17 +115,6 @@ def test_k_recon_lowers_k_error_leaves_v_alone_and_decodes_by_the_formula():
     got = rc.decode_tensor(enc, ctx).float()
     assert not torch.equal(base, got)
     assert torch.equal(rc.decode_tensor(enc, ctx), o1.layers[0]["k"])
-
-
-def test_k_recon_same_bytes_and_values_without_native(monkeypatch):
-    cache = _laplace_cache(layers=1, t=90, d=16, seed=4)
-    codec = kvcodec.get_codec({"id": "kvc-near", "k_recon": 6})
-    blob = codec.encode(cache)
-    out = kvcodec.decode(blob)
-    monkeypatch.setenv("KVCODEC_NATIVE", "0")
-    assert not native.available()
-    assert codec.encode(cache) == blob
-    assert kvcodec.decode(blob).equal(out)
 
 
 def test_hostile_rc_params_are_refused():

@@ -197,7 +197,8 @@ def test_rows_affine_matches_torch(dtype, f16_path):
 
 ENTROPY_CODECS = ["kivi-4-ans", "kivi-2-ans", "kivi-4-delta-ans", "cachegen", "cachegen-lmcache", "kvc-near",
                   {"id": "kivi-ans", "bits": 8, "delta": 3, "chunk": 7}, {"id": "cachegen", "group": 1},
-                  {"id": "kvc-near", "delta": 2}]
+                  {"id": "kvc-near", "delta": 2}, {"id": "kvc-near", "k_recon": 6},
+                  {"id": "kvc-near", "pack": 0}]
 
 
 @pytest.mark.parametrize("name", ENTROPY_CODECS, ids=str)
