@@ -57,8 +57,8 @@ as ONE ``uint8`` plane ``pack`` (:mod:`kvcodec.format.pack`: pieces aligned to 4
 directory is the tensor param ``pk``, piece numbers indexing :data:`PACK_PIECES` (``protect``,
 ``side``, ``esc``, ``pred``, ``ans_meta``, ``ans_words``, ``ans_offsets``, ``ans_tables``,
 ``ans_row_table``); a packed tensor MUST have no other plane. Each plane costs the container
-about 200 bytes (header entry, manifest entry with its CRC, alignment), so packing took about
-0.045 bit per element off every preset's file on a 1536-token SmolLM2 cache; the one CRC still
+about 200 bytes (header entry, manifest entry with its CRC, alignment), so packing took
+0.04 bit per element off every preset's file on a 1536-token SmolLM2 cache (0.03 at 2048); the one CRC still
 covers every byte. The pieces are exactly the planes below:
 
 * ``protect``: source-dtype bits (int16/int32 view) of the protected tokens, in token order.
@@ -217,8 +217,9 @@ class KVCCodec(Codec):
             the encoder measures, per tensor, how far inside each level the values it codes lie
             and writes that as the tensor's ``rc`` (2 bytes per level), the decoder reconstructs
             there. K values crowd the inner edge of their bins (peaked distributions), so this
-            lowers K's error for nothing; measured on SmolLM2 at kvc-near-cal's steps, mean KL
-            fell 3-18 % on four windows. Not for V: shrinking V's values toward zero shrinks every
+            lowers K's error for nothing; measured on SmolLM2 at kvc-near-cal's earlier steps, mean
+            KL fell 3-18 % on all four windows (at its current steps: -11 % and -9 % on two, the
+            hardest among them, +1 % and +7 % on the other two). Not for V: shrinking V's values toward zero shrinks every
             attention output coherently, and KL rose (eval/results/kvc_recon.md).
         pack: 1 (default) to store the tensor's planes as one packed plane (see the planes below),
             0 for one container plane each.
@@ -959,10 +960,10 @@ register_preset("kvc-aggressive", {"id": "kvc", "k_step": 0.897, "v_step": 2.691
 # thresholds) of the file, for 15-30 % more encode and 35-50 % more decode time (eval/results/kvc_ctx.md;
 # streams of 48 rows, four to a 192-row matrix, cost 0.5-1.1 % and decoded only 5-8 % faster). The
 # presets above (one step per channel) gained nothing from contexts (files 0.0-0.4 % larger): off.
-# Reconstruction offsets for K's first four levels (k_recon, lossless in bits, 8 bytes per K
-# tensor): at unchanged steps they lowered mean KL on all four windows, by 3-18 % (near) and 3-8 %
-# (transparent); on the aggressive preset the change was mixed (-14 % to +13 %), so it is off there
-# (eval/results/kvc_recon.md).
+# Reconstruction offsets for K's first four levels (k_recon, no bits, 8 bytes per K tensor): at
+# unchanged steps they lowered mean KL on all four windows, by 3-18 % (near, at its earlier steps)
+# and 3-8 % (transparent); on the aggressive preset the change was mixed (-14 % to +13 %), so it is
+# off there (eval/results/kvc_recon.md).
 _KREC = {"k_recon": 4}
 _CTX = {"ctx": [3, 8, 20], "rows_per_stream": 64}
 _CTX_LOW = {"ctx": [2, 5, 12], "rows_per_stream": 64}
@@ -971,8 +972,8 @@ register_preset("kvc-transparent-cal", {"id": "kvc", "k_step": 0.2912, "v_step":
                                         **_KREC},
                 "kvc-transparent's bar (mean KL <= 0.002) with a calibration file")
 # kvc-near-cal's steps went up 10 % (from 0.5152 / 1.8515) once k_recon lowered K's error: at
-# x1.05 and x1.1 all four windows stay within 90 % of both bars (worst KL 0.0067 / 0.0081, worst
-# ΔPPL +0.71 / +0.33 %), so the step is not a lucky point between failing neighbours.
+# x1.05 and x1.1 all four windows stay within 90 % of both bars (eval/results/kvc_presets*.md and
+# kvc_nearcal_steps*.md), so the step is not a lucky point between failing neighbours.
 register_preset("kvc-near-cal", {"id": "kvc", "k_step": 0.5667, "v_step": 2.0367, "sink_v_ratio": 0.0, "attn_clip": 3.0,
                                  "attn_coarse": 1.0, **_RAMP, **_CTX, **_KREC},
                 "kvc-near's bar (mean KL <= 0.01, dPPL <= 1%) with a calibration file")
