@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 16
+ABI_VERSION = 17
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -599,7 +599,8 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
         from ..quant.deadzone import recon_values
 
         rm = len(recon)
-        rtab = np.ascontiguousarray(recon_values(np.arange(-rm, rm + 1), list(recon)), dtype=np.float32)
+        span = np.arange(-rm - 1, rm + 2)  # what each code loses: exact, zero at 0 and at both ends
+        rtab = np.ascontiguousarray(span.astype(np.float32) - recon_values(span, list(recon)), dtype=np.float32)
     if lb.kvn_kvc_dequant(c.ctypes.data, crow, n, h, d, st.ctypes.data, *strides, _ptr(mu), fmax, float_kind(dtype),
                           out.data_ptr(), None if rtab is None else rtab.ctypes.data, rm) == _NOMEM:
         raise MemoryError("native dequantization: out of memory")

@@ -1210,8 +1210,10 @@ int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const 
 int kvn_kvc_dequant(const int64_t* codes, int64_t crow, int64_t n, int64_t H, int64_t D, const float* step,
                     int64_t s0, int64_t s1, int64_t s2, const float* mean, float fmax, int out_kind, void* out,
                     const float* rtab, int64_t rm) {
-  /* rtab (NULL, or 2 * rm + 1 floats): the value of each code in [-rm, rm] (kvc's reconstruction
-     offsets, exact float32); other codes stand for themselves */
+  /* rtab (NULL, or 2 * rm + 3 floats): what to subtract from each code in [-rm - 1, rm + 1] (kvc's
+     reconstruction offsets: sign(c) * offset / 256, zero at 0 and at both ends), so a code c
+     stands for (float)c - rtab[clamp(c, -rm - 1, rm + 1) + rm + 1] -- exact in float32, and
+     without a branch */
   const int64_t Cn = H * D;
   const float m = fmax > 0.0f ? fmax : bits_f32(0x7f800000u);
   float* row = (float*)malloc(sizeof(float) * (size_t)(Cn > 0 ? Cn : 1));
@@ -1225,7 +1227,8 @@ int kvn_kvc_dequant(const int64_t* codes, int64_t crow, int64_t n, int64_t H, in
       if (rtab) {
         for (int64_t d = 0; d < D; ++d) {
           const int64_t v = c[d];
-          const float cv = (v >= -rm && v <= rm) ? rtab[v + rm] : (float)v;
+          const int64_t i = v < -rm - 1 ? -rm - 1 : (v > rm + 1 ? rm + 1 : v);
+          const float cv = (float)v - rtab[i + rm + 1];
           r[d] = clampf(cv * st[d * s2] + mu[d], m);
         }
       } else {
@@ -1288,4 +1291,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 16; }
+int kvn_abi_version(void) { return 17; }
