@@ -63,6 +63,20 @@ def main(argv: list[str] | None = None) -> int:
             recs = runs[w][0]
             cells.append(f"{_row(recs[a])}<br>vs {_row(recs[b])}" if a in recs and b in recs else "–")
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    steps = ["kvc_nearcal_steps", "kvc_nearcal_steps_off4096", "kvc_nearcal_steps_ctx2048",
+             "kvc_nearcal_steps_ctx2048_off16384"]
+    name = "kvc-near-cal {'k_step': 0.541, 'v_step': 1.944} (+calibration)"
+    cells = []
+    for (w, _), stem in zip(WINDOWS, steps):
+        f = Path(args.results) / f"{stem}.json"
+        recs = {r["name"]: r for r in json.loads(f.read_text())["records"]} if f.exists() else {}
+        cells.append(_row(recs[name]) if name in recs else "–")
+    lines += ["", "kvc-near-cal's neighbourhood: the shipped steps are 1.1x the previous ones; at 1.05x "
+              "(`python eval/kvc_rd.py --quick --no-baselines --no-presets --configs '[{\"id\": \"kvc-near-cal\", "
+              "\"k_step\": 0.541, \"v_step\": 1.944, \"calibration\": \"CAL\"}]' [--context 2048] [--text-offset N] "
+              "--out eval/results/kvc_nearcal_steps…`):", "",
+              "| steps | " + " | ".join(w for w, _ in WINDOWS) + " |", "|---|" + "---|" * len(WINDOWS),
+              "| 1.05x | " + " | ".join(cells) + " |"]
     lines += ["", "Not in these runs (a prototype, measured on the 1536@0 window only and not kept in the code): "
               "the same offsets on token-mode V raised mean KL from 0.00332 to 0.00565 at kvc-near-cal's "
               "previous steps although V's squared error fell 14 %: moving V's values toward zero shrinks "
