@@ -70,6 +70,7 @@ def base_files() -> dict[str, bytes]:
              ("kvc-near.ctx", {"id": "kvc-near", "ctx": [3, 8, 20], "rows_per_stream": 8}),
              # the presets pack their planes (one 'pack' plane per tensor); the loose layout too
              ("kvc-near.loose", {"id": "kvc-near", "pack": 0}),
+             ("kvc-near.pack1", {"id": "kvc-near", "pack": 1}),
              ("kvc-near.rc", {"id": "kvc-near", "k_recon": 4})]
     for name, cfg in [(n, n) for n in kvcodec.list_codecs()] + extra:
         codec = kvcodec.get_codec(cfg)

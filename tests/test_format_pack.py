@@ -72,6 +72,39 @@ def test_hostile_directories_and_blobs_are_refused():
             unpack_planes(plane, d, NAMES)
 
 
+def test_zstd_pieces_round_trip_and_hostile_frames_are_refused():
+    import zstandard
+
+    planes = {"a": np.zeros(3000, np.uint16), "b": np.arange(10, dtype=np.uint8), "c": np.arange(6, dtype=np.int8)}
+    blob, d = pack_planes(planes, NAMES, zstd_level=3, zstd_pieces=("a", "c"))
+    assert d[0][:2] == [0, 17] and d[1][1] == 0 and d[2][1] == 3  # c does not shrink: stored raw
+    out = unpack_planes(blob, d, NAMES)
+    for k, v in planes.items():
+        assert out[k].dtype == v.dtype and np.array_equal(out[k], v)
+    stored = d[0][2]
+    frame = blob[:stored].tobytes()
+
+    def with_frame(f, dims=(3000,)):
+        return np.frombuffer(f, np.uint8).copy(), [[0, 17, len(f), *dims]]
+
+    assert np.array_equal(unpack_planes(*with_frame(frame), NAMES)["a"], planes["a"])
+    bad = [
+        (frame[:-1], (3000,), "zstd"),                                   # truncated frame
+        (frame + b"\0", (3000,), "zstd"),                               # bytes after the frame
+        (frame, (2999,), "declares"),                                    # directory disagrees
+        (zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 6000), (3000,), "declares"),
+        (b"\x01\x02\x03\x04", (3000,), "zstd"),                         # not a frame
+        (zstandard.ZstdCompressor().compress(b"\0" * (1 << 20)), (1 << 19,), "decompress"),  # a bomb
+    ]
+    for f, dims, msg in bad:
+        b2, d2 = with_frame(f, dims)
+        with pytest.raises(FormatError, match=msg):
+            unpack_planes(b2, d2, NAMES)
+    for entry in ([0, 17], [0, 17, 0, 3000], [0, 17, 10**6, 3000], [0, 40, 5, 1]):
+        with pytest.raises(FormatError):
+            unpack_planes(blob, [entry], NAMES)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=64), st.lists(st.lists(st.integers(-3, 70), min_size=0, max_size=7), max_size=6))
 def test_random_directories_raise_format_errors_only(data, directory):
@@ -86,14 +119,20 @@ def test_random_directories_raise_format_errors_only(data, directory):
 def test_kvc_packed_file_is_smaller_and_decodes_like_the_unpacked_one():
     cache = make_cache(layers=3, tokens=70, heads=2, dim=24, dtype=torch.float16, seed=5)
     for preset in ("kvc-near", "kvc-aggressive", "kvc-transparent-cal"):
-        packed, loose = kvcodec.get_codec(preset), kvcodec.get_codec({"id": preset, "pack": 0})
-        assert packed.params["pack"] == 1
-        b1, b0 = packed.encode(cache), loose.encode(cache)
+        zpacked = kvcodec.get_codec(preset)
+        packed, loose = kvcodec.get_codec({"id": preset, "pack": 1}), kvcodec.get_codec({"id": preset, "pack": 0})
+        assert zpacked.params["pack"] == 2
+        b2, b1, b0 = zpacked.encode(cache), packed.encode(cache), loose.encode(cache)
         assert len(b1) < len(b0) - 3 * 2 * 4 * 150, (len(b1), len(b0))  # ~200 bytes per plane saved
-        assert kvcodec.decode(b1).equal(kvcodec.decode(b0))
-        with kvcodec.format.open(b1) as r:
+        assert len(b2) < len(b1), (len(b2), len(b1))  # the tables compress
+        assert kvcodec.decode(b2).equal(kvcodec.decode(b0)) and kvcodec.decode(b1).equal(kvcodec.decode(b0))
+        with kvcodec.format.open(b2) as r:
             names = {n.rsplit(".", 1)[1] for n in r.manifest["storage"]["tensors"] if n.startswith("layers.")}
+            dirs = [c["params"]["pk"] for layer in r.manifest["layers"] for t in layer["tensors"].values()
+                    for c in t["chunks"]]
         assert names == {"pack"}
+        assert any(e[1] >= 16 for d in dirs for e in d)  # some pieces are zstd frames...
+        assert all(e[1] < 16 for d in dirs for e in d if PACK_PIECES[e[0]] in ("ans_words", "protect"))  # ...not these
 
 
 def test_kvc_refuses_mixed_or_broken_packed_tensors():

@@ -59,7 +59,9 @@ directory is the tensor param ``pk``, piece numbers indexing :data:`PACK_PIECES`
 ``ans_row_table``); a packed tensor MUST have no other plane. Each plane costs the container
 about 200 bytes (header entry, manifest entry with its CRC, alignment), so packing took
 0.04 bit per element off every preset's file on a 1536-token SmolLM2 cache (0.03 at 2048); the one CRC still
-covers every byte. The pieces are exactly the planes below:
+covers every byte. With ``pack: 2`` (the default) the small pieces (:data:`PACK_ZSTD_PIECES`) are
+zstd frames where that is smaller (:mod:`kvcodec.format.pack`). The pieces are exactly the planes
+below:
 
 * ``protect``: source-dtype bits (int16/int32 view) of the protected tokens, in token order.
 * ``side``: float16 ``[2, H, D]``: row 0 the channel means added back after dequantization (zeros
@@ -133,6 +135,10 @@ _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloa
 _NP_INT = {torch.float32: np.int32, torch.float16: np.int16, torch.bfloat16: np.int16}
 _STAGE_PREFIX = "ans_"
 _STAGE_PLANES = ("meta", "words", "offsets", "tables", "row_table")
+#: With ``pack: 2`` these pieces are stored as zstd frames where that is smaller (not the ANS
+#: words and the exact tokens: they do not compress), at this level.
+PACK_ZSTD_PIECES = ("side", "esc", "pred", "ans_meta", "ans_offsets", "ans_tables", "ans_row_table")
+PACK_ZSTD_LEVEL = 19
 #: The pieces of a packed tensor (the ``pk`` directory's piece numbers index this; normative).
 PACK_PIECES = ("protect", "side", "esc", "pred", "ans_meta", "ans_words", "ans_offsets", "ans_tables",
                "ans_row_table")
@@ -221,8 +227,9 @@ class KVCCodec(Codec):
             KL fell 3-18 % on all four windows (at its current steps: -11 % and -9 % on two, the
             hardest among them, +1 % and +7 % on the other two). Not for V: shrinking V's values toward zero shrinks every
             attention output coherently, and KL rose (eval/results/kvc_recon.md).
-        pack: 1 (default) to store the tensor's planes as one packed plane (see the planes below),
-            0 for one container plane each.
+        pack: 2 (default) to store the tensor's planes as one packed plane (see the planes below)
+            with its small pieces (tables, escapes, means...) as zstd frames where that is smaller,
+            1 to pack them without compression, 0 for one container plane each.
         calibration: path of a query-statistics file for the encoder ("" = none; see 8. above).
         calibration_sha256: SHA-256 (hex) of that file. The encoder fills it in, so every file
             coded with a calibration names the exact statistics behind its steps (the path alone
@@ -246,7 +253,7 @@ class KVCCodec(Codec):
         "precision": 12, "n_tables": 8, "rows_per_stream": 16, "chunk": 4096,
         "calibration": "", "k_qgamma": 1.5, "v_attn": 0.5, "k_attn": 1.0, "attn_clip": 2.0, "attn_coarse": 1.5,
         "sens": 1.0, "sens_clip": 2.0, "sens_coarse": 1.5, "recent_ramp": 0, "recent_fine": 1.0,
-        "delta": 1, "calibration_sha256": "", "ctx": [], "k_recon": 0, "pack": 1,
+        "delta": 1, "calibration_sha256": "", "ctx": [], "k_recon": 0, "pack": 2,
     }
 
     def check_params(self) -> None:
@@ -283,8 +290,8 @@ class KVCCodec(Codec):
             raise ConfigError(f"kvc calibration_sha256 must be '' or 64 lowercase hex digits, got {h!r}")
         if not isinstance(p["k_recon"], int) or isinstance(p["k_recon"], bool) or not 0 <= p["k_recon"] <= RECON_MAX_LEVELS:
             raise ConfigError(f"kvc k_recon must be an integer in [0, {RECON_MAX_LEVELS}], got {p['k_recon']!r}")
-        if not isinstance(p["pack"], int) or isinstance(p["pack"], bool) or p["pack"] not in (0, 1):
-            raise ConfigError(f"kvc pack must be 0 or 1, got {p['pack']!r}")
+        if not isinstance(p["pack"], int) or isinstance(p["pack"], bool) or p["pack"] not in (0, 1, 2):
+            raise ConfigError(f"kvc pack must be 0, 1 or 2, got {p['pack']!r}")
         if not isinstance(p["delta"], int) or p["delta"] not in (0, 1, 2):
             raise ConfigError(f"kvc delta must be 0, 1 or 2, got {p['delta']!r}")
         if not 0.0 <= p["sens"] <= 4.0 or not 1.0 <= p["sens_clip"] <= 256.0 or not 1.0 <= p["sens_coarse"] <= 256.0:
@@ -417,7 +424,8 @@ class KVCCodec(Codec):
         enc = self.encode_planes(x, ctx)
         if not self.params["pack"]:
             return enc
-        blob, directory = pack_planes(enc.planes, PACK_PIECES)
+        blob, directory = pack_planes(enc.planes, PACK_PIECES, *((PACK_ZSTD_LEVEL, PACK_ZSTD_PIECES)
+                                                                  if self.params["pack"] == 2 else ()))
         return EncodedTensor({"pack": blob}, {**enc.params, "pk": directory})
 
     def encode_planes(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:

@@ -42,6 +42,8 @@ EXTRA_VECTORS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
     "kvc-near.rc": ({"id": "kvc-near", "k_recon": 4}, {}),
     # kvc with its planes packed into one per tensor (the ``pack`` plane and ``pk`` directory)
     "kvc-near.pack": ({"id": "kvc-near", "pack": 1}, {}),
+    # ... and with its small pieces as zstd frames (``pack: 2``)
+    "kvc-near.zpack": ({"id": "kvc-near", "pack": 2}, {}),
 }
 
 
