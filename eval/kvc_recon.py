@@ -9,7 +9,8 @@ presets, the same presets with one setting switched back:
           {"id": "kvc-near-cal", "k_step": 0.5152, "v_step": 1.8515, "calibration": "CAL"},
           {"id": "kvc-transparent-cal", "k_recon": 0, "calibration": "CAL"},
           {"id": "kvc-aggressive-cal", "k_recon": 4, "calibration": "CAL"},
-          {"id": "kvc-near-cal", "pack": 0, "calibration": "CAL"}]'
+          {"id": "kvc-near-cal", "pack": 0, "calibration": "CAL"},
+          {"id": "kvc-near-cal", "pack": 1, "calibration": "CAL"}]'
     python eval/kvc_rd.py --quick --configs "$CFG" --out eval/results/kvc_presets     # and the other windows
     python eval/kvc_recon.py --out eval/results/kvc_recon
 """
@@ -31,7 +32,10 @@ PAIRS = [
      "kvc-aggressive-cal {'k_recon': 4} (+calibration)"),
     ("kvc-near-cal: steps x1.1 (shipped) vs the previous steps", "kvc-near-cal (+calibration)",
      "kvc-near-cal {'k_step': 0.5152, 'v_step': 1.8515} (+calibration)"),
-    ("kvc-near-cal: pack 1 (shipped) vs 0", "kvc-near-cal (+calibration)", "kvc-near-cal {'pack': 0} (+calibration)"),
+    ("kvc-near-cal: pack 2 (shipped: packed, small pieces zstd) vs 1 (packed)", "kvc-near-cal (+calibration)",
+     "kvc-near-cal {'pack': 1} (+calibration)"),
+    ("kvc-near-cal: pack 2 (shipped) vs 0 (a container plane each)", "kvc-near-cal (+calibration)",
+     "kvc-near-cal {'pack': 0} (+calibration)"),
 ]
 
 
