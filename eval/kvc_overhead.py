@@ -4,7 +4,8 @@ Encodes the built-in SmolLM2 cache with each kvc preset (the -cal presets with a
 file, recorded on held-out tokens 8192– of the built-in text as in eval/kvc_rd.py) and splits the
 file's size into the safetensors header (index and manifest), the ANS words (the coded symbols)
 and every other plane kind, in bits per cached element (a packed tensor's plane is split into its
-pieces by its directory; the gaps between them count as ``pad``).
+pieces by its directory, a zstd-compressed piece by its stored bytes; the gaps between them
+count as ``pad``).
 
     python eval/kvc_overhead.py --context 1536 --out eval/results/kvc_overhead
 """
@@ -43,9 +44,12 @@ def split(blob: bytes, elements: int) -> dict[str, float]:
             (chunk,) = layers[int(parts[1])]["tensors"][parts[2]]["chunks"]
             used = 0
             for e in chunk["params"]["pk"]:
-                size = PACK_DTYPES[e[1]].itemsize
-                for dim in e[2:]:
-                    size *= dim
+                if e[1] >= 16:  # a zstd frame: its stored bytes
+                    size = e[2]
+                else:
+                    size = PACK_DTYPES[e[1]].itemsize
+                    for dim in e[2:]:
+                        size *= dim
                 sizes[PACK_PIECES[e[0]]] += size
                 used += size
             sizes["pad"] += (b - a) - used  # the alignment gaps inside the packed plane

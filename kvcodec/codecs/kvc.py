@@ -136,9 +136,10 @@ _NP_INT = {torch.float32: np.int32, torch.float16: np.int16, torch.bfloat16: np.
 _STAGE_PREFIX = "ans_"
 _STAGE_PLANES = ("meta", "words", "offsets", "tables", "row_table")
 #: With ``pack: 2`` these pieces are stored as zstd frames where that is smaller (not the ANS
-#: words and the exact tokens: they do not compress), at this level.
+#: words and the exact tokens: they do not compress), at this level: level 19 made kvc-near-cal
+#: files 0.0008 bit per element smaller than 9 (0.05 %) for ~40 ms more per 1536-token encode.
 PACK_ZSTD_PIECES = ("side", "esc", "pred", "ans_meta", "ans_offsets", "ans_tables", "ans_row_table")
-PACK_ZSTD_LEVEL = 19
+PACK_ZSTD_LEVEL = 9
 #: The pieces of a packed tensor (the ``pk`` directory's piece numbers index this; normative).
 PACK_PIECES = ("protect", "side", "esc", "pred", "ans_meta", "ans_words", "ans_offsets", "ans_tables",
                "ans_row_table")
