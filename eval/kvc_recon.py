@@ -10,7 +10,8 @@ presets, the same presets with one setting switched back:
           {"id": "kvc-transparent-cal", "k_recon": 0, "calibration": "CAL"},
           {"id": "kvc-aggressive-cal", "k_recon": 4, "calibration": "CAL"},
           {"id": "kvc-near-cal", "pack": 0, "calibration": "CAL"},
-          {"id": "kvc-near-cal", "pack": 1, "calibration": "CAL"}]'
+          {"id": "kvc-near-cal", "pack": 1, "calibration": "CAL"},
+          {"id": "kvc-near-cal", "k_step": 0.541, "v_step": 1.944, "calibration": "CAL"}]'
     python eval/kvc_rd.py --quick --configs "$CFG" --out eval/results/kvc_presets     # and the other windows
     python eval/kvc_recon.py --out eval/results/kvc_recon
 """
@@ -67,18 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             recs = runs[w][0]
             cells.append(f"{_row(recs[a])}<br>vs {_row(recs[b])}" if a in recs and b in recs else "–")
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
-    steps = ["kvc_nearcal_steps", "kvc_nearcal_steps_off4096", "kvc_nearcal_steps_ctx2048",
-             "kvc_nearcal_steps_ctx2048_off16384"]
     name = "kvc-near-cal {'k_step': 0.541, 'v_step': 1.944} (+calibration)"
-    cells = []
-    for (w, _), stem in zip(WINDOWS, steps):
-        f = Path(args.results) / f"{stem}.json"
-        recs = {r["name"]: r for r in json.loads(f.read_text())["records"]} if f.exists() else {}
-        cells.append(_row(recs[name]) if name in recs else "–")
+    cells = [_row(runs[w][0][name]) if name in runs[w][0] else "–" for w, _ in WINDOWS]
     lines += ["", "kvc-near-cal's neighbourhood: the shipped steps are 1.1x the previous ones; at 1.05x "
-              "(`python eval/kvc_rd.py --quick --no-baselines --no-presets --configs '[{\"id\": \"kvc-near-cal\", "
-              "\"k_step\": 0.541, \"v_step\": 1.944, \"calibration\": \"CAL\"}]' [--context 2048] [--text-offset N] "
-              "--out eval/results/kvc_nearcal_steps…`):", "",
+              "(the row `{'k_step': 0.541, 'v_step': 1.944}` of the same runs):", "",
               "| steps | " + " | ".join(w for w, _ in WINDOWS) + " |", "|---|" + "---|" * len(WINDOWS),
               "| 1.05x | " + " | ".join(cells) + " |"]
     lines += ["", "Not in these runs (a prototype, measured on the 1536@0 window only and not kept in the code): "

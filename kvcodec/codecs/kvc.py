@@ -981,8 +981,8 @@ register_preset("kvc-transparent-cal", {"id": "kvc", "k_step": 0.2912, "v_step":
                                         **_KREC},
                 "kvc-transparent's bar (mean KL <= 0.002) with a calibration file")
 # kvc-near-cal's steps went up 10 % (from 0.5152 / 1.8515) once k_recon lowered K's error: at
-# x1.05 and x1.1 all four windows stay within 90 % of both bars (eval/results/kvc_presets*.md and
-# kvc_nearcal_steps*.md), so the step is not a lucky point between failing neighbours.
+# x1.05 and x1.1 all four windows stay within 90 % of both bars (eval/results/kvc_presets*.md,
+# kvc_recon.md), so the step is not a lucky point between failing neighbours.
 register_preset("kvc-near-cal", {"id": "kvc", "k_step": 0.5667, "v_step": 2.0367, "sink_v_ratio": 0.0, "attn_clip": 3.0,
                                  "attn_coarse": 1.0, **_RAMP, **_CTX, **_KREC},
                 "kvc-near's bar (mean KL <= 0.01, dPPL <= 1%) with a calibration file")
