@@ -28,7 +28,7 @@ def split(blob: bytes, elements: int) -> dict[str, float]:
     """Bits per element of each part of a KVC file: ``header``, then each plane kind (the last
     component of the plane name; ``pad`` for alignment padding), and ``total``."""
     from kvcodec.codecs.kvc import PACK_PIECES
-    from kvcodec.format.pack import PACK_DTYPES
+    from kvcodec.format.pack import stored_bytes
 
     (n,) = struct.unpack("<Q", blob[:8])
     head = json.loads(blob[8:8 + n])
@@ -44,12 +44,7 @@ def split(blob: bytes, elements: int) -> dict[str, float]:
             (chunk,) = layers[int(parts[1])]["tensors"][parts[2]]["chunks"]
             used = 0
             for e in chunk["params"]["pk"]:
-                if e[1] >= 16:  # a zstd frame: its stored bytes
-                    size = e[2]
-                else:
-                    size = PACK_DTYPES[e[1]].itemsize
-                    for dim in e[2:]:
-                        size *= dim
+                size = stored_bytes(e)
                 sizes[PACK_PIECES[e[0]]] += size
                 used += size
             sizes["pad"] += (b - a) - used  # the alignment gaps inside the packed plane

@@ -79,6 +79,8 @@ def pack_planes(planes: dict[str, np.ndarray], names: tuple[str, ...], zstd_leve
             raise ValueError(f"cannot pack plane {name!r}: {a.dtype}{list(a.shape)}")
         start = _aligned(end)
         code = PACK_DTYPES.index(dt)
+        shape = [int(v) for v in a.shape]
+        entry = [i, code, *shape]
         if zstd_level > 0 and a.nbytes > 0 and (zstd_pieces is None or name in zstd_pieces):
             import zstandard
 
@@ -86,13 +88,10 @@ def pack_planes(planes: dict[str, np.ndarray], names: tuple[str, ...], zstd_leve
             frame = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True).compress(raw)
             if len(frame) < len(raw) and len(raw) <= _ZSTD_RATIO * len(frame) + 65536:  # what readers accept
                 a = np.frombuffer(frame, dtype=np.uint8)
-                directory.append([i, _ZSTD + code, len(frame), *(int(v) for v in planes[name].shape)])
-                parts.append((start, a))
-                end = start + a.nbytes
-                continue
+                entry = [i, _ZSTD + code, len(frame), *shape]
         parts.append((start, a))
         end = start + a.nbytes
-        directory.append([i, code, *(int(s) for s in a.shape)])
+        directory.append(entry)
     out = np.zeros(end, dtype=np.uint8)
     for start, a in parts:  # one copy of each plane, straight into place
         dst = out[start:start + a.nbytes].view(a.dtype.newbyteorder("<") if a.dtype.itemsize > 1 else a.dtype)
@@ -150,26 +149,20 @@ def unpack_planes(blob: Any, directory: Any, names: tuple[str, ...], where: str 
             raise FormatError(f"{where}: pack piece {names[piece]!r} would decompress {stored} bytes to more than "
                               f"{limit}")
         start = _aligned(end)
-        if stored is not None:
-            if start + stored > size:
-                raise FormatError(f"{where}: pack piece {names[piece]!r} ({stored} bytes at {start}) runs past the "
-                                  f"plane's {size} bytes")
-            if start > end and b[end:start].any():
-                raise FormatError(f"{where}: pack padding before piece {names[piece]!r} is not zero")
-            raw = _unzstd(b[start:start + stored].tobytes(), nbytes, f"{where}: pack piece {names[piece]!r}")
-            out[names[piece]] = np.frombuffer(raw, dtype=PACK_DTYPES[dt]).reshape(dims).astype(
-                PACK_DTYPES[dt].newbyteorder("="), copy=True)
-            end = start + stored
-            continue
-        if start + nbytes > size:
-            raise FormatError(f"{where}: pack piece {names[piece]!r} ({nbytes} bytes at {start}) runs past the "
+        span = nbytes if stored is None else stored  # the bytes the piece takes in the plane
+        if start + span > size:
+            raise FormatError(f"{where}: pack piece {names[piece]!r} ({span} bytes at {start}) runs past the "
                               f"plane's {size} bytes")
         if start > end and b[end:start].any():
             raise FormatError(f"{where}: pack padding before piece {names[piece]!r} is not zero")
+        if stored is None:
+            data = b[start:start + nbytes]
+        else:
+            raw = _unzstd(b[start:start + stored].tobytes(), nbytes, f"{where}: pack piece {names[piece]!r}")
+            data = np.frombuffer(raw, dtype=np.uint8)
         # one copy: an aligned array of its own, in native byte order
-        arr = b[start:start + nbytes].view(PACK_DTYPES[dt]).reshape(dims)
-        out[names[piece]] = arr.astype(PACK_DTYPES[dt].newbyteorder("="), copy=True)
-        end = start + nbytes
+        out[names[piece]] = data.view(PACK_DTYPES[dt]).reshape(dims).astype(PACK_DTYPES[dt].newbyteorder("="), copy=True)
+        end = start + span
     if end != size:
         raise FormatError(f"{where}: packed plane has {size - end} bytes after its last piece")
     return out
@@ -178,8 +171,8 @@ def unpack_planes(blob: Any, directory: Any, names: tuple[str, ...], where: str 
 def _unzstd(frame: bytes, nbytes: int, where: str) -> bytes:
     """The content of ONE zstd frame that declares ``nbytes`` and holds exactly that, nothing after.
     The declared size is read from the frame header before anything is decompressed, so a frame
-    cannot make the reader allocate more than the directory promised (itself bounded by the
-    plane: at most 2**31 elements of 4 bytes per dim product checked above)."""
+    cannot make the reader allocate more than the directory promised (which the caller bounds by
+    ``256 * stored + 65536`` bytes)."""
     import zstandard
 
     try:
@@ -198,4 +191,20 @@ def _unzstd(frame: bytes, nbytes: int, where: str) -> bytes:
     return raw
 
 
-__all__ = ["PACK_DTYPES", "pack_planes", "unpack_planes"]
+def stored_bytes(entry: list[int]) -> int:
+    """The bytes a (valid) directory entry's piece takes in its packed plane, padding excluded:
+    a zstd frame's stored size, else ``prod(dims) * itemsize``.
+
+    Example:
+        >>> stored_bytes([0, 2, 3, 5]), stored_bytes([1, 16 + 2, 40, 3, 5])
+        (60, 40)
+    """
+    if entry[1] >= _ZSTD:
+        return int(entry[2])
+    n = PACK_DTYPES[entry[1]].itemsize
+    for v in entry[2:]:
+        n *= v
+    return int(n)
+
+
+__all__ = ["PACK_DTYPES", "pack_planes", "stored_bytes", "unpack_planes"]

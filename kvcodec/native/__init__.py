@@ -436,8 +436,31 @@ def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float, out: np.ndarr
     ``out``: an int64 ``[n0, >= n1 * n2]`` matrix with contiguous rows (a view of the first
     columns of a wider one is fine) that receives the codes of ``x [n0, n1, n2]``; returned."""
     lb = lib()
-    if lb is None:
+    ops = _dz_operands(x, step) if lb is not None else None
+    if ops is None:
         return None
+    x3, st, strides, kind = ops
+    n0, n1, n2 = x3.shape
+    if out is None:
+        codes, orow = np.empty(x3.shape, dtype=np.int64), n1 * n2
+    else:
+        codes = out
+        if out.dtype != np.int64 or out.ndim != 2 or out.shape != (n0, n1 * n2):
+            raise ValueError(f"deadzone out must be an int64 [{n0}, {n1 * n2}] matrix")
+        if out.size == 0:
+            return out
+        if (n1 * n2 > 1 and out.strides[1] != 8) or (n0 > 1 and out.strides[0] % 8):
+            raise ValueError(f"deadzone out must be an int64 [{n0}, {n1 * n2}] view with contiguous rows")
+        orow = out.strides[0] // 8 if n0 > 1 else n1 * n2
+    if lb.kvn_deadzone(_ptr(x3), n0, n1, n2, st.ctypes.data, kind, *strides, float(rho), codes.ctypes.data, orow) != 0:
+        return None
+    return codes if out is not None else codes.reshape(np.shape(x))
+
+
+def _dz_operands(x: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int], int] | None:
+    """What the dead-zone C loops read: ``x`` as a contiguous float32 ``[n0, n1, n2]`` (fewer
+    dims padded in front), ``step`` broadcast to it (float32 kept, anything else float64), its
+    element strides and kind (1 float32, 0 float64); None when that path does not apply."""
     xa = np.asarray(x)
     if xa.dtype != np.float32 or xa.ndim > 3:
         return None
@@ -451,23 +474,8 @@ def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float, out: np.ndarr
         return None
     if st.size and any(s % st.itemsize for s in st.strides):
         return None
-    n0, n1, n2 = x3.shape
-    if out is None:
-        codes, orow = np.empty(x3.shape, dtype=np.int64), n1 * n2
-    else:
-        codes = out
-        if out.dtype != np.int64 or out.ndim != 2 or out.shape != (n0, n1 * n2):
-            raise ValueError(f"deadzone out must be an int64 [{n0}, {n1 * n2}] matrix")
-        if out.size == 0:
-            return out
-        if (n1 * n2 > 1 and out.strides[1] != 8) or (n0 > 1 and out.strides[0] % 8):
-            raise ValueError(f"deadzone out must be an int64 [{n0}, {n1 * n2}] view with contiguous rows")
-        orow = out.strides[0] // 8 if n0 > 1 else n1 * n2
     strides = [s // st.itemsize for s in st.strides] if st.size else [0, 0, 0]
-    kind = 1 if st.dtype == np.float32 else 0
-    if lb.kvn_deadzone(_ptr(x3), n0, n1, n2, st.ctypes.data, kind, *strides, float(rho), codes.ctypes.data, orow) != 0:
-        return None
-    return codes if out is not None else codes.reshape(xa.shape)
+    return x3, st, strides, 1 if st.dtype == np.float32 else 0
 
 
 def recon_sums(x: np.ndarray, step: np.ndarray, codes: np.ndarray, levels: int) -> tuple[list[int], list[int]] | None:
@@ -476,33 +484,23 @@ def recon_sums(x: np.ndarray, step: np.ndarray, codes: np.ndarray, levels: int) 
     n2]`` matrix with contiguous rows holding them in its first columns); ``None`` when this path
     does not apply (the caller runs the numpy code)."""
     lb = lib()
-    xa = np.asarray(x)
-    if lb is None or xa.dtype != np.float32 or xa.ndim != 3 or levels < 1:
+    ops = _dz_operands(x, step) if lb is not None and np.ndim(x) == 3 and levels >= 1 else None
+    if ops is None:
         return None
-    n0, n1, n2 = xa.shape
-    x3 = np.ascontiguousarray(xa)
-    sa = np.asarray(step)
-    if sa.dtype != np.float32:
-        sa = sa.astype(np.float64)
-    try:
-        st = np.broadcast_to(sa, xa.shape)
-    except ValueError:
-        return None
-    if st.size and any(s % st.itemsize for s in st.strides):
-        return None
+    x3, st, strides, kind = ops
+    n0, n1, n2 = x3.shape
     c = np.asarray(codes)
     if c.dtype != np.int64:
         return None
-    if c.ndim == 3 and c.shape == xa.shape:
+    if c.ndim == 3 and c.shape == x3.shape:
         c = np.ascontiguousarray(c).reshape(n0, n1 * n2)
     if c.ndim != 2 or c.shape[0] != n0 or c.shape[1] < n1 * n2 or (n1 * n2 > 1 and c.strides[1] != 8) \
             or (n0 > 1 and c.strides[0] % 8):
         return None
     orow = c.strides[0] // 8 if n0 > 1 else n1 * n2
-    strides = [s // st.itemsize for s in st.strides] if st.size else [0, 0, 0]
     sums = np.zeros(levels, dtype=np.int64)
     counts = np.zeros(levels, dtype=np.int64)
-    lb.kvn_recon_sums(_ptr(x3), n0, n1, n2, st.ctypes.data, 1 if st.dtype == np.float32 else 0, *strides,
+    lb.kvn_recon_sums(_ptr(x3), n0, n1, n2, st.ctypes.data, kind, *strides,
                       c.ctypes.data, orow, int(levels), sums.ctypes.data, counts.ctypes.data)
     return [int(v) for v in sums], [int(v) for v in counts]
 

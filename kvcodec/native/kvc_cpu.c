@@ -1082,64 +1082,21 @@ int kvn_deadzone(const float* x, int64_t n0, int64_t n1, int64_t n2, const void*
 void kvn_recon_sums(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
                     int64_t s1, int64_t s2, const int64_t* codes, int64_t orow, int64_t levels, int64_t* sums,
                     int64_t* counts) {
-  /* Branch-free (the levels of neighbouring values are unpredictable): every value adds to a
-     bin, values outside 1..levels to a spare one (levels) with residual 0. Rounding by the
-     1.5 * 2^52 shift is round-half-even, exactly llrint, for |r| < 2^51 (here |r| < 2^25). */
-  int64_t sb4[4][17], cb4[4][17];
-  const double magic = 6755399441055744.0;
-  if (levels < 1 || levels > 16) return;
-  memset(sb4, 0, sizeof(sb4));
-  memset(cb4, 0, sizeof(cb4));
+  for (int64_t l = 0; l < levels; ++l) sums[l] = counts[l] = 0;
   for (int64_t i = 0; i < n0; ++i) {
     for (int64_t j = 0; j < n1; ++j) {
       const float* xr = x + (i * n1 + j) * n2;
       const int64_t so = i * s0 + j * s1;
       const int64_t* cr = codes + i * orow + j * n2;
-      for (int64_t k0 = 0; k0 < n2; k0 += 256) {
-        /* the residuals of up to 256 values first (a loop the compiler can vectorise when the
-           steps are contiguous float32, kvc's case), then their bins */
-        double rb[256];
-        int64_t bb[256];
-        const int64_t kn = n2 - k0 < 256 ? n2 - k0 : 256;
-        if (skind == 1 && s2 == 1) {
-          const float* st = (const float*)step + so + k0;
-          for (int64_t k = 0; k < kn; ++k) {
-            const int64_t c = cr[k0 + k];
-            const int64_t m = c < 0 ? -c : c;
-            const int in = m >= 1 && m <= levels;
-            bb[k] = in ? m - 1 : levels;
-            rb[k] = in ? ((double)m - fabs((double)xr[k0 + k]) / (double)st[k]) * 16777216.0 : 0.0;
-          }
-        } else {
-          for (int64_t k = 0; k < kn; ++k) {
-            const int64_t c = cr[k0 + k];
-            const int64_t m = c < 0 ? -c : c;
-            const int in = m >= 1 && m <= levels;
-            const int64_t e = so + (k0 + k) * s2;
-            const double st = skind == 1 ? (double)((const float*)step)[e] : ((const double*)step)[e];
-            bb[k] = in ? m - 1 : levels;
-            rb[k] = in ? ((double)m - fabs((double)xr[k0 + k]) / st) * 16777216.0 : 0.0;
-          }
-        }
-        /* four copies of the bins, taken in turn: neighbouring values mostly share a bin, and one
-           copy would chain every add to the one before it */
-        int64_t k = 0;
-        for (; k + 4 <= kn; k += 4) {
-          for (int u = 0; u < 4; ++u) {
-            sb4[u][bb[k + u]] += (int64_t)((rb[k + u] + magic) - magic);
-            cb4[u][bb[k + u]] += 1;
-          }
-        }
-        for (; k < kn; ++k) {
-          sb4[0][bb[k]] += (int64_t)((rb[k] + magic) - magic);
-          cb4[0][bb[k]] += 1;
-        }
+      for (int64_t k = 0; k < n2; ++k) {
+        const int64_t c = cr[k];
+        const int64_t m = c < 0 ? -c : c;
+        if (m < 1 || m > levels) continue;
+        const double st = skind == 1 ? (double)((const float*)step)[so + k * s2] : ((const double*)step)[so + k * s2];
+        sums[m - 1] += (int64_t)llrint(((double)m - fabs((double)xr[k]) / st) * 16777216.0);
+        counts[m - 1] += 1;
       }
     }
-  }
-  for (int64_t l = 0; l < levels; ++l) {
-    sums[l] = sb4[0][l] + sb4[1][l] + sb4[2][l] + sb4[3][l]; /* integers: any order, same sum */
-    counts[l] = cb4[0][l] + cb4[1][l] + cb4[2][l] + cb4[3][l];
   }
 }
 
