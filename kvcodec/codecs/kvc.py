@@ -91,7 +91,7 @@ below:
 
 Decode arithmetic (normative, float32, no fused multiply-add): ``x = value(code) * step`` (``value``
 the code itself, or its ``rc`` value) then ``x = x + mean``; with Hadamard, the inverse transform (:func:`kvcodec.transforms.fwht`, its own
-inverse) is applied to ``code * step`` before the mean is added; clamp to the destination dtype's finite range;
+inverse) is applied to ``value(code) * step`` before the mean is added; clamp to the destination dtype's finite range;
 cast with round-to-nearest-even.
 
 Example:
@@ -654,16 +654,10 @@ class KVCCodec(Codec):
         z = (recon_values(main, rc) if rc else main.astype(np.float32)) * step
         if tr == "hadamard":
             z = fwht(z)
-        return self._finish(out, keep, mask, z, mean, ctx.dtype)
-
-    @staticmethod
-    def _finish(out: torch.Tensor, keep: torch.Tensor, mask: np.ndarray, z: np.ndarray, mean: np.ndarray,
-                dtype: torch.dtype) -> torch.Tensor:
-        """The reference's last steps: add the means (float32), saturate, cast (RNE) into ``out``."""
         xh = z + mean[None]
-        lim = float(torch.finfo(dtype).max)  # saturate instead of overflowing to inf
+        lim = float(torch.finfo(ctx.dtype).max)  # saturate instead of overflowing to inf
         xh = np.clip(xh, -lim, lim)
-        out[~keep] = torch.from_numpy(np.ascontiguousarray(xh)).to(dtype)
+        out[~keep] = torch.from_numpy(np.ascontiguousarray(xh)).to(ctx.dtype)
         return out
 
 

@@ -146,7 +146,8 @@ def recon_offsets(x: np.ndarray, step: np.ndarray, codes: np.ndarray, levels: in
 
 def recon_sums(x: np.ndarray, step: np.ndarray, codes: np.ndarray, levels: int) -> tuple[list[int], list[int]]:
     """The integer residual sums (units ``2**-24`` step) and counts per level behind
-    :func:`recon_offsets` (the reference; the native quantizer accumulates the same integers)."""
+    :func:`recon_offsets` (the reference; :func:`kvcodec.native.recon_sums` computes the same
+    integers in C)."""
     c = np.asarray(codes).astype(np.int64, copy=False)
     xs = np.shape(x)
     if c.shape != xs and c.ndim == 2 and len(xs) == 3 and c.shape[0] == xs[0] and c.shape[1] >= xs[1] * xs[2]:
