@@ -136,8 +136,9 @@ _NP_INT = {torch.float32: np.int32, torch.float16: np.int16, torch.bfloat16: np.
 _STAGE_PREFIX = "ans_"
 _STAGE_PLANES = ("meta", "words", "offsets", "tables", "row_table")
 #: With ``pack: 2`` these pieces are stored as zstd frames where that is smaller (not the ANS
-#: words and the exact tokens: they do not compress), at this level: level 19 made kvc-near-cal
-#: files 0.0008 bit per element smaller than 9 (0.05 %) for ~40 ms more per 1536-token encode.
+#: words and the exact tokens: they do not compress), at this level: level 19 made the -cal files
+#: 0.0007-0.0008 bit per element smaller than 9 (0.05 %) for up to 0.04 s more per 1536-token
+#: encode (eval/results/kvc_encode_cost.md).
 PACK_ZSTD_PIECES = ("side", "esc", "pred", "ans_meta", "ans_offsets", "ans_tables", "ans_row_table")
 PACK_ZSTD_LEVEL = 9
 #: The pieces of a packed tensor (the ``pk`` directory's piece numbers index this; normative).
@@ -224,10 +225,11 @@ class KVCCodec(Codec):
             the encoder measures, per tensor, how far inside each level the values it codes lie
             and writes that as the tensor's ``rc`` (2 bytes per level), the decoder reconstructs
             there. K values crowd the inner edge of their bins (peaked distributions), so this
-            lowers K's error for nothing; measured on SmolLM2 at kvc-near-cal's earlier steps, mean
-            KL fell 3-18 % on all four windows (at its current steps: -11 % and -9 % on two, the
-            hardest among them, +1 % and +7 % on the other two). Not for V: shrinking V's values toward zero shrinks every
-            attention output coherently, and KL rose (eval/results/kvc_recon.md).
+            lowers K's error for nothing. Measured on SmolLM2 (eval/results/kvc_recon.md): mean
+            KL -3 to -8 % on all four windows for kvc-transparent-cal; for kvc-near-cal -11 % and
+            -9 % on two (the hardest among them), +1 % and +7 % on the other two. Not for V:
+            shrinking V's values toward zero shrinks every attention output coherently, and KL
+            rose (a prototype, described there).
         pack: 2 (default) to store the tensor's planes as one packed plane (see the planes below)
             with its small pieces (tables, escapes, means...) as zstd frames where that is smaller,
             1 to pack them without compression, 0 for one container plane each.
@@ -963,10 +965,10 @@ register_preset("kvc-aggressive", {"id": "kvc", "k_step": 0.897, "v_step": 2.691
 # thresholds) of the file, for 15-30 % more encode and 35-50 % more decode time (eval/results/kvc_ctx.md;
 # streams of 48 rows, four to a 192-row matrix, cost 0.5-1.1 % and decoded only 5-8 % faster). The
 # presets above (one step per channel) gained nothing from contexts (files 0.0-0.4 % larger): off.
-# Reconstruction offsets for K's first four levels (k_recon, no bits, 8 bytes per K tensor): at
-# unchanged steps they lowered mean KL on all four windows, by 3-18 % (near, at its earlier steps)
-# and 3-8 % (transparent); on the aggressive preset the change was mixed (-14 % to +13 %), so it is
-# off there (eval/results/kvc_recon.md).
+# Reconstruction offsets for K's first four levels (k_recon, no bits, 8 bytes per K tensor): mean
+# KL -3 to -8 % on all four windows (transparent); near: -11 % and -9 % on two windows, the hardest
+# among them, +1 % and +7 % on the other two; on the aggressive preset the change was mixed (-14 %
+# to +13 %), so it is off there (eval/results/kvc_recon.md).
 _KREC = {"k_recon": 4}
 _CTX = {"ctx": [3, 8, 20], "rows_per_stream": 64}
 _CTX_LOW = {"ctx": [2, 5, 12], "rows_per_stream": 64}

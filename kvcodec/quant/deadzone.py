@@ -21,10 +21,9 @@ Normative arithmetic (what a decoder, on any device, MUST compute):
 
 Why reconstruction offsets: the values in a quantizer bin are not spread evenly over it — KV
 values after centring and scaling are peaked at zero, so a bin's values crowd its inner edge and
-their mean (the MSE-optimal reconstruction) lies inside the bin's midpoint, toward zero. Measured on
-SmolLM2's cache at kvc-near-cal's steps, the values coded ``±1`` sit 0.11 (K) and 0.17 (V) steps
-inside it; reconstructing there takes 5-14 % off the squared error for two bytes per level
-(:func:`recon_offsets` measures them per tensor).
+their mean (the MSE-optimal reconstruction) lies inside the bin's midpoint, toward zero.
+:func:`recon_offsets` measures that per tensor and level; kvc writes the result as a tensor's
+``rc`` (2 bytes per level; what it does to KL: eval/results/kvc_recon.md).
 
 Encoding (not normative; any encoder may choose codes): ``code = sign(x) * floor(|x| / step + rho)``
 computed in float64.

@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""What k_recon and the zstd pieces of ``pack: 2`` cost a calibrated kvc encode, and what they save.
+
+Encodes the built-in SmolLM2 cache (1536 tokens) with kvc-near-cal and kvc-transparent-cal as
+shipped and with one setting switched back (``k_recon`` 0; ``pack`` 1; zstd level 19 instead of
+the shipped level), fastest of ``--repeat`` interleaved rounds on one thread (compare the
+columns of one run only: this machine's timings drift between runs).
+
+    python eval/kvc_encode_cost.py --out eval/results/kvc_encode_cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out", default="eval/results/kvc_encode_cost")
+    args = ap.parse_args(argv)
+    import torch
+
+    import kvcodec
+    import kvcodec.codecs.kvc as kvc
+    from kvcodec.harness import default_text, load_model
+    from kvcodec.harness.calibration import query_statistics, save_query_statistics
+    from kvcodec.harness.capture import default_cache
+
+    torch.set_num_threads(1)
+    cache = default_cache(context=1536)
+    cal = Path.home() / ".cache" / "kvcodec" / "calibration" / "smollm2-eval-text-skip8192-ctx1536.qstats.safetensors"
+    if not cal.exists():
+        model, tok = load_model()
+        cal.parent.mkdir(parents=True, exist_ok=True)
+        save_query_statistics(query_statistics(model, tok, default_text(), context=1536, skip_tokens=8192,
+                                               sensitivity_samples=4, continuation=512), cal)
+    shipped_level = kvc.PACK_ZSTD_LEVEL
+    rows = []  # (preset, variant, codec, zstd level)
+    for p in ("kvc-near-cal", "kvc-transparent-cal"):
+        base = {"id": p, "calibration": str(cal)}
+        rows += [(p, "as shipped", kvcodec.get_codec(base), shipped_level),
+                 (p, "k_recon 0", kvcodec.get_codec({**base, "k_recon": 0}), shipped_level),
+                 (p, "pack 1 (no zstd pieces)", kvcodec.get_codec({**base, "pack": 1}), shipped_level),
+                 (p, "zstd level 19", kvcodec.get_codec(base), 19)]
+    best = [float("inf")] * len(rows)
+    sizes = [0] * len(rows)
+    try:
+        for _ in range(args.repeat):
+            for i, (_, _, codec, level) in enumerate(rows):
+                kvc.PACK_ZSTD_LEVEL = level
+                t = time.perf_counter()
+                blob = codec.encode(cache)
+                best[i] = min(best[i], time.perf_counter() - t)
+                sizes[i] = len(blob)
+    finally:
+        kvc.PACK_ZSTD_LEVEL = shipped_level
+    lines = ["# What k_recon and the zstd pieces cost a calibrated kvc encode (SmolLM2, 1536 tokens)", "",
+             f"- command: `python eval/kvc_encode_cost.py --repeat {args.repeat} --out {args.out}`",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; machine: "
+             f"{platform.machine()}, {platform.system()} {platform.release()}, one torch thread; fastest of "
+             f"{args.repeat} interleaved rounds (compare within this run only)",
+             f"- shipped zstd level: {shipped_level}", "",
+             "| preset | variant | bits/elem | encode s | Δ s vs shipped |", "|---|---|---|---|---|"]
+    for i, (p, v, _, _) in enumerate(rows):
+        ref = next(j for j, r in enumerate(rows) if r[0] == p and r[1] == "as shipped")
+        lines.append(f"| {p} | {v} | {8 * sizes[i] / cache.num_elements:.4f} | {best[i]:.3f} | "
+                     f"{best[i] - best[ref]:+.3f} |")
+    text = "\n".join(lines) + "\n"
+    Path(args.out).with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
