@@ -13,7 +13,8 @@ import kvcodec
 from kvcodec import native
 from kvcodec.codec import TensorContext
 from kvcodec.errors import ConfigError, FormatError, InputError
-from kvcodec.quant.deadzone import deadzone_quantize, recon_offsets, recon_sums, recon_values
+from kvcodec.quant.deadzone import (deadzone_quantize, deadzone_quantize_recon, recon_offsets, recon_sums,
+                                    recon_values)
 
 
 def _laplace_cache(layers=2, t=300, h=2, d=24, seed=0):
@@ -63,6 +64,51 @@ def test_offsets_match_their_definition_and_every_path_agrees():
     # integer sums: the order of the values does not matter
     perm = rng.permutation(37)
     assert recon_offsets(z[perm], step[perm], codes[perm], 5) == want
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_pass_quantizer_equals_the_two_reference_calls(seed):
+    """deadzone_quantize_recon (native: codes and sums in one pass) gives the codes and offsets of
+    deadzone_quantize then recon_offsets' numpy sums, for float32 / float64 steps, broadcast or
+    full, into a wider matrix or not, at any level count."""
+    rng = np.random.default_rng(100 + seed)
+    n, h, d = int(rng.integers(1, 70)), int(rng.integers(1, 4)), int(rng.integers(1, 40))
+    z = (rng.laplace(size=(n, h, d)) * rng.uniform(0.1, 30)).astype(np.float32)
+    shape = [(n, h, d), (1, h, d), (n, h, 1), (1, 1, 1)][seed % 4]
+    step = rng.uniform(0.05, 2.0, size=shape).astype(np.float32 if seed % 2 else np.float64)
+    levels = int(rng.integers(1, 17))
+    rho = float(rng.uniform(0.3, 0.5))
+    want_codes = deadzone_quantize(z.astype(np.float64), step, rho)  # numpy path (float64 x)
+    want = recon_sums(z, step, want_codes, levels)  # (sums, counts), numpy
+    codes, rc = deadzone_quantize_recon(z, step, rho, levels)
+    assert np.array_equal(np.asarray(codes).reshape(z.shape), want_codes)
+    assert rc == recon_offsets(z.astype(np.float64), step, want_codes, levels)  # numpy sums
+    wide = np.full((n, h * d + 3), 7, dtype=np.int64)
+    codes2, rc2 = deadzone_quantize_recon(z, step, rho, levels, out=wide[:, : h * d])
+    assert codes2 is not None and rc2 == rc
+    assert np.array_equal(wide[:, : h * d], want_codes.reshape(n, h * d)) and (wide[:, h * d:] == 7).all()
+    if native.available():
+        fused = native.deadzone_recon(z, step, rho, None, levels)
+        assert fused is not None and fused[1] == want
+        assert native.recon_sums(z, step, want_codes, levels) == want
+    no_levels, empty = deadzone_quantize_recon(z, step, rho, 0)
+    assert np.array_equal(np.asarray(no_levels).reshape(z.shape), want_codes) and empty == []
+
+
+def test_one_pass_quantizer_checks_its_arguments_and_falls_back():
+    z = np.array([[[0.7, 1.0, -0.8, 2.1]]], dtype=np.float32)
+    with pytest.raises(InputError, match="levels"):
+        deadzone_quantize_recon(z, np.ones(4), 0.5, 17)
+    with pytest.raises(InputError, match="rho"):
+        deadzone_quantize_recon(z, np.ones(4), 0.6, 2)
+    # a non-finite value: the numpy path decides (as deadzone_quantize does), the same answer as
+    # the two reference calls
+    bad = z.copy()
+    bad[0, 0, 3] = np.inf
+    with np.errstate(invalid="ignore"):
+        codes, rc = deadzone_quantize_recon(bad, np.ones(4), 0.5, 2)
+        ref = deadzone_quantize(bad, np.ones(4), 0.5)
+    assert np.array_equal(codes, ref) and rc == [43, 0]
 
 
 def test_offsets_edge_cases():

@@ -122,7 +122,7 @@ from ..quant.deadzone import (
     RECON_MAX_LEVELS,
     RECON_UNIT,
     deadzone_quantize,
-    recon_offsets,
+    deadzone_quantize_recon,
     recon_values,
     step_code,
     step_from_code,
@@ -468,6 +468,7 @@ class KVCCodec(Codec):
         side[0] = mean.astype(np.float16)
         rec = recency_factor(t, ~mask, p["recent_ramp"], p["recent_fine"]) if n else None
         if self._per_channel(ctx):
+            lv = p["k_recon"] if (is_k and n) else 0  # levels with reconstruction offsets
             step_rel = p["k_step"] if is_k else p["v_step"]
             base = head_rms(z)  # [H]
             calib = self._layer_calib(ctx.layer) if ctx.role == "k" else {}
@@ -503,12 +504,17 @@ class KVCCodec(Codec):
                 params["k_tok"] = 1
                 step = token_steps(sc, toff, where)  # [n, H, D], = step_from_code(sc[None] + toff[:, :, None])
                 tok = np.empty((n, h * d + h), dtype=np.int64)  # the codes, then the offset rows
-                deadzone_quantize(z, step, p["rho"], out=tok[:, : h * d])
+                _, rc = deadzone_quantize_recon(z, step, p["rho"], lv, out=tok[:, : h * d])
                 tok[:, h * d:] = toff
             else:
                 step = step_from_code(sc)[None]  # [1, H, D]
-                codes = deadzone_quantize(z, step, p["rho"])
+                codes, rc = deadzone_quantize_recon(z, step, p["rho"], lv)
                 tok = codes.reshape(n, h * d)
+            if lv:
+                # reconstruction offsets of K's first levels (K and MLA latents only): the mean
+                # inward distance of the values coded +-k, measured in the quantizer's pass (see
+                # kvcodec.quant.deadzone)
+                params["rc"] = rc
         else:
             rel = p["v_step"] * token_rms(z)  # [n, H]
             vcal = self._layer_calib(ctx.layer) if ctx.role == "v" else {}
@@ -527,10 +533,6 @@ class KVCCodec(Codec):
             base = np.median(sc, axis=0).astype(np.int64) if n else np.zeros(h, np.int64)
             params["step_base"] = [int(b) for b in base]
             tok[:, h * d:] = sc - base[None]
-        if p["k_recon"] and n and is_k:
-            # reconstruction offsets of K's first levels (K and MLA latents only): the mean inward
-            # distance of the values coded +-k, measured here (see kvcodec.quant.deadzone)
-            params["rc"] = recon_offsets(z, step, tok, p["k_recon"])
         if self._per_channel(ctx) or p["v_center"]:
             planes["side"] = side  # token-mode V without centring has no side data: no plane
         use = delta_rows(tok, min_gain_bits=1024.0 if p["delta"] == 1 else 0.0) if p["delta"] and n > 1 else None
@@ -979,7 +981,7 @@ register_preset("kvc-transparent-cal", {"id": "kvc", "k_step": 0.2912, "v_step":
 # kvc-near-cal's steps went up 10 % (from 0.5152 / 1.8515) once k_recon lowered K's error: at
 # x1.05 and x1.1 all four windows stay within 90 % of both bars (eval/results/kvc_presets*.md,
 # kvc_recon.md), so the step is not a lucky point between failing neighbours.
-register_preset("kvc-near-cal", {"id": "kvc", "k_step": 0.5667, "v_step": 2.0367, "sink_v_ratio": 0.0, "attn_clip": 3.0,
+register_preset("kvc-near-cal", {"id": "kvc", "k_step": 0.6007, "v_step": 2.1589, "sink_v_ratio": 0.0, "attn_clip": 3.0,
                                  "attn_coarse": 1.0, **_RAMP, **_CTX, **_KREC},
                 "kvc-near's bar (mean KL <= 0.01, dPPL <= 1%) with a calibration file")
 register_preset("kvc-aggressive-cal", {"id": "kvc", "k_step": 1.0759, "v_step": 3.5931, "sink_v_ratio": 0.0,

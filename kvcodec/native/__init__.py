@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 17
+ABI_VERSION = 18
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -124,7 +124,10 @@ def _build() -> ctypes.CDLL:
     lib.kvn_deadzone.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, i64, i64, ctypes.c_double, p, i64]
     lib.kvn_deadzone.restype = ctypes.c_int
     lib.kvn_recon_sums.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, i64, i64, p, i64, i64, p, p]
-    lib.kvn_recon_sums.restype = None
+    lib.kvn_recon_sums.restype = ctypes.c_int
+    lib.kvn_deadzone_recon.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, i64, i64, ctypes.c_double, p, i64,
+                                       i64, p, p]
+    lib.kvn_deadzone_recon.restype = ctypes.c_int
     lib.kvn_escape_split.argtypes = [p, i64, i64, i64, p, p, p, p, p, p]
     lib.kvn_escape_split.restype = ctypes.c_int
     lib.kvn_escape_join.argtypes = [p, i64, i64, i64, p, i64, p, p]
@@ -435,9 +438,18 @@ def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float, out: np.ndarr
     caller then runs the numpy code. Float32 steps are read as they are (exactly widened).
     ``out``: an int64 ``[n0, >= n1 * n2]`` matrix with contiguous rows (a view of the first
     columns of a wider one is fine) that receives the codes of ``x [n0, n1, n2]``; returned."""
+    res = deadzone_recon(x, step, rho, out, 0)
+    return None if res is None else res[0]
+
+
+def deadzone_recon(x: np.ndarray, step: np.ndarray, rho: float, out: np.ndarray | None,
+                   levels: int) -> tuple[np.ndarray, tuple[list[int], list[int]] | None] | None:
+    """:func:`deadzone_quantize` and, with ``1 <= levels <= 16``, the reconstruction sums of
+    :func:`recon_sums` for those codes, in one pass: ``(codes, (sums, counts))`` (``(codes,
+    None)`` with ``levels`` 0), or ``None`` when this path does not apply."""
     lb = lib()
     ops = _dz_operands(x, step) if lb is not None else None
-    if ops is None:
+    if ops is None or not 0 <= levels <= 16 or (levels and np.ndim(x) != 3):
         return None
     x3, st, strides, kind = ops
     n0, n1, n2 = x3.shape
@@ -448,13 +460,20 @@ def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float, out: np.ndarr
         if out.dtype != np.int64 or out.ndim != 2 or out.shape != (n0, n1 * n2):
             raise ValueError(f"deadzone out must be an int64 [{n0}, {n1 * n2}] matrix")
         if out.size == 0:
-            return out
+            return out, (([0] * levels, [0] * levels) if levels else None)
         if (n1 * n2 > 1 and out.strides[1] != 8) or (n0 > 1 and out.strides[0] % 8):
             raise ValueError(f"deadzone out must be an int64 [{n0}, {n1 * n2}] view with contiguous rows")
         orow = out.strides[0] // 8 if n0 > 1 else n1 * n2
-    if lb.kvn_deadzone(_ptr(x3), n0, n1, n2, st.ctypes.data, kind, *strides, float(rho), codes.ctypes.data, orow) != 0:
+    args = (_ptr(x3), n0, n1, n2, st.ctypes.data, kind, *strides, float(rho), codes.ctypes.data, orow)
+    if not levels:
+        if lb.kvn_deadzone(*args) != 0:
+            return None
+        return (codes if out is not None else codes.reshape(np.shape(x))), None
+    sums = np.zeros(levels, dtype=np.int64)
+    counts = np.zeros(levels, dtype=np.int64)
+    if lb.kvn_deadzone_recon(*args, int(levels), sums.ctypes.data, counts.ctypes.data) != 0:
         return None
-    return codes if out is not None else codes.reshape(np.shape(x))
+    return codes, ([int(v) for v in sums], [int(v) for v in counts])
 
 
 def _dz_operands(x: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int], int] | None:
@@ -500,8 +519,9 @@ def recon_sums(x: np.ndarray, step: np.ndarray, codes: np.ndarray, levels: int) 
     orow = c.strides[0] // 8 if n0 > 1 else n1 * n2
     sums = np.zeros(levels, dtype=np.int64)
     counts = np.zeros(levels, dtype=np.int64)
-    lb.kvn_recon_sums(_ptr(x3), n0, n1, n2, st.ctypes.data, kind, *strides,
-                      c.ctypes.data, orow, int(levels), sums.ctypes.data, counts.ctypes.data)
+    if lb.kvn_recon_sums(_ptr(x3), n0, n1, n2, st.ctypes.data, kind, *strides,
+                         c.ctypes.data, orow, int(levels), sums.ctypes.data, counts.ctypes.data) != 0:
+        return None
     return [int(v) for v in sums], [int(v) for v in counts]
 
 
@@ -657,5 +677,5 @@ def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int
     return rc == _OK
 
 
-__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "deadzone_quantize", "escape_join_tokens", "escape_split_tokens", "intq_quantize", "kvc_dequantize", "lib", "member_sums", "token_quantize", "rows_affine", "status",
+__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "deadzone_quantize", "deadzone_recon", "escape_join_tokens", "escape_split_tokens", "intq_quantize", "kvc_dequantize", "lib", "member_sums", "token_quantize", "rows_affine", "status",
            "symbol_view"]

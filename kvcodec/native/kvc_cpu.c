@@ -1027,31 +1027,118 @@ int kvn_tok_quant(const void* x, int xkind, int64_t n, int64_t C, const int64_t*
 }
 
 /* Dead-zone quantization (kvcodec.quant.deadzone.deadzone_quantize), the same float64 arithmetic:
- * code = sign(x) * floor(|x| / step + rho). x: float32 [n0, n1, n2] contiguous; step: float64
- * with element strides s0, s1, s2 (0 broadcasts). Returns 1, leaving the rest undone, at a
- * non-finite x or a code beyond +-2^53 (the caller then takes the numpy path, whose result for
- * such inputs is whatever numpy's cast gives). */
-/* The inner loop of kvn_deadzone: n values of one (i, j) row; the step is read as float64 or
- * float32 (converted exactly) with stride ss. Branch-free, so the compiler can vectorise the
- * division; returns nonzero if any |x| / step + rho is not below 2^53 (or is NaN). */
-#define KVN_DZ_ROW(STYPE)                                                                      \
-  static int dz_row_##STYPE(const float* xr, const STYPE* st, int64_t ss, int64_t n, double rho, \
-                            int64_t* cr) {                                                     \
-    const double lim = 9007199254740992.0; /* 2^53 */                                          \
-    int bad = 0;                                                                               \
-    for (int64_t k = 0; k < n; ++k) {                                                          \
-      const double v = (double)xr[k];                                                          \
-      const double q = fabs(v) / (double)st[k * ss] + rho;                                     \
-      const int ok = q < lim; /* false for NaN */                                              \
-      bad |= !ok;                                                                              \
-      /* q >= 0 (steps > 0), so truncation is floor; out-of-range values are flagged above */  \
-      const int64_t m = (int64_t)(ok ? q : 0.0);                                               \
-      cr[k] = v < 0 ? -m : m;                                                                  \
-    }                                                                                          \
-    return bad;                                                                                \
+ * code = sign(x) * floor(|x| / step + rho), and kvc's reconstruction-offset statistics
+ * (kvcodec.quant.deadzone.recon_sums) of those codes, taken from the same quotients. Rows are
+ * done in blocks of DZ_BLOCK values: the quotients |x| / step first (one vectorisable division
+ * loop into stack scratch), then the codes, then (with levels) the sums — every loop
+ * branch-free, which measured 2-3x faster than the data-dependent branches compilers emit for
+ * the sign and level tests. */
+#define DZ_BLOCK 256
+
+/* The quotients |x| / step of n values (float64, the quantizer's division; steps read as float64
+ * or float32, converted exactly, with stride ss) into q. */
+#define KVN_QUOT_ROW(STYPE)                                                                         \
+  static void quot_row_##STYPE(const float* xr, const STYPE* st, int64_t ss, int64_t n, double* q) { \
+    for (int64_t k = 0; k < n; ++k) q[k] = fabs((double)xr[k]) / (double)st[k * ss];                \
   }
-KVN_DZ_ROW(double)
-KVN_DZ_ROW(float)
+KVN_QUOT_ROW(double)
+KVN_QUOT_ROW(float)
+
+/* Dead-zone codes from quotients: sign(x) * floor(q + rho); nonzero if a q + rho is not below
+ * 2^53 (or is NaN: a non-finite x). q >= 0 (steps > 0), so truncation is floor. */
+static int dz_from_quot(const float* xr, const double* q, int64_t n, double rho, int64_t* cr) {
+  const double lim = 9007199254740992.0; /* 2^53 */
+  int bad = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const double v = q[k] + rho;
+    const int ok = v < lim; /* false for NaN */
+    bad |= !ok;
+    const int64_t m = (int64_t)(ok ? v : 0.0);
+    const int64_t neg = -(int64_t)(xr[k] < 0); /* all ones for a negative value */
+    cr[k] = (m ^ neg) - neg;                   /* -m or m */
+  }
+  return bad;
+}
+
+/* Reconstruction sums of n codes and their quotients: per level l = 1..levels, acc[4 * l + lane]
+ * += llrint((l - q) * 2^24) (rounded half to even by the 1.5 * 2^52 trick: |residual| <= 2^24
+ * for a quotient that matches its code, in the default rounding mode) and cnt[4 * l + lane] +=
+ * 1; slot l = 0 takes every code outside 1..levels and is never read. Four lanes of
+ * accumulators so consecutive values do not wait on one another; acc, cnt: int64 [4 * 17]. */
+static void recon_row(const double* q, const int64_t* cr, int64_t n, int64_t levels, int64_t* acc, int64_t* cnt) {
+  const double magic = 6755399441055744.0; /* 1.5 * 2^52 */
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t c = cr[k];
+    const int64_t m = c < 0 ? -c : c;
+    /* a quotient that does not match its code (NaN, huge) only lands in slot 0: clamped so the
+       cast stays defined (a no-op for the counted levels, whose quotients are below 17) */
+    const double qq = q[k] < 1073741824.0 ? q[k] : 1073741824.0;
+    const double r = (((double)m - qq) * 16777216.0 + magic) - magic;
+    const int64_t in = (uint64_t)(m - 1) < (uint64_t)levels; /* 1 <= m <= levels */
+    const int64_t slot = 4 * (m * in) + (k & 3);
+    acc[slot] = (int64_t)((uint64_t)acc[slot] + (uint64_t)(int64_t)r); /* slot 0 may wrap */
+    cnt[slot] += 1;
+  }
+}
+
+/* Codes only, in one loop (no scratch: measured ~15 % faster than the blocks without sums). */
+#define KVN_DZ_DIRECT(STYPE)                                                                          \
+  static int dz_direct_##STYPE(const float* xr, const STYPE* st, int64_t ss, int64_t n, double rho,     \
+                               int64_t* cr) {                                                         \
+    const double lim = 9007199254740992.0; /* 2^53 */                                                 \
+    int bad = 0;                                                                                      \
+    for (int64_t k = 0; k < n; ++k) {                                                                 \
+      const double v = fabs((double)xr[k]) / (double)st[k * ss] + rho;                                \
+      const int ok = v < lim; /* false for NaN */                                                     \
+      bad |= !ok;                                                                                     \
+      const int64_t m = (int64_t)(ok ? v : 0.0);                                                      \
+      const int64_t neg = -(int64_t)(xr[k] < 0);                                                      \
+      cr[k] = (m ^ neg) - neg;                                                                        \
+    }                                                                                                 \
+    return bad;                                                                                       \
+  }
+KVN_DZ_DIRECT(double)
+KVN_DZ_DIRECT(float)
+
+/* One (i, j) row of n values: codes (quantize != 0: written to cr; else cr holds them) and, with
+ * levels > 0, the sums. Returns dz_from_quot's flag. */
+static int dz_row(const float* xr, const void* step, int skind, int64_t ss, int64_t n, double rho, int64_t* cr,
+                  int quantize, int64_t levels, int64_t* acc, int64_t* cnt) {
+  if (quantize && !levels)
+    return skind == 1 ? dz_direct_float(xr, (const float*)step, ss, n, rho, cr)
+                      : dz_direct_double(xr, (const double*)step, ss, n, rho, cr);
+  double q[DZ_BLOCK];
+  int bad = 0;
+  for (int64_t k0 = 0; k0 < n; k0 += DZ_BLOCK) {
+    const int64_t nb = n - k0 < DZ_BLOCK ? n - k0 : DZ_BLOCK;
+    if (skind == 1)
+      quot_row_float(xr + k0, (const float*)step + k0 * ss, ss, nb, q);
+    else
+      quot_row_double(xr + k0, (const double*)step + k0 * ss, ss, nb, q);
+    if (quantize) bad |= dz_from_quot(xr + k0, q, nb, rho, cr + k0);
+    if (levels) recon_row(q, cr + k0, nb, levels, acc, cnt);
+  }
+  return bad;
+}
+
+/* The rows of x float32 [n0, n1, n2] (steps with element strides s0, s1, s2, 0 = broadcast; codes
+ * int64, element (i, j, k) at i * orow + j * n2 + k), folded into sums, counts [levels]. */
+static int dz_rows(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
+                   int64_t s1, int64_t s2, double rho, int64_t* codes, int64_t orow, int quantize, int64_t levels,
+                   int64_t* sums, int64_t* counts) {
+  int64_t acc[4 * 17] = {0}, cnt[4 * 17] = {0};
+  const size_t es = skind == 1 ? sizeof(float) : sizeof(double);
+  int bad = 0;
+  for (int64_t i = 0; i < n0 && !bad; ++i)
+    for (int64_t j = 0; j < n1 && !bad; ++j)
+      bad |= dz_row(x + (i * n1 + j) * n2, (const char*)step + (size_t)(i * s0 + j * s1) * es, skind, s2, n2, rho,
+                    codes + i * orow + j * n2, quantize, levels, acc, cnt);
+  for (int64_t l = 1; l <= levels; ++l) {
+    sums[l - 1] = acc[4 * l] + acc[4 * l + 1] + acc[4 * l + 2] + acc[4 * l + 3];
+    counts[l - 1] = cnt[4 * l] + cnt[4 * l + 1] + cnt[4 * l + 2] + cnt[4 * l + 3];
+  }
+  return bad;
+}
 
 /* Dead-zone codes sign(x) * floor(|x| / step + rho) of float32 x [n0, n1, n2] (float64 arithmetic,
  * as kvcodec.quant.deadzone.deadzone_quantize), steps float64 (skind 0) or float32 (skind 1,
@@ -1061,43 +1148,29 @@ KVN_DZ_ROW(float)
  * then uses the numpy path), else 0. */
 int kvn_deadzone(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
                  int64_t s1, int64_t s2, double rho, int64_t* codes, int64_t orow) {
-  int bad = 0;
-  for (int64_t i = 0; i < n0 && !bad; ++i) {
-    for (int64_t j = 0; j < n1; ++j) {
-      const int64_t off = (i * n1 + j) * n2, so = i * s0 + j * s1;
-      int64_t* out = codes + i * orow + j * n2;
-      if (skind == 1)
-        bad |= dz_row_float(x + off, (const float*)step + so, s2, n2, rho, out);
-      else
-        bad |= dz_row_double(x + off, (const double*)step + so, s2, n2, rho, out);
-    }
-  }
-  return bad;
+  return dz_rows(x, n0, n1, n2, step, skind, s0, s1, s2, rho, codes, orow, 1, 0, NULL, NULL);
 }
 
-/* kvc's reconstruction-offset statistics (kvcodec.quant.deadzone.recon_sums): for the codes of
- * kvn_deadzone's layout (x float32 [n0, n1, n2], steps as there, codes at i * orow + j * n2 + k),
- * per level l = 1..levels: counts[l - 1] = #{|c| = l}, sums[l - 1] = sum of
- * llrint((l - |x| / step) * 2^24) (float64 residuals, rounded half to even, summed exactly). */
-void kvn_recon_sums(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
-                    int64_t s1, int64_t s2, const int64_t* codes, int64_t orow, int64_t levels, int64_t* sums,
-                    int64_t* counts) {
-  for (int64_t l = 0; l < levels; ++l) sums[l] = counts[l] = 0;
-  for (int64_t i = 0; i < n0; ++i) {
-    for (int64_t j = 0; j < n1; ++j) {
-      const float* xr = x + (i * n1 + j) * n2;
-      const int64_t so = i * s0 + j * s1;
-      const int64_t* cr = codes + i * orow + j * n2;
-      for (int64_t k = 0; k < n2; ++k) {
-        const int64_t c = cr[k];
-        const int64_t m = c < 0 ? -c : c;
-        if (m < 1 || m > levels) continue;
-        const double st = skind == 1 ? (double)((const float*)step)[so + k * s2] : ((const double*)step)[so + k * s2];
-        sums[m - 1] += (int64_t)llrint(((double)m - fabs((double)xr[k]) / st) * 16777216.0);
-        counts[m - 1] += 1;
-      }
-    }
-  }
+/* kvc's reconstruction-offset statistics (kvcodec.native.recon_sums) of existing codes (layout
+ * as kvn_deadzone's): per level l = 1..levels (1..16), counts[l - 1] = #{|c| = l}, sums[l - 1] =
+ * sum of llrint((l - |x| / step) * 2^24) (float64 residuals, half to even, summed exactly).
+ * Returns KVN_BAD_SYMBOL for levels outside 1..16, else KVN_OK. */
+int kvn_recon_sums(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
+                   int64_t s1, int64_t s2, const int64_t* codes, int64_t orow, int64_t levels, int64_t* sums,
+                   int64_t* counts) {
+  if (levels < 1 || levels > 16) return KVN_BAD_SYMBOL;
+  dz_rows(x, n0, n1, n2, step, skind, s0, s1, s2, 0.0, (int64_t*)codes, orow, 0, levels, sums, counts);
+  return KVN_OK;
+}
+
+/* kvn_deadzone and kvn_recon_sums in one pass (each quotient computed once): the codes as
+ * kvn_deadzone writes them and the sums and counts of those codes. Returns 1 as kvn_deadzone does
+ * (the sums are then meaningless), KVN_BAD_SYMBOL for levels outside 1..16, else 0. */
+int kvn_deadzone_recon(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
+                       int64_t s1, int64_t s2, double rho, int64_t* codes, int64_t orow, int64_t levels,
+                       int64_t* sums, int64_t* counts) {
+  if (levels < 1 || levels > 16) return KVN_BAD_SYMBOL;
+  return dz_rows(x, n0, n1, n2, step, skind, s0, s1, s2, rho, codes, orow, 1, levels, sums, counts);
 }
 
 /* kvc escapes on a token-major code matrix codes[t * R + r] (int64 [n, R]): L = clamp(max|c| + 1,
@@ -1290,4 +1363,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 17; }
+int kvn_abi_version(void) { return 18; }

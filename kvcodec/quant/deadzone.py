@@ -143,6 +143,31 @@ def recon_offsets(x: np.ndarray, step: np.ndarray, codes: np.ndarray, levels: in
     return recon_from_sums(sums, counts)
 
 
+def deadzone_quantize_recon(x: np.ndarray, step: np.ndarray, rho: float, levels: int,
+                            out: np.ndarray | None = None) -> tuple[np.ndarray, list[int]]:
+    """:func:`deadzone_quantize` then :func:`recon_offsets` of its codes (``levels`` of them):
+    ``(codes, offsets)``, exactly what the two calls return; the native path takes both in one
+    pass over ``x`` (each value and its step read once: the calibrated kvc encoder's K tensors).
+
+    Example:
+        >>> x = np.array([[[0.7, 1.0, -0.8, 2.1]]], dtype=np.float32)
+        >>> codes, rc = deadzone_quantize_recon(x, np.ones(4), 0.5, 2)
+        >>> codes.reshape(-1).tolist(), rc
+        ([1, 1, -1, 2], [43, 0])
+    """
+    if not 0.0 < rho <= 0.5:
+        raise InputError(f"dead-zone rounding offset rho must be in (0, 0.5], got {rho}")
+    if not 0 <= levels <= RECON_MAX_LEVELS:
+        raise InputError(f"reconstruction levels must be in [0, {RECON_MAX_LEVELS}], got {levels}")
+    from .. import native
+
+    fast = native.deadzone_recon(x, step, rho, out, levels) if levels else None
+    if fast is not None:
+        return fast[0], recon_from_sums(*fast[1])
+    codes = deadzone_quantize(x, step, rho, out)
+    return codes, recon_offsets(x, step, codes, levels)
+
+
 def recon_sums(x: np.ndarray, step: np.ndarray, codes: np.ndarray, levels: int) -> tuple[list[int], list[int]]:
     """The integer residual sums (units ``2**-24`` step) and counts per level behind
     :func:`recon_offsets` (the reference; :func:`kvcodec.native.recon_sums` computes the same
@@ -216,6 +241,7 @@ __all__ = [
     "STEP_MANTISSA",
     "deadzone_dequantize",
     "deadzone_quantize",
+    "deadzone_quantize_recon",
     "step_code",
     "step_from_code",
 ]
