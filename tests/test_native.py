@@ -347,6 +347,31 @@ def test_escape_split_and_join_match_kvc():
                 native.escape_join_tokens(sym, bad, lv)
 
 
+def test_escape_split_one_pass_and_two_passes_agree():
+    """The one-pass split (escapes in a scratch of 1/16 of the codes) and the two-pass one it
+    falls back to give kvc's split, with and without delta columns, below and above the cap, and
+    when nothing reaches max_level (a smaller L: the one pass shifts its symbols)."""
+    from kvcodec.codecs.kvc import escape_split
+
+    rng = np.random.default_rng(41)
+    n, r = 400, 30
+    for frac, max_level in [(0.0, 32), (0.01, 16), (0.05, 16), (0.2, 16), (0.9, 8)]:
+        codes = np.round(rng.laplace(0, 2, size=(n, r))).astype(np.int64)
+        codes = np.clip(codes, -(max_level - 2), max_level - 2)
+        hit = rng.random((n, r)) < frac
+        codes[hit] = rng.integers(max_level, 5 * max_level, size=int(hit.sum())) * rng.choice([-1, 1], int(hit.sum()))
+        use = rng.random(r) < 0.3
+        for dl in (None, use):
+            d = codes.copy()
+            if dl is not None:
+                d[1:, dl] = np.diff(codes[:, dl], axis=0)
+            want_sym, want_esc, want_lv = escape_split(d.T, max_level)
+            sym, esc, lv = native.escape_split_tokens(codes, max_level, dl)
+            assert lv == want_lv and np.array_equal(sym.T, want_sym) and np.array_equal(esc, want_esc)
+            if frac == 0.0 and dl is None:
+                assert lv < max_level and esc.size == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_kvc_dequantize_matches_numpy(dtype, f16_path):
     from kvcodec.quant.fast import from_f32_numpy

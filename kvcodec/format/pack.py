@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,18 @@ def _aligned(x: int) -> int:
 
 _ZSTD = 16  # a dtype field at or above this marks a zstd-compressed piece
 _ZSTD_RATIO = 256  # a compressed piece may expand to at most this many times its bytes (+ 64 KiB)
+
+
+_local = threading.local()  # one zstd compressor per (thread, level): making one costs more than a small frame
+
+
+def _compressor(level: int):
+    import zstandard
+
+    cache = _local.__dict__.setdefault("zstd", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cache[level]
 
 
 def pack_planes(planes: dict[str, np.ndarray], names: tuple[str, ...], zstd_level: int = 0,
@@ -82,10 +95,8 @@ def pack_planes(planes: dict[str, np.ndarray], names: tuple[str, ...], zstd_leve
         shape = [int(v) for v in a.shape]
         entry = [i, code, *shape]
         if zstd_level > 0 and a.nbytes > 0 and (zstd_pieces is None or name in zstd_pieces):
-            import zstandard
-
             raw = np.ascontiguousarray(a, dtype=dt).tobytes()
-            frame = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True).compress(raw)
+            frame = _compressor(zstd_level).compress(raw)
             if len(frame) < len(raw) and len(raw) <= _ZSTD_RATIO * len(frame) + 65536:  # what readers accept
                 a = np.frombuffer(frame, dtype=np.uint8)
                 entry = [i, _ZSTD + code, len(frame), *shape]

@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 18
+ABI_VERSION = 19
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -130,6 +130,8 @@ def _build() -> ctypes.CDLL:
     lib.kvn_deadzone_recon.restype = ctypes.c_int
     lib.kvn_escape_split.argtypes = [p, i64, i64, i64, p, p, p, p, p, p]
     lib.kvn_escape_split.restype = ctypes.c_int
+    lib.kvn_escape_split1.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64, p, p]
+    lib.kvn_escape_split1.restype = ctypes.c_int
     lib.kvn_escape_join.argtypes = [p, i64, i64, i64, p, i64, p, p]
     lib.kvn_escape_join.restype = ctypes.c_int
     lib.kvn_kvc_dequant.argtypes = [p, i64, i64, i64, i64, p, i64, i64, i64, p, f32, ctypes.c_int, p, p, i64]
@@ -543,6 +545,17 @@ def escape_split_tokens(codes: np.ndarray, max_level: int,
     dp = None if dl is None else _ptr(dl)
     sym = np.empty((n, r), dtype=np.uint16)
     cnt, lv = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    # one pass while the escapes fit a scratch of 1/16 of the codes (kvc's presets escape well
+    # under 1 %); else the two passes (count, then split)
+    cap = (n * r) // 16 + 64
+    esc, etok, erow = (np.empty(cap, dtype=np.int32) for _ in range(3))
+    rc = lb.kvn_escape_split1(_ptr(c), n, r, int(max_level), dp, _ptr(sym), _ptr(esc), _ptr(etok), _ptr(erow), cap,
+                              _ptr(cnt), _ptr(lv))
+    del etok, erow
+    if rc == _NOMEM:
+        raise MemoryError("native escape split: out of memory")
+    if rc == _OK:
+        return sym, esc[: int(cnt[0])].copy(), int(lv[0])
     rowcnt = np.zeros(max(r, 1), np.int64)
     lb.kvn_escape_split(_ptr(c), n, r, int(max_level), dp, None, None, _ptr(rowcnt), _ptr(cnt), _ptr(lv))
     esc = np.empty(int(cnt[0]), dtype=np.int32)

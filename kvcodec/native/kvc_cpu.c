@@ -1236,6 +1236,62 @@ int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_lev
   return KVN_OK;
 }
 
+/* kvn_escape_split in one pass over the codes (same sym, esc and L): the symbols are written as
+ * if L = max_level, the escapes collected in token order with their rows (at most cap of them:
+ * KVN_OVERFLOW beyond, sym then undone -- the caller uses the two passes), then put in row order
+ * by a stable counting sort; when every |c| < max_level - 1, L = max|c| + 1 and the symbols are
+ * shifted down by max_level - L instead. etok, erow: int32 [cap] scratch; esc: int32 [cap]. */
+int kvn_escape_split1(const int64_t* codes, int64_t n, int64_t R, int64_t max_level, const uint8_t* delta,
+                      uint16_t* sym, int32_t* esc, int32_t* etok, int32_t* erow, int64_t cap, int64_t* n_esc,
+                      int64_t* lv) {
+  const int64_t ml = max_level > 0 ? max_level : 1;
+  const uint16_t e = (uint16_t)(2 * ml - 1);
+  uint64_t top = 0;
+  int64_t ne = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t* ct = codes + t * R;
+    uint16_t* st = sym + t * R;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t c = (delta && delta[r] && t) ? ct[r] - ct[r - R] : ct[r];
+      const uint64_t a = c < 0 ? (uint64_t)0 - (uint64_t)c : (uint64_t)c;
+      top = a > top ? a : top;
+      if (a >= (uint64_t)ml) {
+        st[r] = e;
+        if (ne < cap) {
+          etok[ne] = (int32_t)(uint32_t)(uint64_t)c;
+          erow[ne] = (int32_t)r;
+        }
+        ++ne;
+      } else {
+        st[r] = (uint16_t)(c + ml - 1);
+      }
+    }
+  }
+  if (ne > cap) return KVN_OVERFLOW;
+  int64_t L = top + 1 < (uint64_t)ml ? (int64_t)top + 1 : ml;
+  if (L < 1) L = 1;
+  *lv = L;
+  *n_esc = ne;
+  if (L < ml) { /* nothing escaped: the symbols of the smaller alphabet */
+    const uint16_t d = (uint16_t)(ml - L);
+    for (int64_t i = 0; i < n * R; ++i) sym[i] = (uint16_t)(sym[i] - d);
+    return KVN_OK;
+  }
+  if (!ne) return KVN_OK;
+  int64_t* pos = (int64_t*)calloc((size_t)(R > 0 ? R : 1), sizeof(int64_t));
+  if (!pos) return KVN_NOMEM;
+  for (int64_t i = 0; i < ne; ++i) pos[erow[i]] += 1;
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) { /* counts -> first slot of each row */
+    const int64_t k = pos[r];
+    pos[r] = total;
+    total += k;
+  }
+  for (int64_t i = 0; i < ne; ++i) esc[pos[erow[i]]++] = etok[i];
+  free(pos);
+  return KVN_OK;
+}
+
 /* Inverse: out[t * R + r] = sym - (L - 1), escape symbols (2L - 1) replaced by esc values taken in
  * row-major order of [R, n]; with delta (uint8 [R] or NULL), the columns r with delta[r] != 0
  * become their running sums over t. Returns 1 if the escape count differs from n_esc, 2 if an escaped
@@ -1363,4 +1419,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 18; }
+int kvn_abi_version(void) { return 19; }
