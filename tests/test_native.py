@@ -350,7 +350,8 @@ def test_escape_split_and_join_match_kvc():
 def test_escape_split_one_pass_and_two_passes_agree():
     """The one-pass split (escapes in a scratch of 1/16 of the codes) and the two-pass one it
     falls back to give kvc's split, with and without delta columns, below and above the cap, and
-    when nothing reaches max_level (a smaller L: the one pass shifts its symbols)."""
+    when nothing reaches max_level (a smaller L: the one pass shifts its symbols); from int64 or
+    int32 codes alike (and the delta histograms too)."""
     from kvcodec.codecs.kvc import escape_split
 
     rng = np.random.default_rng(41)
@@ -366,8 +367,12 @@ def test_escape_split_one_pass_and_two_passes_agree():
             if dl is not None:
                 d[1:, dl] = np.diff(codes[:, dl], axis=0)
             want_sym, want_esc, want_lv = escape_split(d.T, max_level)
-            sym, esc, lv = native.escape_split_tokens(codes, max_level, dl)
-            assert lv == want_lv and np.array_equal(sym.T, want_sym) and np.array_equal(esc, want_esc)
+            for dtype in (np.int64, np.int32):  # kvc's encoder hands int32 codes when they fit
+                sym, esc, lv = native.escape_split_tokens(codes.astype(dtype), max_level, dl)
+                assert lv == want_lv and np.array_equal(sym.T, want_sym) and np.array_equal(esc, want_esc)
+            hc, he = native.delta_histograms(codes, 3)
+            hc32, he32 = native.delta_histograms(codes.astype(np.int32), 3)
+            assert np.array_equal(hc, hc32) and np.array_equal(he, he32)
             if frac == 0.0 and dl is None:
                 assert lv < max_level and esc.size == 0
 
@@ -433,5 +438,13 @@ def test_deadzone_writes_into_the_first_columns_of_a_wider_matrix(monkeypatch):
                 assert np.array_equal(got, want) and np.array_equal(wide[:, :24], want)
                 assert (wide[:, 24:] == -5).all()  # the other columns are left alone
     if native.available():
-        with pytest.raises(ValueError, match="int64"):
-            native.deadzone_quantize(x, np.float32(1.0), 0.5, out=np.zeros((37, 24), np.int32))
+        with pytest.raises(ValueError, match="int64 or int32"):
+            native.deadzone_quantize(x, np.float32(1.0), 0.5, out=np.zeros((37, 24), np.int16))
+        # int32 codes (what kvc's encoder asks for): the same values, or None when one would not fit
+        want = deadzone_quantize(x.astype(np.float64), np.float32(1.0), 0.5).reshape(37, 24)
+        got32 = native.deadzone_quantize(x, np.float32(1.0), 0.5, out=np.zeros((37, 24), np.int32))
+        assert got32.dtype == np.int32 and np.array_equal(got32, want)
+        big = x.copy()
+        big[3, 0, 0] = 2.5e9
+        assert native.deadzone_quantize(big, np.float32(1.0), 0.5, out=np.zeros((37, 24), np.int32)) is None
+        assert native.deadzone_quantize(big, np.float32(1.0), 0.5, out=np.zeros((37, 24), np.int64))[3, 0] == 2500000000

@@ -121,8 +121,8 @@ from ..quant.deadzone import (
     STEP_CODE_MIN,
     RECON_MAX_LEVELS,
     RECON_UNIT,
-    deadzone_quantize,
     deadzone_quantize_recon,
+    recon_from_sums,
     recon_values,
     step_code,
     step_from_code,
@@ -503,13 +503,11 @@ class KVCCodec(Codec):
                 toff = np.clip(step_code(m), lo[None], hi[None]).astype(np.int64)  # [n, H]
                 params["k_tok"] = 1
                 step = token_steps(sc, toff, where)  # [n, H, D], = step_from_code(sc[None] + toff[:, :, None])
-                tok = np.empty((n, h * d + h), dtype=np.int64)  # the codes, then the offset rows
-                _, rc = deadzone_quantize_recon(z, step, p["rho"], lv, out=tok[:, : h * d])
+                tok, rc = _quantize_tokens(z, step, p["rho"], lv, h)  # the codes, then the offset rows
                 tok[:, h * d:] = toff
             else:
                 step = step_from_code(sc)[None]  # [1, H, D]
-                codes, rc = deadzone_quantize_recon(z, step, p["rho"], lv)
-                tok = codes.reshape(n, h * d)
+                tok, rc = _quantize_tokens(z, step, p["rho"], lv, 0)
             if lv:
                 # reconstruction offsets of K's first levels (K and MLA latents only): the mean
                 # inward distance of the values coded +-k, measured in the quantizer's pass (see
@@ -528,8 +526,7 @@ class KVCCodec(Codec):
                 rel = rel * rec[:, None]
             sc = step_code(rel)
             step = step_from_code(sc)[:, :, None]
-            tok = np.empty((n, h * d + h), dtype=np.int64)  # the codes, then the step-code rows
-            deadzone_quantize(z, step, p["rho"], out=tok[:, : h * d])
+            tok, _ = _quantize_tokens(z, step, p["rho"], 0, h)  # the codes, then the step-code rows
             base = np.median(sc, axis=0).astype(np.int64) if n else np.zeros(h, np.int64)
             params["step_base"] = [int(b) for b in base]
             tok[:, h * d:] = sc - base[None]
@@ -665,6 +662,24 @@ class KVCCodec(Codec):
         return out
 
 
+def _quantize_tokens(z: np.ndarray, step: np.ndarray, rho: float, levels: int,
+                     extra: int) -> tuple[np.ndarray, list[int]]:
+    """Dead-zone codes of ``z [n, H, D]`` in the first ``H * D`` columns of a token-major matrix
+    with ``extra`` more columns (left for the caller), and with ``levels > 0`` the reconstruction
+    offsets of those codes: ``(matrix, offsets)``. The matrix is int32 when the native pass takes
+    every code (half the memory traffic of the passes that follow: deltas, escapes), else int64
+    from :func:`deadzone_quantize_recon` (the same codes)."""
+    n, h, d = z.shape
+    if native.available():
+        tok = np.empty((n, h * d + extra), dtype=np.int32)
+        fast = native.deadzone_recon(z, step, rho, tok[:, : h * d], levels)
+        if fast is not None:
+            return tok, (recon_from_sums(*fast[1]) if levels else [])
+    tok = np.empty((n, h * d + extra), dtype=np.int64)
+    _, rc = deadzone_quantize_recon(z, step, rho, levels, out=tok[:, : h * d])
+    return tok, rc
+
+
 def delta_rows(codes: np.ndarray, margin: float = 0.02, method: str = "auto",
                min_gain_bits: float = 1024.0, sample: int = 512) -> np.ndarray:
     """Which columns of token-major ``codes [n, R]`` to code as token deltas: bool ``[R]``.
@@ -683,7 +698,9 @@ def delta_rows(codes: np.ndarray, margin: float = 0.02, method: str = "auto",
         >>> delta_rows(c, min_gain_bits=0).tolist()
         [True, False]
     """
-    c = np.asarray(codes, dtype=np.int64)
+    c = np.asarray(codes)
+    if c.dtype not in (np.int32, np.int64):
+        c = c.astype(np.int64)
     n, r = c.shape
     if n < 2 or r == 0:
         return np.zeros(r, dtype=bool)
@@ -691,6 +708,7 @@ def delta_rows(codes: np.ndarray, margin: float = 0.02, method: str = "auto",
     if method == "auto" and native.available():
         hc, he = native.delta_histograms(c, ts)
     else:
+        c = c.astype(np.int64, copy=False)
         e = c.copy()
         e[1:] -= c[:-1]
         rows = 128 * np.arange(r, dtype=np.int64)[None, :]

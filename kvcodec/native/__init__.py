@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 19
+ABI_VERSION = 20
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -121,16 +121,17 @@ def _build() -> ctypes.CDLL:
     lib.kvn_intq_quant.restype = ctypes.c_int
     lib.kvn_tok_quant.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, i32, p, p]
     lib.kvn_tok_quant.restype = ctypes.c_int
-    lib.kvn_deadzone.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, i64, i64, ctypes.c_double, p, i64]
+    lib.kvn_deadzone.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, i64, i64, ctypes.c_double, p, ctypes.c_int,
+                                 i64]
     lib.kvn_deadzone.restype = ctypes.c_int
     lib.kvn_recon_sums.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, i64, i64, p, i64, i64, p, p]
     lib.kvn_recon_sums.restype = ctypes.c_int
-    lib.kvn_deadzone_recon.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, i64, i64, ctypes.c_double, p, i64,
-                                       i64, p, p]
+    lib.kvn_deadzone_recon.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, i64, i64, ctypes.c_double, p,
+                                       ctypes.c_int, i64, i64, p, p]
     lib.kvn_deadzone_recon.restype = ctypes.c_int
     lib.kvn_escape_split.argtypes = [p, i64, i64, i64, p, p, p, p, p, p]
     lib.kvn_escape_split.restype = ctypes.c_int
-    lib.kvn_escape_split1.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64, p, p]
+    lib.kvn_escape_split1.argtypes = [p, ctypes.c_int, i64, i64, i64, p, p, p, p, p, i64, p, p]
     lib.kvn_escape_split1.restype = ctypes.c_int
     lib.kvn_escape_join.argtypes = [p, i64, i64, i64, p, i64, p, p]
     lib.kvn_escape_join.restype = ctypes.c_int
@@ -138,7 +139,7 @@ def _build() -> ctypes.CDLL:
     lib.kvn_kvc_dequant.restype = ctypes.c_int
     lib.kvn_member_sums.argtypes = [p, i64, i64, p, i64, p, p]
     lib.kvn_member_sums.restype = None
-    lib.kvn_delta_hist.argtypes = [p, i64, i64, i64, p, p]
+    lib.kvn_delta_hist.argtypes = [p, ctypes.c_int, i64, i64, i64, p, p]
     lib.kvn_delta_hist.restype = None
     lib.kvn_set_hw_f16.argtypes = [ctypes.c_int]
     lib.kvn_set_hw_f16.restype = ctypes.c_int
@@ -448,7 +449,9 @@ def deadzone_recon(x: np.ndarray, step: np.ndarray, rho: float, out: np.ndarray 
                    levels: int) -> tuple[np.ndarray, tuple[list[int], list[int]] | None] | None:
     """:func:`deadzone_quantize` and, with ``1 <= levels <= 16``, the reconstruction sums of
     :func:`recon_sums` for those codes, in one pass: ``(codes, (sums, counts))`` (``(codes,
-    None)`` with ``levels`` 0), or ``None`` when this path does not apply."""
+    None)`` with ``levels`` 0), or ``None`` when this path does not apply. ``out`` may be int32
+    (half the memory traffic of int64; kvc's encoder asks for it): then ``None`` also when a
+    code would not fit (``|c| >= 2**31``)."""
     lb = lib()
     ops = _dz_operands(x, step) if lb is not None else None
     if ops is None or not 0 <= levels <= 16 or (levels and np.ndim(x) != 3):
@@ -459,14 +462,16 @@ def deadzone_recon(x: np.ndarray, step: np.ndarray, rho: float, out: np.ndarray 
         codes, orow = np.empty(x3.shape, dtype=np.int64), n1 * n2
     else:
         codes = out
-        if out.dtype != np.int64 or out.ndim != 2 or out.shape != (n0, n1 * n2):
-            raise ValueError(f"deadzone out must be an int64 [{n0}, {n1 * n2}] matrix")
+        if out.dtype not in (np.int64, np.int32) or out.ndim != 2 or out.shape != (n0, n1 * n2):
+            raise ValueError(f"deadzone out must be an int64 or int32 [{n0}, {n1 * n2}] matrix")
         if out.size == 0:
             return out, (([0] * levels, [0] * levels) if levels else None)
-        if (n1 * n2 > 1 and out.strides[1] != 8) or (n0 > 1 and out.strides[0] % 8):
-            raise ValueError(f"deadzone out must be an int64 [{n0}, {n1 * n2}] view with contiguous rows")
-        orow = out.strides[0] // 8 if n0 > 1 else n1 * n2
-    args = (_ptr(x3), n0, n1, n2, st.ctypes.data, kind, *strides, float(rho), codes.ctypes.data, orow)
+        es = out.itemsize
+        if (n1 * n2 > 1 and out.strides[1] != es) or (n0 > 1 and out.strides[0] % es):
+            raise ValueError(f"deadzone out must be an int64 or int32 [{n0}, {n1 * n2}] view with contiguous rows")
+        orow = out.strides[0] // es if n0 > 1 else n1 * n2
+    args = (_ptr(x3), n0, n1, n2, st.ctypes.data, kind, *strides, float(rho), codes.ctypes.data,
+            1 if codes.dtype == np.int32 else 0, orow)
     if not levels:
         if lb.kvn_deadzone(*args) != 0:
             return None
@@ -529,13 +534,13 @@ def recon_sums(x: np.ndarray, step: np.ndarray, codes: np.ndarray, levels: int) 
 
 def escape_split_tokens(codes: np.ndarray, max_level: int,
                         delta: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
-    """kvc's escape split of a token-major ``int64 codes [n, R]``: returns ``(symbols uint16
+    """kvc's escape split of a token-major ``int64 codes [n, R]`` (or int32): returns ``(symbols uint16
     [n, R], escapes int32, L)``, the symbols being the transpose of what
     :func:`kvcodec.codecs.kvc.escape_split` returns for ``codes.T`` and the escapes identical
     (row-major order of ``[R, n]``). With ``delta`` (bool ``[R]``) those columns are split as
     their token deltas ``c[t] - c[t-1]`` (``t > 0``), without a copy of the matrix."""
     lb = _required()
-    c = np.ascontiguousarray(codes, dtype=np.int64)
+    c = np.ascontiguousarray(codes, dtype=np.int32 if np.asarray(codes).dtype == np.int32 else np.int64)
     n, r = c.shape
     dl = None
     if delta is not None:
@@ -549,13 +554,14 @@ def escape_split_tokens(codes: np.ndarray, max_level: int,
     # under 1 %); else the two passes (count, then split)
     cap = (n * r) // 16 + 64
     esc, etok, erow = (np.empty(cap, dtype=np.int32) for _ in range(3))
-    rc = lb.kvn_escape_split1(_ptr(c), n, r, int(max_level), dp, _ptr(sym), _ptr(esc), _ptr(etok), _ptr(erow), cap,
-                              _ptr(cnt), _ptr(lv))
+    rc = lb.kvn_escape_split1(_ptr(c), 1 if c.dtype == np.int32 else 0, n, r, int(max_level), dp, _ptr(sym),
+                              _ptr(esc), _ptr(etok), _ptr(erow), cap, _ptr(cnt), _ptr(lv))
     del etok, erow
     if rc == _NOMEM:
         raise MemoryError("native escape split: out of memory")
     if rc == _OK:
         return sym, esc[: int(cnt[0])].copy(), int(lv[0])
+    c = c.astype(np.int64, copy=False)  # the two passes read int64
     rowcnt = np.zeros(max(r, 1), np.int64)
     lb.kvn_escape_split(_ptr(c), n, r, int(max_level), dp, None, None, _ptr(rowcnt), _ptr(cnt), _ptr(lv))
     esc = np.empty(int(cnt[0]), dtype=np.int32)
@@ -639,18 +645,18 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
 
 
 def delta_histograms(codes: np.ndarray, stride: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """kvc's token-delta statistics of token-major ``int64 codes [n, R]`` (``|c| < 2**62``): per
+    """kvc's token-delta statistics of token-major ``int64`` (or int32) ``codes [n, R]`` (``|c| < 2**62``): per
     column, ``int32 [R, 128]`` counts of the codes and of their token deltas (first delta = the
     first code) at tokens ``0, stride, 2 stride, ...``, clipped to ``[-64, 63]`` and shifted by
     64 — one pass, the same counts as :func:`kvcodec.codecs.kvc.delta_rows`' numpy path."""
     lb = _required()
-    c = np.ascontiguousarray(codes, dtype=np.int64)
+    c = np.ascontiguousarray(codes, dtype=np.int32 if np.asarray(codes).dtype == np.int32 else np.int64)
     n, r = c.shape
     if n >= 2**31:
         raise ValueError("delta_histograms: at most 2**31 - 1 tokens")
     hc = np.empty((r, 128), dtype=np.int32)
     he = np.empty((r, 128), dtype=np.int32)
-    lb.kvn_delta_hist(_ptr(c), n, r, max(1, int(stride)), _ptr(hc), _ptr(he))
+    lb.kvn_delta_hist(_ptr(c), 1 if c.dtype == np.int32 else 0, n, r, max(1, int(stride)), _ptr(hc), _ptr(he))
     return hc, he
 
 

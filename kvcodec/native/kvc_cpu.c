@@ -1044,122 +1044,144 @@ int kvn_tok_quant(const void* x, int xkind, int64_t n, int64_t C, const int64_t*
 KVN_QUOT_ROW(double)
 KVN_QUOT_ROW(float)
 
-/* Dead-zone codes from quotients: sign(x) * floor(q + rho); nonzero if a q + rho is not below
- * 2^53 (or is NaN: a non-finite x). q >= 0 (steps > 0), so truncation is floor. */
-static int dz_from_quot(const float* xr, const double* q, int64_t n, double rho, int64_t* cr) {
-  const double lim = 9007199254740992.0; /* 2^53 */
-  int bad = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    const double v = q[k] + rho;
-    const int ok = v < lim; /* false for NaN */
-    bad |= !ok;
-    const int64_t m = (int64_t)(ok ? v : 0.0);
-    const int64_t neg = -(int64_t)(xr[k] < 0); /* all ones for a negative value */
-    cr[k] = (m ^ neg) - neg;                   /* -m or m */
+/* Everything below exists for int64 codes (suffix _i64: any code below 2^53) and int32 codes
+ * (_i32: codes below 2^31, half the memory traffic and a vectorisable conversion -- what the kvc
+ * encoder asks for first); CT is the code type, LIM the bound a code + rho must stay below. */
+/* One value k of a dead-zone row (xr, rho, bad and cr in scope): code of |x| / STEP + rho. */
+#define DZ_DIRECT_ONE(CT, LIM, STEP)                                  \
+  do {                                                                \
+    const double v_ = fabs((double)xr[k]) / (STEP) + rho;             \
+    const int ok_ = v_ < (LIM); /* false for NaN */                   \
+    bad |= !ok_;                                                      \
+    const CT m_ = (CT)(ok_ ? v_ : 0.0);                               \
+    const CT neg_ = -(CT)(xr[k] < 0); /* all ones for a negative x */ \
+    cr[k] = (CT)((m_ ^ neg_) - neg_); /* -m or m */                   \
+  } while (0)
+#define KVN_DZ_FAMILY(SUF, CT, LIM)                                                                     \
+  /* Dead-zone codes from quotients: sign(x) * floor(q + rho); nonzero if a q + rho is not below   \
+   * LIM (or is NaN: a non-finite x). q >= 0 (steps > 0), so truncation is floor. */                \
+  static int dz_from_quot##SUF(const float* xr, const double* q, int64_t n, double rho, CT* cr) {     \
+    int bad = 0;                                                                                    \
+    for (int64_t k = 0; k < n; ++k) {                                                               \
+      const double v = q[k] + rho;                                                                  \
+      const int ok = v < (LIM); /* false for NaN */                                                 \
+      bad |= !ok;                                                                                   \
+      const CT m = (CT)(ok ? v : 0.0);                                                              \
+      const CT neg = -(CT)(xr[k] < 0); /* all ones for a negative value */                          \
+      cr[k] = (CT)((m ^ neg) - neg);   /* -m or m */                                                \
+    }                                                                                               \
+    return bad;                                                                                     \
+  }                                                                                                 \
+  /* Reconstruction sums of n codes and their quotients: per level l = 1..levels, acc[4 * l +      \
+   * lane] += llrint((l - q) * 2^24) (rounded half to even by the 1.5 * 2^52 trick: |residual| <=  \
+   * 2^24 for a quotient that matches its code, in the default rounding mode) and cnt[4 * l +      \
+   * lane] += 1; slot l = 0 takes every code outside 1..levels and is never read. Four lanes of    \
+   * accumulators so consecutive values do not wait on one another; acc, cnt: int64 [4 * 17]. */   \
+  static void recon_row##SUF(const double* q, const CT* cr, int64_t n, int64_t levels, int64_t* acc,  \
+                             int64_t* cnt) {                                                        \
+    const double magic = 6755399441055744.0; /* 1.5 * 2^52 */                                       \
+    for (int64_t k = 0; k < n; ++k) {                                                               \
+      const int64_t c = (int64_t)cr[k];                                                             \
+      const int64_t m = c < 0 ? -c : c;                                                             \
+      /* a quotient that does not match its code (NaN, huge) only lands in slot 0: clamped so the  \
+         cast stays defined (a no-op for the counted levels, whose quotients are below 17) */       \
+      const double qq = q[k] < 1073741824.0 ? q[k] : 1073741824.0;                                  \
+      const double r = (((double)m - qq) * 16777216.0 + magic) - magic;                             \
+      const int64_t in = (uint64_t)(m - 1) < (uint64_t)levels; /* 1 <= m <= levels */               \
+      const int64_t slot = 4 * (m * in) + (k & 3);                                                  \
+      acc[slot] = (int64_t)((uint64_t)acc[slot] + (uint64_t)(int64_t)r); /* slot 0 may wrap */      \
+      cnt[slot] += 1;                                                                               \
+    }                                                                                               \
+  }                                                                                                 \
+  /* Codes only, in one loop (no scratch: measured ~15 % faster than the blocks without sums). */   \
+  static int dz_direct_f##SUF(const float* xr, const float* st, int64_t ss, int64_t n, double rho,   \
+                              CT* cr) {                                                             \
+    int bad = 0;                                                                                    \
+    for (int64_t k = 0; k < n; ++k) DZ_DIRECT_ONE(CT, LIM, (double)st[k * ss]);                  \
+    return bad;                                                                                     \
+  }                                                                                                 \
+  static int dz_direct_d##SUF(const float* xr, const double* st, int64_t ss, int64_t n, double rho,  \
+                              CT* cr) {                                                             \
+    int bad = 0;                                                                                    \
+    for (int64_t k = 0; k < n; ++k) DZ_DIRECT_ONE(CT, LIM, st[k * ss]);                          \
+    return bad;                                                                                     \
+  }                                                                                                 \
+  /* One (i, j) row of n values: codes (quantize != 0: written to cr; else cr holds them) and,     \
+   * with levels > 0, the sums. Returns the codes' flag. */                                         \
+  static int dz_row##SUF(const float* xr, const void* step, int skind, int64_t ss, int64_t n,        \
+                         double rho, CT* cr, int quantize, int64_t levels, int64_t* acc,            \
+                         int64_t* cnt) {                                                            \
+    if (quantize && !levels)                                                                        \
+      return skind == 1 ? dz_direct_f##SUF(xr, (const float*)step, ss, n, rho, cr)                  \
+                        : dz_direct_d##SUF(xr, (const double*)step, ss, n, rho, cr);                \
+    double q[DZ_BLOCK];                                                                             \
+    int bad = 0;                                                                                    \
+    for (int64_t k0 = 0; k0 < n; k0 += DZ_BLOCK) {                                                  \
+      const int64_t nb = n - k0 < DZ_BLOCK ? n - k0 : DZ_BLOCK;                                     \
+      if (skind == 1)                                                                               \
+        quot_row_float(xr + k0, (const float*)step + k0 * ss, ss, nb, q);                           \
+      else                                                                                          \
+        quot_row_double(xr + k0, (const double*)step + k0 * ss, ss, nb, q);                         \
+      if (quantize) bad |= dz_from_quot##SUF(xr + k0, q, nb, rho, cr + k0);                         \
+      if (levels) recon_row##SUF(q, cr + k0, nb, levels, acc, cnt);                                 \
+    }                                                                                               \
+    return bad;                                                                                     \
+  }                                                                                                 \
+  /* The rows of x float32 [n0, n1, n2] (steps with element strides s0, s1, s2, 0 = broadcast;     \
+   * codes element (i, j, k) at i * orow + j * n2 + k), folded into sums, counts [levels]. */       \
+  static int dz_rows##SUF(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step,      \
+                          int skind, int64_t s0, int64_t s1, int64_t s2, double rho, CT* codes,     \
+                          int64_t orow, int quantize, int64_t levels, int64_t* sums,                \
+                          int64_t* counts) {                                                        \
+    int64_t acc[4 * 17] = {0}, cnt[4 * 17] = {0};                                                   \
+    const size_t es = skind == 1 ? sizeof(float) : sizeof(double);                                  \
+    int bad = 0;                                                                                    \
+    for (int64_t i = 0; i < n0 && !bad; ++i)                                                        \
+      for (int64_t j = 0; j < n1 && !bad; ++j)                                                      \
+        bad |= dz_row##SUF(x + (i * n1 + j) * n2, (const char*)step + (size_t)(i * s0 + j * s1) * es,  \
+                           skind, s2, n2, rho, codes + i * orow + j * n2, quantize, levels, acc,    \
+                           cnt);                                                                    \
+    for (int64_t l = 1; l <= levels; ++l) {                                                         \
+      sums[l - 1] = acc[4 * l] + acc[4 * l + 1] + acc[4 * l + 2] + acc[4 * l + 3];                  \
+      counts[l - 1] = cnt[4 * l] + cnt[4 * l + 1] + cnt[4 * l + 2] + cnt[4 * l + 3];                \
+    }                                                                                               \
+    return bad;                                                                                     \
   }
-  return bad;
-}
+KVN_DZ_FAMILY(_i64, int64_t, 9007199254740992.0) /* 2^53 */
+KVN_DZ_FAMILY(_i32, int32_t, 2147483648.0)       /* 2^31 */
 
-/* Reconstruction sums of n codes and their quotients: per level l = 1..levels, acc[4 * l + lane]
- * += llrint((l - q) * 2^24) (rounded half to even by the 1.5 * 2^52 trick: |residual| <= 2^24
- * for a quotient that matches its code, in the default rounding mode) and cnt[4 * l + lane] +=
- * 1; slot l = 0 takes every code outside 1..levels and is never read. Four lanes of
- * accumulators so consecutive values do not wait on one another; acc, cnt: int64 [4 * 17]. */
-static void recon_row(const double* q, const int64_t* cr, int64_t n, int64_t levels, int64_t* acc, int64_t* cnt) {
-  const double magic = 6755399441055744.0; /* 1.5 * 2^52 */
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t c = cr[k];
-    const int64_t m = c < 0 ? -c : c;
-    /* a quotient that does not match its code (NaN, huge) only lands in slot 0: clamped so the
-       cast stays defined (a no-op for the counted levels, whose quotients are below 17) */
-    const double qq = q[k] < 1073741824.0 ? q[k] : 1073741824.0;
-    const double r = (((double)m - qq) * 16777216.0 + magic) - magic;
-    const int64_t in = (uint64_t)(m - 1) < (uint64_t)levels; /* 1 <= m <= levels */
-    const int64_t slot = 4 * (m * in) + (k & 3);
-    acc[slot] = (int64_t)((uint64_t)acc[slot] + (uint64_t)(int64_t)r); /* slot 0 may wrap */
-    cnt[slot] += 1;
-  }
-}
+/* Code element kinds of the dead-zone / escape entry points. */
+enum { C_I64 = 0, C_I32 = 1 };
 
-/* Codes only, in one loop (no scratch: measured ~15 % faster than the blocks without sums). */
-#define KVN_DZ_DIRECT(STYPE)                                                                          \
-  static int dz_direct_##STYPE(const float* xr, const STYPE* st, int64_t ss, int64_t n, double rho,     \
-                               int64_t* cr) {                                                         \
-    const double lim = 9007199254740992.0; /* 2^53 */                                                 \
-    int bad = 0;                                                                                      \
-    for (int64_t k = 0; k < n; ++k) {                                                                 \
-      const double v = fabs((double)xr[k]) / (double)st[k * ss] + rho;                                \
-      const int ok = v < lim; /* false for NaN */                                                     \
-      bad |= !ok;                                                                                     \
-      const int64_t m = (int64_t)(ok ? v : 0.0);                                                      \
-      const int64_t neg = -(int64_t)(xr[k] < 0);                                                      \
-      cr[k] = (m ^ neg) - neg;                                                                        \
-    }                                                                                                 \
-    return bad;                                                                                       \
-  }
-KVN_DZ_DIRECT(double)
-KVN_DZ_DIRECT(float)
-
-/* One (i, j) row of n values: codes (quantize != 0: written to cr; else cr holds them) and, with
- * levels > 0, the sums. Returns dz_from_quot's flag. */
-static int dz_row(const float* xr, const void* step, int skind, int64_t ss, int64_t n, double rho, int64_t* cr,
-                  int quantize, int64_t levels, int64_t* acc, int64_t* cnt) {
-  if (quantize && !levels)
-    return skind == 1 ? dz_direct_float(xr, (const float*)step, ss, n, rho, cr)
-                      : dz_direct_double(xr, (const double*)step, ss, n, rho, cr);
-  double q[DZ_BLOCK];
-  int bad = 0;
-  for (int64_t k0 = 0; k0 < n; k0 += DZ_BLOCK) {
-    const int64_t nb = n - k0 < DZ_BLOCK ? n - k0 : DZ_BLOCK;
-    if (skind == 1)
-      quot_row_float(xr + k0, (const float*)step + k0 * ss, ss, nb, q);
-    else
-      quot_row_double(xr + k0, (const double*)step + k0 * ss, ss, nb, q);
-    if (quantize) bad |= dz_from_quot(xr + k0, q, nb, rho, cr + k0);
-    if (levels) recon_row(q, cr + k0, nb, levels, acc, cnt);
-  }
-  return bad;
-}
-
-/* The rows of x float32 [n0, n1, n2] (steps with element strides s0, s1, s2, 0 = broadcast; codes
- * int64, element (i, j, k) at i * orow + j * n2 + k), folded into sums, counts [levels]. */
-static int dz_rows(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
-                   int64_t s1, int64_t s2, double rho, int64_t* codes, int64_t orow, int quantize, int64_t levels,
-                   int64_t* sums, int64_t* counts) {
-  int64_t acc[4 * 17] = {0}, cnt[4 * 17] = {0};
-  const size_t es = skind == 1 ? sizeof(float) : sizeof(double);
-  int bad = 0;
-  for (int64_t i = 0; i < n0 && !bad; ++i)
-    for (int64_t j = 0; j < n1 && !bad; ++j)
-      bad |= dz_row(x + (i * n1 + j) * n2, (const char*)step + (size_t)(i * s0 + j * s1) * es, skind, s2, n2, rho,
-                    codes + i * orow + j * n2, quantize, levels, acc, cnt);
-  for (int64_t l = 1; l <= levels; ++l) {
-    sums[l - 1] = acc[4 * l] + acc[4 * l + 1] + acc[4 * l + 2] + acc[4 * l + 3];
-    counts[l - 1] = cnt[4 * l] + cnt[4 * l + 1] + cnt[4 * l + 2] + cnt[4 * l + 3];
-  }
-  return bad;
+static int dz_dispatch(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
+                       int64_t s1, int64_t s2, double rho, void* codes, int ckind, int64_t orow, int quantize,
+                       int64_t levels, int64_t* sums, int64_t* counts) {
+  return ckind == C_I32 ? dz_rows_i32(x, n0, n1, n2, step, skind, s0, s1, s2, rho, (int32_t*)codes, orow, quantize,
+                                      levels, sums, counts)
+                        : dz_rows_i64(x, n0, n1, n2, step, skind, s0, s1, s2, rho, (int64_t*)codes, orow, quantize,
+                                      levels, sums, counts);
 }
 
 /* Dead-zone codes sign(x) * floor(|x| / step + rho) of float32 x [n0, n1, n2] (float64 arithmetic,
  * as kvcodec.quant.deadzone.deadzone_quantize), steps float64 (skind 0) or float32 (skind 1,
- * converted exactly) with element strides s0, s1, s2 (0 = broadcast). codes: int64, element
- * (i, j, k) at i * orow + j * n2 + k (orow >= n1 * n2: a wider matrix can take the codes in its
- * first columns). Returns 1 if a value is not finite or a code would reach 2^53 (the caller
- * then uses the numpy path), else 0. */
+ * converted exactly) with element strides s0, s1, s2 (0 = broadcast). codes: int64 (ckind 0) or
+ * int32 (ckind 1), element (i, j, k) at i * orow + j * n2 + k (orow >= n1 * n2: a wider matrix can
+ * take the codes in its first columns). Returns 1 if a value is not finite or a code would reach
+ * 2^53 (int32: 2^31; the caller then uses the numpy path / int64 codes), else 0. */
 int kvn_deadzone(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
-                 int64_t s1, int64_t s2, double rho, int64_t* codes, int64_t orow) {
-  return dz_rows(x, n0, n1, n2, step, skind, s0, s1, s2, rho, codes, orow, 1, 0, NULL, NULL);
+                 int64_t s1, int64_t s2, double rho, void* codes, int ckind, int64_t orow) {
+  return dz_dispatch(x, n0, n1, n2, step, skind, s0, s1, s2, rho, codes, ckind, orow, 1, 0, NULL, NULL);
 }
 
-/* kvc's reconstruction-offset statistics (kvcodec.native.recon_sums) of existing codes (layout
- * as kvn_deadzone's): per level l = 1..levels (1..16), counts[l - 1] = #{|c| = l}, sums[l - 1] =
- * sum of llrint((l - |x| / step) * 2^24) (float64 residuals, half to even, summed exactly).
- * Returns KVN_BAD_SYMBOL for levels outside 1..16, else KVN_OK. */
+/* kvc's reconstruction-offset statistics (kvcodec.native.recon_sums) of existing int64 codes
+ * (layout as kvn_deadzone's): per level l = 1..levels (1..16), counts[l - 1] = #{|c| = l},
+ * sums[l - 1] = sum of llrint((l - |x| / step) * 2^24) (float64 residuals, half to even, summed
+ * exactly). Returns KVN_BAD_SYMBOL for levels outside 1..16, else KVN_OK. */
 int kvn_recon_sums(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
                    int64_t s1, int64_t s2, const int64_t* codes, int64_t orow, int64_t levels, int64_t* sums,
                    int64_t* counts) {
   if (levels < 1 || levels > 16) return KVN_BAD_SYMBOL;
-  dz_rows(x, n0, n1, n2, step, skind, s0, s1, s2, 0.0, (int64_t*)codes, orow, 0, levels, sums, counts);
+  dz_rows_i64(x, n0, n1, n2, step, skind, s0, s1, s2, 0.0, (int64_t*)codes, orow, 0, levels, sums, counts);
   return KVN_OK;
 }
 
@@ -1167,10 +1189,10 @@ int kvn_recon_sums(const float* x, int64_t n0, int64_t n1, int64_t n2, const voi
  * kvn_deadzone writes them and the sums and counts of those codes. Returns 1 as kvn_deadzone does
  * (the sums are then meaningless), KVN_BAD_SYMBOL for levels outside 1..16, else 0. */
 int kvn_deadzone_recon(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
-                       int64_t s1, int64_t s2, double rho, int64_t* codes, int64_t orow, int64_t levels,
+                       int64_t s1, int64_t s2, double rho, void* codes, int ckind, int64_t orow, int64_t levels,
                        int64_t* sums, int64_t* counts) {
   if (levels < 1 || levels > 16) return KVN_BAD_SYMBOL;
-  return dz_rows(x, n0, n1, n2, step, skind, s0, s1, s2, rho, codes, orow, 1, levels, sums, counts);
+  return dz_dispatch(x, n0, n1, n2, step, skind, s0, s1, s2, rho, codes, ckind, orow, 1, levels, sums, counts);
 }
 
 /* kvc escapes on a token-major code matrix codes[t * R + r] (int64 [n, R]): L = clamp(max|c| + 1,
@@ -1241,32 +1263,51 @@ int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_lev
  * KVN_OVERFLOW beyond, sym then undone -- the caller uses the two passes), then put in row order
  * by a stable counting sort; when every |c| < max_level - 1, L = max|c| + 1 and the symbols are
  * shifted down by max_level - L instead. etok, erow: int32 [cap] scratch; esc: int32 [cap]. */
-int kvn_escape_split1(const int64_t* codes, int64_t n, int64_t R, int64_t max_level, const uint8_t* delta,
+/* The one pass of kvn_escape_split1 over int64 or int32 codes (CT); returns the escape count. */
+#define KVN_ESC_PASS(SUF, CT)                                                                             \
+  static int64_t esc_pass##SUF(const CT* codes, int64_t n, int64_t R, int64_t ml, const uint8_t* delta,   \
+                               uint16_t* sym, int32_t* etok, int32_t* erow, int64_t cap, uint64_t* top_out) { \
+    const uint16_t e = (uint16_t)(2 * ml - 1);                                                           \
+    uint64_t top = 0;                                                                                    \
+    int64_t ne = 0;                                                                                      \
+    for (int64_t t = 0; t < n; ++t) {                                                                    \
+      const CT* ct = codes + t * R;                                                                      \
+      uint16_t* st = sym + t * R;                                                                        \
+      for (int64_t r = 0; r < R; ++r) {                                                                  \
+        const int64_t c = (delta && delta[r] && t) ? (int64_t)ct[r] - (int64_t)ct[r - R] : (int64_t)ct[r]; \
+        const uint64_t a = c < 0 ? (uint64_t)0 - (uint64_t)c : (uint64_t)c;                             \
+        top = a > top ? a : top;                                                                         \
+        if (a >= (uint64_t)ml) {                                                                         \
+          st[r] = e;                                                                                     \
+          if (ne < cap) {                                                                                \
+            etok[ne] = (int32_t)(uint32_t)(uint64_t)c;                                                   \
+            erow[ne] = (int32_t)r;                                                                       \
+          }                                                                                              \
+          ++ne;                                                                                          \
+        } else {                                                                                         \
+          st[r] = (uint16_t)(c + ml - 1);                                                                \
+        }                                                                                                \
+      }                                                                                                  \
+    }                                                                                                    \
+    *top_out = top;                                                                                      \
+    return ne;                                                                                           \
+  }
+KVN_ESC_PASS(_i64, int64_t)
+KVN_ESC_PASS(_i32, int32_t)
+
+/* kvn_escape_split in one pass over the codes (int64, ckind 0, or int32, ckind 1; same sym, esc
+ * and L): the symbols are written as if L = max_level, the escapes collected in token order with
+ * their rows (at most cap of them: KVN_OVERFLOW beyond, sym then undone -- the caller uses the
+ * two passes), then put in row order by a stable counting sort; when every |c| < max_level - 1,
+ * L = max|c| + 1 and the symbols are shifted down by max_level - L instead. etok, erow: int32
+ * [cap] scratch; esc: int32 [cap]. */
+int kvn_escape_split1(const void* codes, int ckind, int64_t n, int64_t R, int64_t max_level, const uint8_t* delta,
                       uint16_t* sym, int32_t* esc, int32_t* etok, int32_t* erow, int64_t cap, int64_t* n_esc,
                       int64_t* lv) {
   const int64_t ml = max_level > 0 ? max_level : 1;
-  const uint16_t e = (uint16_t)(2 * ml - 1);
   uint64_t top = 0;
-  int64_t ne = 0;
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t* ct = codes + t * R;
-    uint16_t* st = sym + t * R;
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t c = (delta && delta[r] && t) ? ct[r] - ct[r - R] : ct[r];
-      const uint64_t a = c < 0 ? (uint64_t)0 - (uint64_t)c : (uint64_t)c;
-      top = a > top ? a : top;
-      if (a >= (uint64_t)ml) {
-        st[r] = e;
-        if (ne < cap) {
-          etok[ne] = (int32_t)(uint32_t)(uint64_t)c;
-          erow[ne] = (int32_t)r;
-        }
-        ++ne;
-      } else {
-        st[r] = (uint16_t)(c + ml - 1);
-      }
-    }
-  }
+  const int64_t ne = ckind == 1 ? esc_pass_i32((const int32_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top)
+                                : esc_pass_i64((const int64_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top);
   if (ne > cap) return KVN_OVERFLOW;
   int64_t L = top + 1 < (uint64_t)ml ? (int64_t)top + 1 : ml;
   if (L < 1) L = 1;
@@ -1385,27 +1426,38 @@ void kvn_member_sums(const double* h, int64_t r, int64_t a, const int64_t* assig
   }
 }
 
-/* kvc's token-delta choice: per column r of token-major codes [n, R], histograms over 128 bins
+/* kvc's token-delta choice: per column r of token-major codes [n, R] (int64, ckind 0, or int32,
+ * ckind 1), histograms over 128 bins
  * of the codes and of their token deltas (e[0] = c[0], e[t] = c[t] - c[t-1]) at the tokens
  * t = 0, ts, 2 ts, ... (ts >= 1), each value clipped to [-64, 63] and shifted by 64.
  * hc, he: int32 [R, 128] (n < 2^31), zeroed here. */
-void kvn_delta_hist(const int64_t* c, int64_t n, int64_t R, int64_t ts, int32_t* hc, int32_t* he) {
+#define KVN_DELTA_HIST(SUF, CT)                                                                    \
+  static void delta_hist##SUF(const CT* c, int64_t n, int64_t R, int64_t ts, int32_t* hc, int32_t* he) { \
+    for (int64_t t = 0; t < n; t += ts) {                                                           \
+      const CT* ct = c + t * R;                                                                     \
+      for (int64_t r = 0; r < R; ++r) {                                                             \
+        const int64_t v = (int64_t)ct[r];                                                           \
+        /* the difference of two codes cannot overflow: the encoder's codes are far inside the     \
+           int64 range (|c| < 2**62) */                                                             \
+        const int64_t e = t ? v - (int64_t)ct[r - R] : v;                                           \
+        const int64_t vc = v < -64 ? 0 : v > 63 ? 127 : v + 64;                                    \
+        const int64_t ec = e < -64 ? 0 : e > 63 ? 127 : e + 64;                                    \
+        hc[r * 128 + vc] += 1;                                                                      \
+        he[r * 128 + ec] += 1;                                                                      \
+      }                                                                                             \
+    }                                                                                               \
+  }
+KVN_DELTA_HIST(_i64, int64_t)
+KVN_DELTA_HIST(_i32, int32_t)
+
+void kvn_delta_hist(const void* c, int ckind, int64_t n, int64_t R, int64_t ts, int32_t* hc, int32_t* he) {
   memset(hc, 0, sizeof(int32_t) * (size_t)(R * 128));
   memset(he, 0, sizeof(int32_t) * (size_t)(R * 128));
   if (ts < 1) ts = 1;
-  for (int64_t t = 0; t < n; t += ts) {
-    const int64_t* ct = c + t * R;
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t v = ct[r];
-      /* the difference of two codes cannot overflow: the encoder's codes are far inside the
-         int64 range (|c| < 2**62) */
-      const int64_t e = t ? v - ct[r - R] : v;
-      const int64_t vc = v < -64 ? 0 : v > 63 ? 127 : v + 64;
-      const int64_t ec = e < -64 ? 0 : e > 63 ? 127 : e + 64;
-      hc[r * 128 + vc] += 1;
-      he[r * 128 + ec] += 1;
-    }
-  }
+  if (ckind == 1)
+    delta_hist_i32((const int32_t*)c, n, R, ts, hc, he);
+  else
+    delta_hist_i64((const int64_t*)c, n, R, ts, hc, he);
 }
 
 /* Conversions for tests: kind F_F16 / F_BF16, float32 -> bits (dir 0, through store_row: the
@@ -1419,4 +1471,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 19; }
+int kvn_abi_version(void) { return 20; }
