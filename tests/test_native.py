@@ -347,6 +347,39 @@ def test_escape_split_and_join_match_kvc():
                 native.escape_join_tokens(sym, bad, lv)
 
 
+@pytest.mark.parametrize("scope", ["all", "chunk", "ctx"])
+def test_encoder_reads_token_major_uint16_in_place(scope):
+    """kvc hands the coder token-major uint16 symbols (and, with contexts, their classes): the
+    encoder reads them in place instead of gathering a row-major block. Same words as the
+    reference from the row-major int32 matrix, odd sizes and several chunks included; a symbol
+    outside the alphabet is still refused."""
+    from kvcodec.entropy.stage import magnitude_classes
+
+    rng = np.random.default_rng(77)
+    for r, n, a, g, chunk in [(195, 301, 64, 64, 0), (37, 150, 20, 16, 64), (5, 9, 3, 2, 4), (70, 1, 96, 64, 0)]:
+        cfg = dict(precision=14, chunk=chunk, rows_per_stream=g, tables="cluster", n_tables=5, scope=scope)
+        if scope == "ctx":
+            cfg["thresholds"] = [3, 8, 20]
+        st = EntropyStage(**cfg)
+        x = np.clip(np.round(rng.laplace(0, rng.uniform(1, 8, size=(r, 1)), size=(r, n))) + (a - 1) // 2, 0, a - 1)
+        x = x.astype(np.int64)
+        want = st.encode(x, alphabet=a, method="constriction")
+        tok = np.ascontiguousarray(x.T).astype(np.uint16)
+        got = st.encode(tok, alphabet=a, method="native", layout="tokens")
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+        lay = StageLayout(want["meta"])
+        # the encoder's own range check, on flat tables (every symbol codable)
+        tsets = np.ones((lay.n_chunks if scope == "chunk" else 1, max(lay.K, 1), a), dtype=np.uint32)
+        tsets[..., 0] = (1 << 14) - (a - 1)
+        rts = np.zeros((tsets.shape[0] if scope != "ctx" else 4, r), dtype=np.int64)
+        cls = magnitude_classes(x, g, [3, 8, 20], (a - 1) // 2).T.copy() if scope == "ctx" else None
+        native.encode_stage(lay, tok, tsets, rts, layout="tokens", classes=cls)  # fine
+        bad = tok.copy()
+        bad[n // 2, r // 2] = a  # out of the alphabet
+        with pytest.raises(StreamError):
+            native.encode_stage(lay, bad, tsets, rts, layout="tokens", classes=cls)
+
+
 def test_escape_split_one_pass_and_two_passes_agree():
     """The one-pass split (escapes in a scratch of 1/16 of the codes) and the two-pass one it
     falls back to give kvc's split, with and without delta columns, below and above the cap, and

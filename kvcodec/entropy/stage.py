@@ -347,9 +347,8 @@ class EntropyStage:
         if use_native:
             from .. import native
 
-            # the classes are not handed to the encoder: it derives them from its row-major block
-            # faster than it copies them in transposed (measured on [1535, 195] matrices)
-            hist, cls = native.ctx_histograms(x, a, layout, g, th), None
+            # the classes go to the encoder, which reads them (and token-major symbols) in place
+            hist, cls = native.ctx_histograms(x, a, layout, g, th, classes=True)
         else:
             cls = magnitude_classes(xr, g, th, (a - 1) // 2)  # uint8 [R, N]
             vr = (cls.astype(np.int64) * r + np.arange(r, dtype=np.int64)[:, None]) * a + xr
