@@ -105,6 +105,12 @@ def test_centring_statistics():
     assert token_rms(z).shape == (300, 2)
     assert channel_means(np.zeros((0, 2, 3))).shape == (2, 3)
     assert head_rms(np.zeros((0, 2, 3))).tolist() == [0.0, 0.0]
+    # float32 accumulation (kvc's for float16 caches): float64 results within 1e-5 relative
+    z32 = (rng.laplace(size=(2000, 3, 64)) * 300).astype(np.float32)
+    for f in (head_rms, token_rms):
+        a, b = f(z32), f(z32, np.float32)
+        assert a.dtype == b.dtype == np.float64
+        np.testing.assert_allclose(b, a, rtol=1e-5)
 
 
 def test_pca_basis_and_coding_gain():

@@ -464,13 +464,16 @@ class KVCCodec(Codec):
             z = (y.astype(np.float64) - mean[None].astype(np.float32)).astype(np.float32)
         if use_h:
             z = fwht(z)
+        # squares of float16-range values summed in float32 cannot overflow (65504^2 * 2^31 <
+        # 3.4e38); from other sources float64
+        acc = np.float32 if from_f16 and not use_h else np.float64
         side = np.zeros((2, h, d), dtype=np.float16)
         side[0] = mean.astype(np.float16)
         rec = recency_factor(t, ~mask, p["recent_ramp"], p["recent_fine"]) if n else None
         if self._per_channel(ctx):
             lv = p["k_recon"] if (is_k and n) else 0  # levels with reconstruction offsets
             step_rel = p["k_step"] if is_k else p["v_step"]
-            base = head_rms(z)  # [H]
+            base = head_rms(z, acc)  # [H]
             calib = self._layer_calib(ctx.layer) if ctx.role == "k" else {}
             if "k_mult" in calib:  # per-head sensitivity from the calibration (Fisher) statistics
                 base = base * calib["k_mult"]
@@ -514,7 +517,7 @@ class KVCCodec(Codec):
                 # kvcodec.quant.deadzone)
                 params["rc"] = rc
         else:
-            rel = p["v_step"] * token_rms(z)  # [n, H]
+            rel = p["v_step"] * token_rms(z, acc)  # [n, H]
             vcal = self._layer_calib(ctx.layer) if ctx.role == "v" else {}
             if "v_mult" in vcal:  # per-head sensitivity from the calibration (Fisher) statistics
                 rel = rel * vcal["v_mult"][None, :]
