@@ -347,6 +347,41 @@ def test_escape_split_and_join_match_kvc():
                 native.escape_join_tokens(sym, bad, lv)
 
 
+def test_escape_split_with_ctx_statistics_equals_the_two_calls():
+    """The fused split (kvc's -cal presets) returns the split of escape_split_tokens and the
+    counts and classes ctx_histograms takes of its symbols, for int64 and int32 codes, with and
+    without delta columns, when L ends below max_level, for odd stream widths; None when the
+    escapes overflow its scratch."""
+    rng = np.random.default_rng(43)
+    for n, r, g, th, max_level, frac in [(300, 195, 64, [3, 8, 20], 32, 0.01), (77, 13, 5, [2, 5], 16, 0.0),
+                                         (40, 7, 64, [3], 8, 0.05), (1, 3, 2, [3, 8, 20], 32, 0.0),
+                                         (50, 20, 7, [], 16, 0.02)]:
+        codes = np.clip(np.round(rng.laplace(0, 3, size=(n, r))), -(max_level - 2), max_level - 2).astype(np.int64)
+        hit = rng.random((n, r)) < frac
+        codes[hit] = rng.integers(max_level, 4 * max_level, size=int(hit.sum()))
+        use = rng.random(r) < 0.4
+        for dl in (None, use):
+            sym, esc, lv = native.escape_split_tokens(codes, max_level, dl)
+            hist, cls = native.ctx_histograms(sym, 2 * lv, "tokens", g, th, classes=True)
+            for dtype in (np.int64, np.int32):
+                got = native.escape_split_ctx_tokens(codes.astype(dtype), max_level, dl, g, th)
+                assert got is not None
+                s2, e2, l2, h2, c2 = got
+                assert l2 == lv and np.array_equal(s2, sym) and np.array_equal(e2, esc)
+                assert np.array_equal(h2, hist) and np.array_equal(c2, cls)
+    many = np.full((50, 10), 100, dtype=np.int64)  # every code escapes: beyond the 1/16 scratch
+    assert native.escape_split_ctx_tokens(many, 16, None, 4, [3, 8]) is None
+    # the stage takes such statistics instead of counting again: the same planes; wrong shapes refused
+    codes = np.round(rng.laplace(0, 3, size=(200, 70))).astype(np.int64)
+    st = EntropyStage(precision=14, rows_per_stream=32, tables="cluster", n_tables=4, scope="ctx", thresholds=[3, 8])
+    s2, _, l2, h2, c2 = native.escape_split_ctx_tokens(codes, 16, None, 32, [3, 8])
+    want = st.encode(s2, alphabet=2 * l2, layout="tokens")
+    got = st.encode(s2, alphabet=2 * l2, layout="tokens", ctx_stats=(h2, c2))
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    with pytest.raises(InputError, match="ctx_stats"):
+        st.encode(s2, alphabet=2 * l2, layout="tokens", ctx_stats=(h2[:-1], c2))
+
+
 @pytest.mark.parametrize("scope", ["all", "chunk", "ctx"])
 def test_encoder_reads_token_major_uint16_in_place(scope):
     """kvc hands the coder token-major uint16 symbols (and, with contexts, their classes): the

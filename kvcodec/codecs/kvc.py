@@ -543,7 +543,13 @@ class KVCCodec(Codec):
             use = None
         # the stage's rows are the H*D channels (then the step rows) over the tokens; it reads the
         # token-major matrix as is
-        if native.available():
+        stats = None  # a ctx stage's counts and classes, taken in the escape split's pass
+        fused = native.escape_split_ctx_tokens(tok, p["max_level"], use, p["rows_per_stream"], list(p["ctx"])) \
+            if native.available() and p["ctx"] and n else None
+        if fused is not None:
+            sym, esc, lv, hist, cls = fused
+            stats = (hist, cls)
+        elif native.available():
             sym, esc, lv = native.escape_split_tokens(tok, p["max_level"], use)
         else:
             if use is not None:
@@ -556,7 +562,7 @@ class KVCCodec(Codec):
         if esc.size:  # no escapes: no plane (each plane costs its header entry)
             planes["esc"] = _narrowest(esc)
         if n:
-            for k, v in _stage(p).encode(sym, alphabet=2 * lv, layout="tokens").items():
+            for k, v in _stage(p).encode(sym, alphabet=2 * lv, layout="tokens", ctx_stats=stats).items():
                 planes[_STAGE_PREFIX + k] = v
         return EncodedTensor(planes, params)
 

@@ -204,6 +204,7 @@ class EntropyStage:
         row_table: np.ndarray | None = None,
         method: str = "auto",
         layout: str = "rows",
+        ctx_stats: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """Code ``symbols[R, N]`` (integers in ``[0, alphabet)``); return the planes.
 
@@ -218,6 +219,10 @@ class EntropyStage:
                 ``"native"`` or ``"constriction"``; every method gives identical bytes.
             layout: ``"rows"`` (``symbols`` is ``[R, N]``) or ``"tokens"`` (``[N, R]``, the cache's
                 token-major order: no transposing copy on the native path).
+            ctx_stats: scope ``"ctx"``, native path only: ``(counts, classes)`` of these symbols
+                exactly as :func:`kvcodec.native.ctx_histograms` (``classes=True``) returns them,
+                taken by the caller in a pass it makes anyway (kvc's escape split); then they are
+                not counted again. Wrong statistics make wrong tables: pass only the real ones.
 
         Raises:
             InputError: symbols not 2-D integers in range.
@@ -248,11 +253,11 @@ class EntropyStage:
         if lo < 0 or hi >= a or a < 2 or a > (1 << p):
             raise InputError(f"symbols must lie in [0, {a}) with 2 <= A <= 2**{p}; got range [{lo}, {hi}]")
         try:
-            return self._encode(x, r, n, a, tables, row_table, use_native, layout)
+            return self._encode(x, r, n, a, tables, row_table, use_native, layout, ctx_stats)
         except StreamError as e:
             raise InputError(f"entropy stage: {e}") from None
 
-    def _encode(self, x, r, n, a, tables, row_table, use_native, layout) -> dict[str, np.ndarray]:
+    def _encode(self, x, r, n, a, tables, row_table, use_native, layout, ctx_stats=None) -> dict[str, np.ndarray]:
         cfg = self.config
         p = cfg["precision"]
         c = cfg["chunk"] if cfg["chunk"] > 0 else max(1, n)
@@ -262,7 +267,7 @@ class EntropyStage:
         if cfg["scope"] == "ctx":
             if tables is not None:
                 raise ConfigError("scope 'ctx' fits its own tables (no external tables)")
-            return self._encode_ctx(x, r, n, a, c, g, n_chunks, n_groups, use_native, layout)
+            return self._encode_ctx(x, r, n, a, c, g, n_chunks, n_groups, use_native, layout, ctx_stats)
         if tables is not None:
             if cfg["scope"] != "all":
                 raise ConfigError("external tables need scope 'all'")
@@ -336,7 +341,8 @@ class EntropyStage:
         w_all = np.concatenate(words).astype(np.uint32) if words else np.zeros(0, np.uint32)
         return self._planes(meta, w_all, offsets, sets, rts, flags, k, r, a, p)
 
-    def _encode_ctx(self, x, r, n, a, c, g, n_chunks, n_groups, use_native, layout) -> dict[str, np.ndarray]:
+    def _encode_ctx(self, x, r, n, a, c, g, n_chunks, n_groups, use_native, layout,
+                    ctx_stats=None) -> dict[str, np.ndarray]:
         """Scope 2: fit one table set to the (row, class) histograms, code each symbol with the
         table of its row and class (formats/ANS.md §3.1)."""
         cfg = self.config
@@ -344,7 +350,11 @@ class EntropyStage:
         q = len(th) + 1
         xr = x if layout == "rows" else x.T  # a view: [R, N]
         # histograms of the virtual rows (class, row): row q * R + r
-        if use_native:
+        if use_native and ctx_stats is not None:
+            hist, cls = ctx_stats
+            if hist.shape != (q * r, a) or cls.shape != x.shape or cls.dtype != np.uint8:
+                raise InputError(f"ctx_stats must be counts [{q * r}, {a}] and uint8 classes {list(x.shape)}")
+        elif use_native:
             from .. import native
 
             # the classes go to the encoder, which reads them (and token-major symbols) in place

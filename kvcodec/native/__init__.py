@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 20
+ABI_VERSION = 21
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -133,6 +133,8 @@ def _build() -> ctypes.CDLL:
     lib.kvn_escape_split.restype = ctypes.c_int
     lib.kvn_escape_split1.argtypes = [p, ctypes.c_int, i64, i64, i64, p, p, p, p, p, i64, p, p]
     lib.kvn_escape_split1.restype = ctypes.c_int
+    lib.kvn_escape_split_ctx.argtypes = [p, ctypes.c_int, i64, i64, i64, p, p, p, p, p, i64, p, p, i64, i64, p, p, p]
+    lib.kvn_escape_split_ctx.restype = ctypes.c_int
     lib.kvn_escape_join.argtypes = [p, i64, i64, i64, p, i64, p, p]
     lib.kvn_escape_join.restype = ctypes.c_int
     lib.kvn_kvc_dequant.argtypes = [p, i64, i64, i64, i64, p, i64, i64, i64, p, f32, ctypes.c_int, p, p, i64]
@@ -532,6 +534,19 @@ def recon_sums(x: np.ndarray, step: np.ndarray, codes: np.ndarray, levels: int) 
     return [int(v) for v in sums], [int(v) for v in counts]
 
 
+def _split_operands(codes: np.ndarray, delta: np.ndarray | None):
+    """The codes (int32 kept, else int64; contiguous), their shape and the delta column flags
+    (uint8 or None) as the escape-split C functions read them."""
+    c = np.ascontiguousarray(codes, dtype=np.int32 if np.asarray(codes).dtype == np.int32 else np.int64)
+    n, r = c.shape
+    dl = None
+    if delta is not None:
+        dl = np.ascontiguousarray(delta, dtype=np.uint8)
+        if dl.shape != (r,):
+            raise ValueError(f"delta must be [{r}], got {list(dl.shape)}")
+    return c, n, r, dl
+
+
 def escape_split_tokens(codes: np.ndarray, max_level: int,
                         delta: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """kvc's escape split of a token-major ``int64 codes [n, R]`` (or int32): returns ``(symbols uint16
@@ -540,13 +555,7 @@ def escape_split_tokens(codes: np.ndarray, max_level: int,
     (row-major order of ``[R, n]``). With ``delta`` (bool ``[R]``) those columns are split as
     their token deltas ``c[t] - c[t-1]`` (``t > 0``), without a copy of the matrix."""
     lb = _required()
-    c = np.ascontiguousarray(codes, dtype=np.int32 if np.asarray(codes).dtype == np.int32 else np.int64)
-    n, r = c.shape
-    dl = None
-    if delta is not None:
-        dl = np.ascontiguousarray(delta, dtype=np.uint8)
-        if dl.shape != (r,):
-            raise ValueError(f"delta must be [{r}], got {list(dl.shape)}")
+    c, n, r, dl = _split_operands(codes, delta)
     dp = None if dl is None else _ptr(dl)
     sym = np.empty((n, r), dtype=np.uint16)
     cnt, lv = np.zeros(1, np.int64), np.zeros(1, np.int64)
@@ -569,6 +578,39 @@ def escape_split_tokens(codes: np.ndarray, max_level: int,
                            _ptr(lv)) == _NOMEM:
         raise MemoryError("native escape split: out of memory")
     return sym, esc, int(lv[0])
+
+
+def escape_split_ctx_tokens(codes: np.ndarray, max_level: int, delta: np.ndarray | None, g: int,
+                            thresholds: list[int]):
+    """:func:`escape_split_tokens` and, in the same pass, the scope-2 statistics of the symbols
+    it writes — what :func:`ctx_histograms` (``classes=True``) returns for them with streams of
+    ``g`` rows and these thresholds: ``(symbols, escapes, L, counts int64 [Q * R, 2 L], classes
+    uint8 [n, R])``; ``None`` when the one pass does not apply (more escapes than its scratch
+    holds, 2**31 tokens or more): the caller then takes the two calls."""
+    lb = _required()
+    c, n, r, dl = _split_operands(codes, delta)
+    th = list(thresholds)
+    q = len(th) + 1
+    if not 0 <= len(th) < 16 or g < 1 or n >= 2**31:
+        return None
+    ml = max(1, int(max_level))
+    sym = np.empty((n, r), dtype=np.uint16)
+    cls = np.empty((n, r), dtype=np.uint8)
+    cnt, lv = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    cap = (n * r) // 16 + 64
+    esc, etok, erow = (np.empty(cap, dtype=np.int32) for _ in range(3))
+    hist = np.empty(q * r * 2 * ml, dtype=np.int64)  # [Q * R, 2 L] in its first entries
+    thr = np.ascontiguousarray(np.asarray(th or [0], dtype=np.int64))
+    rc = lb.kvn_escape_split_ctx(_ptr(c), 1 if c.dtype == np.int32 else 0, n, r, int(max_level),
+                                 None if dl is None else _ptr(dl), _ptr(sym), _ptr(esc), _ptr(etok), _ptr(erow), cap,
+                                 _ptr(cnt), _ptr(lv), int(g), q - 1, _ptr(thr), _ptr(hist), _ptr(cls))
+    del etok, erow
+    if rc == _NOMEM:
+        raise MemoryError("native escape split: out of memory")
+    if rc != _OK:
+        return None
+    L = int(lv[0])
+    return sym, esc[: int(cnt[0])].copy(), L, hist[: q * r * 2 * L].reshape(q * r, 2 * L).copy(), cls
 
 
 def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int, delta: np.ndarray | None = None) -> np.ndarray:
@@ -696,5 +738,5 @@ def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int
     return rc == _OK
 
 
-__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "deadzone_quantize", "deadzone_recon", "escape_join_tokens", "escape_split_tokens", "intq_quantize", "kvc_dequantize", "lib", "member_sums", "token_quantize", "rows_affine", "status",
+__all__ = ["available", "decode_stage", "encode_stage", "histograms", "intq_dequantize", "deadzone_quantize", "deadzone_recon", "escape_join_tokens", "escape_split_ctx_tokens", "escape_split_tokens", "intq_quantize", "kvc_dequantize", "lib", "member_sums", "token_quantize", "rows_affine", "status",
            "symbol_view"]

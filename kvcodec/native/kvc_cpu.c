@@ -1436,25 +1436,21 @@ int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_lev
 KVN_ESC_PASS(_i64, int64_t)
 KVN_ESC_PASS(_i32, int32_t)
 
-/* kvn_escape_split in one pass over the codes (int64, ckind 0, or int32, ckind 1; same sym, esc
- * and L): the symbols are written as if L = max_level, the escapes collected in token order with
- * their rows (at most cap of them: KVN_OVERFLOW beyond, sym then undone -- the caller uses the
- * two passes), then put in row order by a stable counting sort; when every |c| < max_level - 1,
- * L = max|c| + 1 and the symbols are shifted down by max_level - L instead. etok, erow: int32
- * [cap] scratch; esc: int32 [cap]. */
-int kvn_escape_split1(const void* codes, int ckind, int64_t n, int64_t R, int64_t max_level, const uint8_t* delta,
-                      uint16_t* sym, int32_t* esc, int32_t* etok, int32_t* erow, int64_t cap, int64_t* n_esc,
-                      int64_t* lv) {
-  const int64_t ml = max_level > 0 ? max_level : 1;
-  uint64_t top = 0;
-  const int64_t ne = ckind == 1 ? esc_pass_i32((const int32_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top)
-                                : esc_pass_i64((const int64_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top);
-  if (ne > cap) return KVN_OVERFLOW;
-  int64_t L = top + 1 < (uint64_t)ml ? (int64_t)top + 1 : ml;
-  if (L < 1) L = 1;
+/* The escape split's L: clamp(max|c| + 1, 1, max_level). */
+static inline int64_t esc_level(uint64_t top, int64_t ml) {
+  const int64_t L = top + 1 < (uint64_t)ml ? (int64_t)top + 1 : ml;
+  return L < 1 ? 1 : L;
+}
+
+/* The end of a one-pass split: L and the escape count out; with L < max_level (nothing escaped)
+ * the symbols shifted down to the smaller alphabet, else the escapes put in row order (a stable
+ * counting sort of the token-order scratch). */
+static int esc_finish(uint16_t* sym, int64_t n, int64_t R, int64_t ml, uint64_t top, int64_t ne, int32_t* esc,
+                      const int32_t* etok, const int32_t* erow, int64_t* n_esc, int64_t* lv) {
+  const int64_t L = esc_level(top, ml);
   *lv = L;
   *n_esc = ne;
-  if (L < ml) { /* nothing escaped: the symbols of the smaller alphabet */
+  if (L < ml) {
     const uint16_t d = (uint16_t)(ml - L);
     for (int64_t i = 0; i < n * R; ++i) sym[i] = (uint16_t)(sym[i] - d);
     return KVN_OK;
@@ -1472,6 +1468,111 @@ int kvn_escape_split1(const void* codes, int ckind, int64_t n, int64_t R, int64_
   for (int64_t i = 0; i < ne; ++i) esc[pos[erow[i]]++] = etok[i];
   free(pos);
   return KVN_OK;
+}
+
+/* kvn_escape_split in one pass over the codes (int64, ckind 0, or int32, ckind 1; same sym, esc
+ * and L): the symbols are written as if L = max_level, the escapes collected in token order with
+ * their rows (at most cap of them: KVN_OVERFLOW beyond, sym then undone -- the caller uses the
+ * two passes), then put in row order by a stable counting sort; when every |c| < max_level - 1,
+ * L = max|c| + 1 and the symbols are shifted down by max_level - L instead. etok, erow: int32
+ * [cap] scratch; esc: int32 [cap]. */
+int kvn_escape_split1(const void* codes, int ckind, int64_t n, int64_t R, int64_t max_level, const uint8_t* delta,
+                      uint16_t* sym, int32_t* esc, int32_t* etok, int32_t* erow, int64_t cap, int64_t* n_esc,
+                      int64_t* lv) {
+  const int64_t ml = max_level > 0 ? max_level : 1;
+  uint64_t top = 0;
+  const int64_t ne = ckind == 1 ? esc_pass_i32((const int32_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top)
+                                : esc_pass_i64((const int64_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top);
+  if (ne > cap) return KVN_OVERFLOW;
+  return esc_finish(sym, n, R, ml, top, ne, esc, etok, erow, n_esc, lv);
+}
+
+/* kvn_escape_split1 that also takes a scope-2 entropy stage's statistics of the symbols it writes,
+ * in the same pass (kvcodec.native.ctx_histograms' counts and classes: streams of G rows over the
+ * token-major [n, R] symbols, nthr thresholds thr, center L - 1): hist int64 [Q * R, 2 L]
+ * (row q * R + r; zeroed and filled here, Q = nthr + 1), cls uint8 [n, R]. The classes follow
+ * the magnitudes |symbol - center| -- |c| for a regular code, L for an escape -- which do not
+ * depend on the final L (when it ends below max_level nothing escaped), so only the histogram's
+ * columns move with it. Returns as kvn_escape_split1, or KVN_BAD_SYMBOL for bad arguments (nthr
+ * outside [0, 16), G < 1, n >= 2^31). scratch: int32 [R * Q * 2 max_level] counts. */
+#define KVN_ESC_CTX_PASS(SUF, CT)                                                                        \
+  static int64_t esc_ctx_pass##SUF(const CT* codes, int64_t n, int64_t R, int64_t ml, const uint8_t* delta, \
+                                   uint16_t* sym, int32_t* etok, int32_t* erow, int64_t cap,             \
+                                   uint64_t* top_out, int64_t G, int64_t nthr, const int64_t* bk,        \
+                                   int32_t* h, uint8_t* cls) {                                           \
+    const uint16_t e = (uint16_t)(2 * ml - 1);                                                          \
+    const int64_t Q = nthr + 1, A = 2 * ml;                                                             \
+    uint64_t top = 0;                                                                                   \
+    int64_t ne = 0;                                                                                     \
+    for (int64_t t = 0; t < n; ++t) {                                                                   \
+      const CT* ct = codes + t * R;                                                                     \
+      uint16_t* st = sym + t * R;                                                                       \
+      uint8_t* qt = cls + t * R;                                                                        \
+      for (int64_t r0 = 0; r0 < R; r0 += G) {                                                           \
+        const int64_t r1 = r0 + G < R ? r0 + G : R;                                                     \
+        int64_t acc = 0; /* the stream's running magnitude sum at token t */                            \
+        for (int64_t r = r0; r < r1; ++r) {                                                             \
+          const int64_t c = (delta && delta[r] && t) ? (int64_t)ct[r] - (int64_t)ct[r - R] : (int64_t)ct[r]; \
+          const uint64_t a = c < 0 ? (uint64_t)0 - (uint64_t)c : (uint64_t)c;                          \
+          top = a > top ? a : top;                                                                      \
+          int64_t sv, mag;                                                                              \
+          if (a >= (uint64_t)ml) {                                                                      \
+            sv = e;                                                                                     \
+            mag = ml;                                                                                   \
+            if (ne < cap) {                                                                             \
+              etok[ne] = (int32_t)(uint32_t)(uint64_t)c;                                                \
+              erow[ne] = (int32_t)r;                                                                    \
+            }                                                                                           \
+            ++ne;                                                                                       \
+          } else {                                                                                      \
+            sv = c + ml - 1;                                                                            \
+            mag = (int64_t)a;                                                                           \
+          }                                                                                             \
+          st[r] = (uint16_t)sv;                                                                         \
+          const int q = ctx_class(acc, bk + (r - r0) * MAXQ, nthr);                                     \
+          qt[r] = (uint8_t)q;                                                                           \
+          h[(r * Q + q) * A + sv] += 1;                                                                 \
+          acc += mag;                                                                                   \
+        }                                                                                               \
+      }                                                                                                 \
+    }                                                                                                   \
+    *top_out = top;                                                                                     \
+    return ne;                                                                                          \
+  }
+KVN_ESC_CTX_PASS(_i64, int64_t)
+KVN_ESC_CTX_PASS(_i32, int32_t)
+
+int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int64_t max_level, const uint8_t* delta,
+                         uint16_t* sym, int32_t* esc, int32_t* etok, int32_t* erow, int64_t cap, int64_t* n_esc,
+                         int64_t* lv, int64_t G, int64_t nthr, const int64_t* thr, int64_t* hist, uint8_t* cls) {
+  if (nthr < 0 || nthr >= MAXQ || G < 1 || n >= ((int64_t)1 << 31)) return KVN_BAD_SYMBOL;
+  const int64_t ml = max_level > 0 ? max_level : 1;
+  const int64_t Q = nthr + 1, A = 2 * ml;
+  const int64_t gk = G < R ? G : R;
+  int64_t* bk = (int64_t*)malloc(sizeof(int64_t) * (size_t)(gk * MAXQ + 1)); /* class bounds per row */
+  int32_t* h = (int32_t*)calloc((size_t)(R * Q * A + 1), sizeof(int32_t));  /* [R][Q][A] while scanning */
+  if (!bk || !h) {
+    free(bk);
+    free(h);
+    return KVN_NOMEM;
+  }
+  for (int64_t k = 0; k < gk; ++k) ctx_bounds(thr, nthr, k, bk + k * MAXQ);
+  uint64_t top = 0;
+  const int64_t ne =
+      ckind == 1 ? esc_ctx_pass_i32((const int32_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls)
+                 : esc_ctx_pass_i64((const int64_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls);
+  free(bk);
+  if (ne > cap) {
+    free(h);
+    return KVN_OVERFLOW;
+  }
+  /* the histogram over the final alphabet 2L: symbol s' = s - (max_level - L) */
+  const int64_t L = esc_level(top, ml), d = ml - L, A2 = 2 * L;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t q = 0; q < Q; ++q)
+      for (int64_t s2 = 0; s2 < A2; ++s2) hist[(q * R + r) * A2 + s2] = h[(r * Q + q) * A + s2 + d];
+  free(h);
+  return esc_finish(sym, n, R, ml, top, ne, esc, etok, erow, n_esc, lv);
 }
 
 /* Inverse: out[t * R + r] = sym - (L - 1), escape symbols (2L - 1) replaced by esc values taken in
@@ -1612,4 +1713,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 20; }
+int kvn_abi_version(void) { return 21; }
