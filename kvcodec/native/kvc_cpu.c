@@ -392,6 +392,25 @@ static inline int32_t sym_at(const void* sym, int kind, int64_t i) {
 /* scope 2: the tables of the symbol's class */
 #define ENC_STEP_CTX(L) ENC_STEP_T(L, fcq[L][xq[L][t]], invq[L][xq[L][t]], xs[L][t])
 #define ENC_STEP_CTX_D(L) ENC_STEP_T(L, fcq[L][xqd[L][t * st]], invq[L][xqd[L][t * st]], xd[L][t * st])
+/* The nl (1..LANES) lanes' steps over the chunk's tokens, last to first. */
+#define ENC_LANES(STEP)                                          \
+  do {                                                           \
+    if (nl == LANES) {                                           \
+      for (int64_t t = nt - 1; t >= 0; --t) {                    \
+        STEP(0); STEP(1); STEP(2); STEP(3);                      \
+      }                                                          \
+    } else if (nl == 3) {                                        \
+      for (int64_t t = nt - 1; t >= 0; --t) {                    \
+        STEP(0); STEP(1); STEP(2);                               \
+      }                                                          \
+    } else if (nl == 2) {                                        \
+      for (int64_t t = nt - 1; t >= 0; --t) {                    \
+        STEP(0); STEP(1);                                        \
+      }                                                          \
+    } else {                                                     \
+      for (int64_t t = nt - 1; t >= 0; --t) STEP(0);             \
+    }                                                            \
+  } while (0)
 #define ENC_STEP_T(L, FCR, INVR, SYM)                                \
   do {                                                               \
     const int32_t s_ = (SYM);                                        \
@@ -649,53 +668,14 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
               xqd[l] = direct ? cls_in + r * sr + t0 * st : NULL;
             }
           }
-          if (direct && g.Q > 1) {
-            if (nl == LANES) {
-              for (int64_t t = nt - 1; t >= 0; --t) {
-                ENC_STEP_CTX_D(0); ENC_STEP_CTX_D(1); ENC_STEP_CTX_D(2); ENC_STEP_CTX_D(3);
-              }
-            } else if (nl == 3) {
-              for (int64_t t = nt - 1; t >= 0; --t) {
-                ENC_STEP_CTX_D(0); ENC_STEP_CTX_D(1); ENC_STEP_CTX_D(2);
-              }
-            } else if (nl == 2) {
-              for (int64_t t = nt - 1; t >= 0; --t) {
-                ENC_STEP_CTX_D(0); ENC_STEP_CTX_D(1);
-              }
-            } else {
-              for (int64_t t = nt - 1; t >= 0; --t) ENC_STEP_CTX_D(0);
-            }
-          } else if (direct) {
-            if (nl == LANES) {
-              for (int64_t t = nt - 1; t >= 0; --t) {
-                ENC_STEP_D(0); ENC_STEP_D(1); ENC_STEP_D(2); ENC_STEP_D(3);
-              }
-            } else {
-              for (int64_t t = nt - 1; t >= 0; --t) ENC_STEP_D(0);
-            }
-          } else if (g.Q > 1) {
-            if (nl == LANES) {
-              for (int64_t t = nt - 1; t >= 0; --t) {
-                ENC_STEP_CTX(0); ENC_STEP_CTX(1); ENC_STEP_CTX(2); ENC_STEP_CTX(3);
-              }
-            } else if (nl == 3) {
-              for (int64_t t = nt - 1; t >= 0; --t) {
-                ENC_STEP_CTX(0); ENC_STEP_CTX(1); ENC_STEP_CTX(2);
-              }
-            } else if (nl == 2) {
-              for (int64_t t = nt - 1; t >= 0; --t) {
-                ENC_STEP_CTX(0); ENC_STEP_CTX(1);
-              }
-            } else {
-              for (int64_t t = nt - 1; t >= 0; --t) ENC_STEP_CTX(0);
-            }
-          } else if (nl == LANES) {
-            for (int64_t t = nt - 1; t >= 0; --t) {
-              ENC_STEP(0); ENC_STEP(1); ENC_STEP(2); ENC_STEP(3);
-            }
-          } else {
-            for (int64_t t = nt - 1; t >= 0; --t) ENC_STEP(0);
-          }
+          if (direct && g.Q > 1)
+            ENC_LANES(ENC_STEP_CTX_D);
+          else if (direct)
+            ENC_LANES(ENC_STEP_D);
+          else if (g.Q > 1)
+            ENC_LANES(ENC_STEP_CTX);
+          else
+            ENC_LANES(ENC_STEP);
         }
         for (int l = 0; l < nl; ++l) {
           while (x[l]) {
@@ -1404,6 +1384,24 @@ int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_lev
  * KVN_OVERFLOW beyond, sym then undone -- the caller uses the two passes), then put in row order
  * by a stable counting sort; when every |c| < max_level - 1, L = max|c| + 1 and the symbols are
  * shifted down by max_level - L instead. etok, erow: int32 [cap] scratch; esc: int32 [cap]. */
+/* The symbol SV of code C in row R_ of a one-pass split at L = max_level (ml, e = 2 ml - 1, top,
+ * ne, cap, etok, erow in scope): an escape is recorded in token order while the scratch lasts. */
+#define ESC_SYMBOL(C, R_, SV)                                                  \
+  do {                                                                         \
+    const uint64_t a_ = (C) < 0 ? (uint64_t)0 - (uint64_t)(C) : (uint64_t)(C); \
+    top = a_ > top ? a_ : top;                                                 \
+    if (a_ >= (uint64_t)ml) {                                                  \
+      SV = e;                                                                  \
+      if (ne < cap) {                                                          \
+        etok[ne] = (int32_t)(uint32_t)(uint64_t)(C);                           \
+        erow[ne] = (int32_t)(R_);                                              \
+      }                                                                        \
+      ++ne;                                                                    \
+    } else {                                                                   \
+      SV = (C) + ml - 1;                                                       \
+    }                                                                          \
+  } while (0)
+
 /* The one pass of kvn_escape_split1 over int64 or int32 codes (CT); returns the escape count. */
 #define KVN_ESC_PASS(SUF, CT)                                                                             \
   static int64_t esc_pass##SUF(const CT* codes, int64_t n, int64_t R, int64_t ml, const uint8_t* delta,   \
@@ -1416,18 +1414,9 @@ int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_lev
       uint16_t* st = sym + t * R;                                                                        \
       for (int64_t r = 0; r < R; ++r) {                                                                  \
         const int64_t c = (delta && delta[r] && t) ? (int64_t)ct[r] - (int64_t)ct[r - R] : (int64_t)ct[r]; \
-        const uint64_t a = c < 0 ? (uint64_t)0 - (uint64_t)c : (uint64_t)c;                             \
-        top = a > top ? a : top;                                                                         \
-        if (a >= (uint64_t)ml) {                                                                         \
-          st[r] = e;                                                                                     \
-          if (ne < cap) {                                                                                \
-            etok[ne] = (int32_t)(uint32_t)(uint64_t)c;                                                   \
-            erow[ne] = (int32_t)r;                                                                       \
-          }                                                                                              \
-          ++ne;                                                                                          \
-        } else {                                                                                         \
-          st[r] = (uint16_t)(c + ml - 1);                                                                \
-        }                                                                                                \
+        int64_t sv;                                                                                      \
+        ESC_SYMBOL(c, r, sv);                                                                            \
+        st[r] = (uint16_t)sv;                                                                            \
       }                                                                                                  \
     }                                                                                                    \
     *top_out = top;                                                                                      \
@@ -1513,21 +1502,9 @@ int kvn_escape_split1(const void* codes, int ckind, int64_t n, int64_t R, int64_
         int64_t acc = 0; /* the stream's running magnitude sum at token t */                            \
         for (int64_t r = r0; r < r1; ++r) {                                                             \
           const int64_t c = (delta && delta[r] && t) ? (int64_t)ct[r] - (int64_t)ct[r - R] : (int64_t)ct[r]; \
-          const uint64_t a = c < 0 ? (uint64_t)0 - (uint64_t)c : (uint64_t)c;                          \
-          top = a > top ? a : top;                                                                      \
-          int64_t sv, mag;                                                                              \
-          if (a >= (uint64_t)ml) {                                                                      \
-            sv = e;                                                                                     \
-            mag = ml;                                                                                   \
-            if (ne < cap) {                                                                             \
-              etok[ne] = (int32_t)(uint32_t)(uint64_t)c;                                                \
-              erow[ne] = (int32_t)r;                                                                    \
-            }                                                                                           \
-            ++ne;                                                                                       \
-          } else {                                                                                      \
-            sv = c + ml - 1;                                                                            \
-            mag = (int64_t)a;                                                                           \
-          }                                                                                             \
+          int64_t sv;                                                                                   \
+          ESC_SYMBOL(c, r, sv);                                                                         \
+          const int64_t mag = sv == e ? ml : (c < 0 ? -c : c); /* |symbol - center| */                  \
           st[r] = (uint16_t)sv;                                                                         \
           const int q = ctx_class(acc, bk + (r - r0) * MAXQ, nthr);                                     \
           qt[r] = (uint8_t)q;                                                                           \
