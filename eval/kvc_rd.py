@@ -66,6 +66,9 @@ ABLATION = [
     ("kvc-near + calib: + Fisher per-(layer, head) steps", {"id": "kvc-near", "calibration": "CAL", "sink_v_ratio": 0.0, "recent_ramp": 0}),
     ("kvc-near + calib: + latest tokens finer (ramp 128)", {"id": "kvc-near", "calibration": "CAL", "sink_v_ratio": 0.0}),
     ("kvc-near + calib: + magnitude contexts (lossless)", {"id": "kvc-near", "calibration": "CAL", "sink_v_ratio": 0.0, "ctx": [3, 8, 20], "rows_per_stream": 64}),
+    ("kvc-near + calib: + K reconstruction offsets (k_recon 4)", {"id": "kvc-near", "calibration": "CAL", "sink_v_ratio": 0.0, "ctx": [3, 8, 20], "rows_per_stream": 64, "k_recon": 4}),
+    # every row above stores its planes packed, small pieces as zstd frames (pack 2, the default
+    # since 2026-12-02); what packing saves: eval/results/kvc_recon.md
 ]
 PRESETS = ["kvc", "kvc-transparent", "kvc-near", "kvc-aggressive"]
 CAL_PRESETS = ["kvc-transparent-cal", "kvc-near-cal", "kvc-aggressive-cal"]

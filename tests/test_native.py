@@ -347,6 +347,41 @@ def test_escape_split_and_join_match_kvc():
                 native.escape_join_tokens(sym, bad, lv)
 
 
+def test_escape_join_narrow_and_dequantize_int32_codes_are_the_same_integers():
+    """kvc's decoder asks the escape join for int32 codes (half the traffic into the
+    dequantization): the same integers as int64, int64 again when a code does not fit (token
+    deltas summing past 2^31, as a hostile file can make them), and the dequantized values of
+    int32 codes equal those of int64 codes bit for bit."""
+    from kvcodec.codecs.kvc import escape_split
+
+    rng = np.random.default_rng(44)
+    codes = np.round(rng.laplace(0, 6, size=(120, 24))).astype(np.int64)
+    codes[5, 3] = 70000
+    use = rng.random(24) < 0.5
+    sym, esc, lv = native.escape_split_tokens(codes, 16, use)
+    wide = native.escape_join_tokens(sym, esc, lv, use)
+    narrow = native.escape_join_tokens(sym, esc, lv, use, narrow=True)
+    assert wide.dtype == np.int64 and narrow.dtype == np.int32 and np.array_equal(wide, codes)
+    assert np.array_equal(narrow, wide)
+    # running sums past the int32 range: the narrow call falls back to int64 (numpy's wrap)
+    big = np.zeros((4, 2), dtype=np.int64)
+    big[:, 0] = [2**30, 2 * 2**30, 3 * 2**30, 4 * 2**30]
+    d = big.copy()
+    d[1:, 0] = np.diff(big[:, 0])
+    s2, e2, l2 = escape_split(d.T, 8)
+    got = native.escape_join_tokens(s2.T, e2, l2, np.array([True, False]), narrow=True)
+    assert got.dtype == np.int64 and np.array_equal(got, big)
+    step = rng.uniform(0.1, 2, size=(120, 2, 1)).astype(np.float32)
+    mean = rng.normal(size=(2, 12)).astype(np.float32)
+    main64, main32 = wide[:, :24].reshape(120, 2, 12), narrow[:, :24].reshape(120, 2, 12)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for rc in (None, [40, 20, 9]):
+            a = native.kvc_dequantize(main64, step, mean, dtype, recon=rc)
+            b = native.kvc_dequantize(main32, step, mean, dtype, recon=rc)
+            assert torch.equal(a.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                               b.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
 def test_escape_split_with_ctx_statistics_equals_the_two_calls():
     """The fused split (kvc's -cal presets) returns the split of escape_split_tokens and the
     counts and classes ctx_histograms takes of its symbols, for int64 and int32 codes, with and

@@ -626,7 +626,7 @@ class KVCCodec(Codec):
             raise FormatError(f"{where}: kvc 'pred' plane present but the params say pred 0")
         use = pred_mask(enc.planes.get("pred"), rows, where) if pred else None
         if native.available():  # escape join and token-delta running sums in one pass
-            codes = native.escape_join_tokens(sym, esc, lv, use)
+            codes = native.escape_join_tokens(sym, esc, lv, use, narrow=True)  # int32 where they fit
         else:
             codes = escape_join(sym.T, esc, lv).T
             if use is not None:

@@ -37,7 +37,7 @@ from ..errors import DependencyError, StreamError
 SOURCE = Path(__file__).with_name("kvc_cpu.c")
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
-ABI_VERSION = 21
+ABI_VERSION = 22
 
 # status codes of kvc_cpu.c
 _OK, _ZERO_WORD, _NOT_CONSUMED, _NOMEM, _BAD_SYMBOL, _OVERFLOW = range(6)
@@ -135,9 +135,10 @@ def _build() -> ctypes.CDLL:
     lib.kvn_escape_split1.restype = ctypes.c_int
     lib.kvn_escape_split_ctx.argtypes = [p, ctypes.c_int, i64, i64, i64, p, p, p, p, p, i64, p, p, i64, i64, p, p, p]
     lib.kvn_escape_split_ctx.restype = ctypes.c_int
-    lib.kvn_escape_join.argtypes = [p, i64, i64, i64, p, i64, p, p]
+    lib.kvn_escape_join.argtypes = [p, i64, i64, i64, p, i64, p, p, ctypes.c_int]
     lib.kvn_escape_join.restype = ctypes.c_int
-    lib.kvn_kvc_dequant.argtypes = [p, i64, i64, i64, i64, p, i64, i64, i64, p, f32, ctypes.c_int, p, p, i64]
+    lib.kvn_kvc_dequant.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, p, i64, i64, i64, p, f32, ctypes.c_int, p, p,
+                                    i64]
     lib.kvn_kvc_dequant.restype = ctypes.c_int
     lib.kvn_member_sums.argtypes = [p, i64, i64, p, i64, p, p]
     lib.kvn_member_sums.restype = None
@@ -613,10 +614,13 @@ def escape_split_ctx_tokens(codes: np.ndarray, max_level: int, delta: np.ndarray
     return sym, esc[: int(cnt[0])].copy(), L, hist[: q * r * 2 * L].reshape(q * r, 2 * L).copy(), cls
 
 
-def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int, delta: np.ndarray | None = None) -> np.ndarray:
+def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int, delta: np.ndarray | None = None,
+                       narrow: bool = False) -> np.ndarray:
     """Inverse of :func:`escape_split_tokens`: ``int64 [n, R]`` codes; with ``delta`` (bool
     ``[R]``) those columns become their running sums over the tokens (kvc's token-delta rows,
-    as :func:`kvcodec.codecs.kvc.undelta_rows`), in the same pass.
+    as :func:`kvcodec.codecs.kvc.undelta_rows`), in the same pass. ``narrow``: int32 codes
+    when every one fits (half the memory traffic for the dequantization that follows), else
+    int64 as without it — the same integers either way.
 
     Raises:
         FormatError: the escape count differs from the escape plane's length, or an escaped code
@@ -631,13 +635,19 @@ def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int, delta: np.ndar
     if e.ndim != 1 or (e.size and e.dtype.kind not in "iu"):
         raise FormatError(f"kvc: the esc plane must be a 1-D integer array, got {e.dtype}{list(e.shape)}")
     e = np.ascontiguousarray(e, dtype=np.int64)
-    out = np.empty((n, r), dtype=np.int64)
     dl = None
     if delta is not None:
         dl = np.ascontiguousarray(delta, dtype=np.uint8)
         if dl.shape != (r,):
             raise ValueError(f"delta must be [{r}], got {list(dl.shape)}")
-    rc = lb.kvn_escape_join(_ptr(s), n, r, int(lv), _ptr(e), e.size, None if dl is None else _ptr(dl), _ptr(out))
+    dp = None if dl is None else _ptr(dl)
+    rc = 3
+    if narrow:
+        out = np.empty((n, r), dtype=np.int32)
+        rc = lb.kvn_escape_join(_ptr(s), n, r, int(lv), _ptr(e), e.size, dp, _ptr(out), 1)
+    if rc == 3:  # wide codes (or not asked to narrow): int64
+        out = np.empty((n, r), dtype=np.int64)
+        rc = lb.kvn_escape_join(_ptr(s), n, r, int(lv), _ptr(e), e.size, dp, _ptr(out), 0)
     if rc == 1:
         count = int((s == 2 * lv - 1).sum())
         raise FormatError(f"kvc: {count} escape symbols but the esc plane holds {e.size} values")
@@ -652,7 +662,7 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
     """kvc's normative reconstruction without a transform: ``float32(code) * step + mean``
     (separately rounded float32 operations), clamped to the finite range of ``dtype`` (fp16/bf16)
     and cast with round-to-nearest-even. ``codes`` int64 ``[n, H, D]`` (token-major), ``step``
-    float32 broadcastable to it, ``mean`` float32 ``[H, D]``. ``recon``: reconstruction offsets
+    float32 broadcastable to it, ``mean`` float32 ``[H, D]``. int32 codes are read as they are. ``recon``: reconstruction offsets
     (:func:`kvcodec.quant.deadzone.recon_values`: codes ``1 <= |c| <= len(recon)`` stand for
     ``sign(c) * (|c| - recon[|c| - 1] / 256)``) or None. Returns a torch tensor: ``out``
     when given (a contiguous ``[n, H, D]`` CPU tensor of ``dtype``, written in place)."""
@@ -661,9 +671,11 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
     lb = _required()
     c = np.asarray(codes)
     n, h, d = c.shape
-    if c.dtype != np.int64 or (n > 1 and c.strides[0] % 8) or (h > 1 and c.strides[1] != 8 * d) or (d > 1 and c.strides[2] != 8):
+    es = c.itemsize
+    if (c.dtype not in (np.int64, np.int32) or (n > 1 and c.strides[0] % es) or (h > 1 and c.strides[1] != es * d)
+            or (d > 1 and c.strides[2] != es)):
         c = np.ascontiguousarray(c, dtype=np.int64)  # token rows may be strided (a view of the symbol matrix)
-    crow = c.strides[0] // 8 if n > 1 else h * d
+    crow = c.strides[0] // c.itemsize if n > 1 else h * d
     st = np.broadcast_to(np.asarray(step, dtype=np.float32), c.shape)
     mu = np.ascontiguousarray(mean, dtype=np.float32).reshape(h, d)
     if out is None:
@@ -680,7 +692,7 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
         rm = len(recon)
         span = np.arange(-rm - 1, rm + 2)  # what each code loses: exact, zero at 0 and at both ends
         rtab = np.ascontiguousarray(span.astype(np.float32) - recon_values(span, list(recon)), dtype=np.float32)
-    if lb.kvn_kvc_dequant(c.ctypes.data, crow, n, h, d, st.ctypes.data, *strides, _ptr(mu), fmax, float_kind(dtype),
+    if lb.kvn_kvc_dequant(c.ctypes.data, 1 if c.dtype == np.int32 else 0, crow, n, h, d, st.ctypes.data, *strides, _ptr(mu), fmax, float_kind(dtype),
                           out.data_ptr(), None if rtab is None else rtab.ctypes.data, rm) == _NOMEM:
         raise MemoryError("native dequantization: out of memory")
     return out

@@ -1557,7 +1557,7 @@ int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int
  * become their running sums over t. Returns 1 if the escape count differs from n_esc, 2 if an escaped
  * value lies inside (-L, L) (both corrupt files), KVN_NOMEM, else KVN_OK. sym: uint16 [n, R]. */
 int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const int64_t* esc, int64_t n_esc,
-                    const uint8_t* delta, int64_t* out) {
+                    const uint8_t* delta, void* out, int okind) {
   const uint16_t e = (uint16_t)(2 * L - 1);
   int64_t* pos = (int64_t*)calloc((size_t)(R > 0 ? R : 1), sizeof(int64_t));
   if (!pos) return KVN_NOMEM;
@@ -1574,6 +1574,9 @@ int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const 
     return 1;
   }
   int rc = KVN_OK;
+  int64_t* o64 = (int64_t*)out;
+  int32_t* o32 = (int32_t*)out;
+  int wide = 0; /* int32 output: a code outside the int32 range (the caller redoes it in int64) */
   for (int64_t t = 0; t < n; ++t)
     for (int64_t r = 0; r < R; ++r) {
       const uint16_t s = sym[t * R + r];
@@ -1585,17 +1588,41 @@ int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const 
         v = (int64_t)s - (L - 1);
       }
       /* kvc's token-delta rows: running sums down the tokens (wrapping like numpy's cumsum) */
-      if (delta && delta[r] && t) v = (int64_t)((uint64_t)v + (uint64_t)out[(t - 1) * R + r]);
-      out[t * R + r] = v;
+      if (okind == 1) {
+        if (delta && delta[r] && t) v += o32[(t - 1) * R + r]; /* both within int32: no overflow in int64 */
+        wide |= v < INT32_MIN || v > INT32_MAX;
+        o32[t * R + r] = (int32_t)v;
+      } else {
+        if (delta && delta[r] && t) v = (int64_t)((uint64_t)v + (uint64_t)o64[(t - 1) * R + r]);
+        o64[t * R + r] = v;
+      }
     }
   free(pos);
-  return rc;
+  return rc ? rc : (wide ? 3 : KVN_OK);
 }
 
 /* kvc reconstruction (kvcodec/codecs/kvc.py, normative): out[t, h, d] = clamp(f32(code) * step
  * + mean[h, d], +-fmax), cast to the out kind. codes: int64 [n, H, D]; step: float32 with element
  * strides s0, s1, s2 (0 broadcasts); mean: float32 [H, D]. fmax <= 0: no clamp. */
-int kvn_kvc_dequant(const int64_t* codes, int64_t crow, int64_t n, int64_t H, int64_t D, const float* step,
+/* One row of D dequantized values from codes of type CT (kvn_kvc_dequant's arithmetic). */
+#define KVN_DQ_ROW(SUF, CT)                                                                                \
+  static void dq_row##SUF(const CT* c, const float* st, int64_t s2, const float* mu, int64_t D, float m,     \
+                          const float* rtab, int64_t rm, float* r) {                                        \
+    if (rtab) {                                                                                             \
+      for (int64_t d = 0; d < D; ++d) {                                                                     \
+        const int64_t v = (int64_t)c[d];                                                                    \
+        const int64_t i = v < -rm - 1 ? -rm - 1 : (v > rm + 1 ? rm + 1 : v);                                \
+        const float cv = (float)v - rtab[i + rm + 1];                                                       \
+        r[d] = clampf(cv * st[d * s2] + mu[d], m);                                                          \
+      }                                                                                                     \
+    } else {                                                                                                \
+      for (int64_t d = 0; d < D; ++d) r[d] = clampf((float)c[d] * st[d * s2] + mu[d], m);                   \
+    }                                                                                                       \
+  }
+KVN_DQ_ROW(_i64, int64_t)
+KVN_DQ_ROW(_i32, int32_t)
+
+int kvn_kvc_dequant(const void* codes, int ckind, int64_t crow, int64_t n, int64_t H, int64_t D, const float* step,
                     int64_t s0, int64_t s1, int64_t s2, const float* mean, float fmax, int out_kind, void* out,
                     const float* rtab, int64_t rm) {
   /* rtab (NULL, or 2 * rm + 3 floats): what to subtract from each code in [-rm - 1, rm + 1] (kvc's
@@ -1608,20 +1635,12 @@ int kvn_kvc_dequant(const int64_t* codes, int64_t crow, int64_t n, int64_t H, in
   if (!row) return KVN_NOMEM;
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t h = 0; h < H; ++h) {
-      const int64_t* c = codes + t * crow + h * D;
+      const int64_t co = t * crow + h * D;
       const float* st = step + t * s0 + h * s1;
-      const float* mu = mean + h * D;
-      float* r = row + h * D;
-      if (rtab) {
-        for (int64_t d = 0; d < D; ++d) {
-          const int64_t v = c[d];
-          const int64_t i = v < -rm - 1 ? -rm - 1 : (v > rm + 1 ? rm + 1 : v);
-          const float cv = (float)v - rtab[i + rm + 1];
-          r[d] = clampf(cv * st[d * s2] + mu[d], m);
-        }
-      } else {
-        for (int64_t d = 0; d < D; ++d) r[d] = clampf((float)c[d] * st[d * s2] + mu[d], m);
-      }
+      if (ckind == 1)
+        dq_row_i32((const int32_t*)codes + co, st, s2, mean + h * D, D, m, rtab, rm, row + h * D);
+      else
+        dq_row_i64((const int64_t*)codes + co, st, s2, mean + h * D, D, m, rtab, rm, row + h * D);
     }
     store_row(out, out_kind, t * Cn, row, Cn);
   }
@@ -1690,4 +1709,4 @@ void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
 }
 
 /* ABI version: bump when a signature changes (the loader checks it). */
-int kvn_abi_version(void) { return 21; }
+int kvn_abi_version(void) { return 22; }
