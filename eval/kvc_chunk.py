@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""What the token chunk of the entropy stage does to kvc's calibrated encoder on long caches.
+
+Encodes and decodes the built-in SmolLM2 cache at 4096 and 1536 tokens with kvc-transparent-cal
+at several ``chunk`` sizes (tokens per ANS stream; formats/ANS.md) and CacheGen, fastest of
+``--repeat`` interleaved rounds on one thread, and prints time over CacheGen's and the size.
+The encoder reads each stream's symbols in place, row after row over all of the chunk's tokens,
+so a long chunk streams through more memory than the caches hold (compare within one run only).
+
+    python eval/kvc_chunk.py --out eval/results/kvc_chunk
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=4)
+    ap.add_argument("--chunks", default="4096,2048,1024,512")
+    ap.add_argument("--out", default="eval/results/kvc_chunk")
+    args = ap.parse_args(argv)
+    import torch
+
+    import kvcodec
+    from kvcodec.harness import default_text, load_model
+    from kvcodec.harness.calibration import query_statistics, save_query_statistics
+    from kvcodec.harness.capture import default_cache
+    from kvcodec.harness.models import cache_dir
+
+    torch.set_num_threads(1)
+    chunks = [int(c) for c in args.chunks.split(",")]
+    lines = ["# kvc-transparent-cal: the entropy stage's token chunk against encode and decode time", "",
+             f"- command: `python eval/kvc_chunk.py --repeat {args.repeat} --chunks {args.chunks} --out {args.out}`",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; machine: "
+             f"{platform.machine()}, {platform.system()} {platform.release()}, one torch thread; fastest of "
+             f"{args.repeat} interleaved rounds, times over CacheGen's in the same run", "",
+             "| tokens | chunk | bits/elem | encode × cachegen | decode × cachegen |", "|---|---|---|---|---|"]
+    for ctx in (4096, 1536):
+        cache = default_cache(context=ctx)
+        cal = cache_dir() / "calibration" / f"smollm2-eval-text-skip8192-ctx{ctx}.qstats.safetensors"
+        if not cal.exists():
+            model, tok = load_model()
+            cal.parent.mkdir(parents=True, exist_ok=True)
+            save_query_statistics(query_statistics(model, tok, default_text(), context=ctx, skip_tokens=8192,
+                                                   sensitivity_samples=4, continuation=512), cal)
+        codecs = {ch: kvcodec.get_codec({"id": "kvc-transparent-cal", "calibration": str(cal), "chunk": ch})
+                  for ch in chunks}
+        codecs["cachegen"] = kvcodec.get_codec("cachegen")
+        best = {k: [float("inf"), float("inf")] for k in codecs}
+        size = {}
+        for _ in range(args.repeat):
+            for k, c in codecs.items():
+                t0 = time.perf_counter()
+                blob = c.encode(cache)
+                t1 = time.perf_counter()
+                c.decode(blob)
+                t2 = time.perf_counter()
+                best[k] = [min(best[k][0], t1 - t0), min(best[k][1], t2 - t1)]
+                size[k] = len(blob)
+        ref = best["cachegen"]
+        for ch in chunks:
+            lines.append(f"| {ctx} | {ch} | {8 * size[ch] / cache.num_elements:.4f} | {best[ch][0] / ref[0]:.2f} | "
+                         f"{best[ch][1] / ref[1]:.2f} |")
+    text = "\n".join(lines) + "\n"
+    Path(args.out).with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
