@@ -989,9 +989,10 @@ register_preset("kvc-aggressive", {"id": "kvc", "k_step": 0.897, "v_step": 2.691
 # Magnitude contexts (ctx, formats/ANS.md §3.1; lossless): each code's table follows the mean
 # magnitude of the codes above it at its token, in streams of 64 rows. With the calibrated
 # per-token steps (attention, recency) code magnitudes swing from token to token, and on the ctx
-# 1536 cache contexts saved 5.2 % (transparent), 3.7 % (near) and 11.4 % (aggressive, lower
-# thresholds) of the file, for 15-30 % more encode and 35-50 % more decode time (eval/results/kvc_ctx.md;
-# streams of 48 rows, four to a 192-row matrix, cost 0.5-1.1 % and decoded only 5-8 % faster). The
+# 1536 cache contexts saved 5.3 % (transparent), 3.9 % (near) and 11.8 % (aggressive, lower
+# thresholds) of the file, for 15-20 % more encode and ~20 % more decode time (eval/results/kvc_ctx*.md,
+# after the 2026-12-02 encoder speedups; streams of 48 rows, four to a 192-row matrix, cost 0.3-1.2 %
+# and decoded only 0-2 % faster). The
 # presets above (one step per channel) gained nothing from contexts (files 0.0-0.4 % larger): off.
 # Reconstruction offsets for K's first four levels (k_recon, no bits, 8 bytes per K tensor): mean
 # KL -3 to -8 % on all four windows (transparent); near: -11 % and -9 % on two windows, the hardest
