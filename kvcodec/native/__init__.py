@@ -474,7 +474,7 @@ def deadzone_recon(x: np.ndarray, step: np.ndarray, rho: float, out: np.ndarray 
             raise ValueError(f"deadzone out must be an int64 or int32 [{n0}, {n1 * n2}] view with contiguous rows")
         orow = out.strides[0] // es if n0 > 1 else n1 * n2
     args = (_ptr(x3), n0, n1, n2, st.ctypes.data, kind, *strides, float(rho), codes.ctypes.data,
-            1 if codes.dtype == np.int32 else 0, orow)
+            _ckind(codes), orow)
     if not levels:
         if lb.kvn_deadzone(*args) != 0:
             return None
@@ -535,17 +535,35 @@ def recon_sums(x: np.ndarray, step: np.ndarray, codes: np.ndarray, levels: int) 
     return [int(v) for v in sums], [int(v) for v in counts]
 
 
-def _split_operands(codes: np.ndarray, delta: np.ndarray | None):
-    """The codes (int32 kept, else int64; contiguous), their shape and the delta column flags
-    (uint8 or None) as the escape-split C functions read them."""
+def _ckind(codes: np.ndarray) -> int:
+    """The C functions' code element kind of an int32 or int64 array (kvc_cpu.c: C_I64 = 0,
+    C_I32 = 1)."""
+    return 1 if codes.dtype == np.int32 else 0
+
+
+def _code_matrix(codes: np.ndarray) -> tuple[np.ndarray, int]:
+    """Token-major codes as the C functions read them: int32 kept, anything else int64,
+    contiguous; and their element kind (:func:`_ckind`)."""
     c = np.ascontiguousarray(codes, dtype=np.int32 if np.asarray(codes).dtype == np.int32 else np.int64)
+    return c, _ckind(c)
+
+
+def _delta_flags(delta: np.ndarray | None, r: int) -> np.ndarray | None:
+    """kvc's token-delta column flags as uint8 ``[r]`` (or None)."""
+    if delta is None:
+        return None
+    dl = np.ascontiguousarray(delta, dtype=np.uint8)
+    if dl.shape != (r,):
+        raise ValueError(f"delta must be [{r}], got {list(dl.shape)}")
+    return dl
+
+
+def _split_operands(codes: np.ndarray, delta: np.ndarray | None):
+    """The codes (:func:`_code_matrix`), their kind and shape and the delta column flags as the
+    escape-split C functions read them."""
+    c, ck = _code_matrix(codes)
     n, r = c.shape
-    dl = None
-    if delta is not None:
-        dl = np.ascontiguousarray(delta, dtype=np.uint8)
-        if dl.shape != (r,):
-            raise ValueError(f"delta must be [{r}], got {list(dl.shape)}")
-    return c, n, r, dl
+    return c, ck, n, r, _delta_flags(delta, r)
 
 
 def escape_split_tokens(codes: np.ndarray, max_level: int,
@@ -556,7 +574,7 @@ def escape_split_tokens(codes: np.ndarray, max_level: int,
     (row-major order of ``[R, n]``). With ``delta`` (bool ``[R]``) those columns are split as
     their token deltas ``c[t] - c[t-1]`` (``t > 0``), without a copy of the matrix."""
     lb = _required()
-    c, n, r, dl = _split_operands(codes, delta)
+    c, ck, n, r, dl = _split_operands(codes, delta)
     dp = None if dl is None else _ptr(dl)
     sym = np.empty((n, r), dtype=np.uint16)
     cnt, lv = np.zeros(1, np.int64), np.zeros(1, np.int64)
@@ -564,7 +582,7 @@ def escape_split_tokens(codes: np.ndarray, max_level: int,
     # under 1 %); else the two passes (count, then split)
     cap = (n * r) // 16 + 64
     esc, etok, erow = (np.empty(cap, dtype=np.int32) for _ in range(3))
-    rc = lb.kvn_escape_split1(_ptr(c), 1 if c.dtype == np.int32 else 0, n, r, int(max_level), dp, _ptr(sym),
+    rc = lb.kvn_escape_split1(_ptr(c), ck, n, r, int(max_level), dp, _ptr(sym),
                               _ptr(esc), _ptr(etok), _ptr(erow), cap, _ptr(cnt), _ptr(lv))
     del etok, erow
     if rc == _NOMEM:
@@ -589,7 +607,7 @@ def escape_split_ctx_tokens(codes: np.ndarray, max_level: int, delta: np.ndarray
     uint8 [n, R])``; ``None`` when the one pass does not apply (more escapes than its scratch
     holds, 2**31 tokens or more): the caller then takes the two calls."""
     lb = _required()
-    c, n, r, dl = _split_operands(codes, delta)
+    c, ck, n, r, dl = _split_operands(codes, delta)
     th = list(thresholds)
     q = len(th) + 1
     if not 0 <= len(th) < 16 or g < 1 or n >= 2**31:
@@ -602,7 +620,7 @@ def escape_split_ctx_tokens(codes: np.ndarray, max_level: int, delta: np.ndarray
     esc, etok, erow = (np.empty(cap, dtype=np.int32) for _ in range(3))
     hist = np.empty(q * r * 2 * ml, dtype=np.int64)  # [Q * R, 2 L] in its first entries
     thr = np.ascontiguousarray(np.asarray(th or [0], dtype=np.int64))
-    rc = lb.kvn_escape_split_ctx(_ptr(c), 1 if c.dtype == np.int32 else 0, n, r, int(max_level),
+    rc = lb.kvn_escape_split_ctx(_ptr(c), ck, n, r, int(max_level),
                                  None if dl is None else _ptr(dl), _ptr(sym), _ptr(esc), _ptr(etok), _ptr(erow), cap,
                                  _ptr(cnt), _ptr(lv), int(g), q - 1, _ptr(thr), _ptr(hist), _ptr(cls))
     del etok, erow
@@ -635,11 +653,7 @@ def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int, delta: np.ndar
     if e.ndim != 1 or (e.size and e.dtype.kind not in "iu"):
         raise FormatError(f"kvc: the esc plane must be a 1-D integer array, got {e.dtype}{list(e.shape)}")
     e = np.ascontiguousarray(e, dtype=np.int64)
-    dl = None
-    if delta is not None:
-        dl = np.ascontiguousarray(delta, dtype=np.uint8)
-        if dl.shape != (r,):
-            raise ValueError(f"delta must be [{r}], got {list(dl.shape)}")
+    dl = _delta_flags(delta, r)
     dp = None if dl is None else _ptr(dl)
     rc = 3
     if narrow:
@@ -662,9 +676,9 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
     """kvc's normative reconstruction without a transform: ``float32(code) * step + mean``
     (separately rounded float32 operations), clamped to the finite range of ``dtype`` (fp16/bf16)
     and cast with round-to-nearest-even. ``codes`` int64 ``[n, H, D]`` (token-major), ``step``
-    float32 broadcastable to it, ``mean`` float32 ``[H, D]``. int32 codes are read as they are. ``recon``: reconstruction offsets
-    (:func:`kvcodec.quant.deadzone.recon_values`: codes ``1 <= |c| <= len(recon)`` stand for
-    ``sign(c) * (|c| - recon[|c| - 1] / 256)``) or None. Returns a torch tensor: ``out``
+    float32 broadcastable to it, ``mean`` float32 ``[H, D]`` (int32 codes are read as they are).
+    ``recon``: reconstruction offsets (:func:`kvcodec.quant.deadzone.recon_values`: codes
+    ``1 <= |c| <= len(recon)`` stand for ``sign(c) * (|c| - recon[|c| - 1] / 256)``) or None. Returns a torch tensor: ``out``
     when given (a contiguous ``[n, H, D]`` CPU tensor of ``dtype``, written in place)."""
     import torch
 
@@ -692,7 +706,8 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
         rm = len(recon)
         span = np.arange(-rm - 1, rm + 2)  # what each code loses: exact, zero at 0 and at both ends
         rtab = np.ascontiguousarray(span.astype(np.float32) - recon_values(span, list(recon)), dtype=np.float32)
-    if lb.kvn_kvc_dequant(c.ctypes.data, 1 if c.dtype == np.int32 else 0, crow, n, h, d, st.ctypes.data, *strides, _ptr(mu), fmax, float_kind(dtype),
+    if lb.kvn_kvc_dequant(c.ctypes.data, _ckind(c), crow, n, h, d, st.ctypes.data, *strides,
+                          _ptr(mu), fmax, float_kind(dtype),
                           out.data_ptr(), None if rtab is None else rtab.ctypes.data, rm) == _NOMEM:
         raise MemoryError("native dequantization: out of memory")
     return out
@@ -704,13 +719,13 @@ def delta_histograms(codes: np.ndarray, stride: int = 1) -> tuple[np.ndarray, np
     first code) at tokens ``0, stride, 2 stride, ...``, clipped to ``[-64, 63]`` and shifted by
     64 — one pass, the same counts as :func:`kvcodec.codecs.kvc.delta_rows`' numpy path."""
     lb = _required()
-    c = np.ascontiguousarray(codes, dtype=np.int32 if np.asarray(codes).dtype == np.int32 else np.int64)
+    c, ck = _code_matrix(codes)
     n, r = c.shape
     if n >= 2**31:
         raise ValueError("delta_histograms: at most 2**31 - 1 tokens")
     hc = np.empty((r, 128), dtype=np.int32)
     he = np.empty((r, 128), dtype=np.int32)
-    lb.kvn_delta_hist(_ptr(c), 1 if c.dtype == np.int32 else 0, n, r, max(1, int(stride)), _ptr(hc), _ptr(he))
+    lb.kvn_delta_hist(_ptr(c), ck, n, r, max(1, int(stride)), _ptr(hc), _ptr(he))
     return hc, he
 
 

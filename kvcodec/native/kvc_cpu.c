@@ -30,6 +30,8 @@
 #include <string.h>
 
 enum { KVN_OK = 0, KVN_ZERO_WORD = 1, KVN_NOT_CONSUMED = 2, KVN_NOMEM = 3, KVN_BAD_SYMBOL = 4, KVN_OVERFLOW = 5 };
+/* Code element kinds (ckind / okind) of the dead-zone, escape, delta and dequantization entry points. */
+enum { C_I64 = 0, C_I32 = 1 };
 enum { OUT_I32_RN = 0, OUT_U16_NR = 1, OUT_U8_NR = 2 }; /* int32 [R, N]; uint16 / uint8 [N, R] (transposed) */
 
 #define PREC 24
@@ -599,9 +601,8 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
           break;
         }
       }
-      if (direct) {
-        /* nothing to prepare */
-      } else if (g.Q > 1 && cls_in) { /* classes as kvn_ctx_hist gave them (same layout as sym) */
+      /* the gathered block's classes (the direct path reads the caller's in place) */
+      if (!direct && g.Q > 1 && cls_in) { /* classes as kvn_ctx_hist gave them (same layout as sym) */
         int bad = 0;
         for (int64_t r = rb0; r < rb1; ++r) {
           uint8_t* cr = cls + (r - rb0) * nt;
@@ -614,7 +615,7 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
           rc = KVN_BAD_SYMBOL;
           break;
         }
-      } else if (g.Q > 1) { /* classes from the earlier rows of each stream (the decoder's rule) */
+      } else if (!direct && g.Q > 1) { /* classes from the earlier rows of each stream (the decoder's rule) */
         int64_t thr[MAXQ];
         for (int64_t gi = gb; gi < ge; ++gi) {
           const int64_t r0 = gi * g.G, r1 = r0 + g.G < g.R ? r0 + g.G : g.R;
@@ -1092,34 +1093,11 @@ int kvn_tok_quant(const void* x, int xkind, int64_t n, int64_t C, const int64_t*
 KVN_QUOT_ROW(double)
 KVN_QUOT_ROW(float)
 
-/* Everything below exists for int64 codes (suffix _i64: any code below 2^53) and int32 codes
- * (_i32: codes below 2^31, half the memory traffic and a vectorisable conversion -- what the kvc
- * encoder asks for first); CT is the code type, LIM the bound a code + rho must stay below. */
-/* One value k of a dead-zone row (xr, rho, bad and cr in scope): code of |x| / STEP + rho. */
-#define DZ_DIRECT_ONE(CT, LIM, STEP)                                  \
-  do {                                                                \
-    const double v_ = fabs((double)xr[k]) / (STEP) + rho;             \
-    const int ok_ = v_ < (LIM); /* false for NaN */                   \
-    bad |= !ok_;                                                      \
-    const CT m_ = (CT)(ok_ ? v_ : 0.0);                               \
-    const CT neg_ = -(CT)(xr[k] < 0); /* all ones for a negative x */ \
-    cr[k] = (CT)((m_ ^ neg_) - neg_); /* -m or m */                   \
-  } while (0)
-#define KVN_DZ_FAMILY(SUF, CT, LIM)                                                                     \
-  /* Dead-zone codes from quotients: sign(x) * floor(q + rho); nonzero if a q + rho is not below   \
-   * LIM (or is NaN: a non-finite x). q >= 0 (steps > 0), so truncation is floor. */                \
-  static KVN_NOINLINE int dz_from_quot##SUF(const float* xr, const double* q, int64_t n, double rho, CT* cr) {     \
-    int bad = 0;                                                                                    \
-    for (int64_t k = 0; k < n; ++k) {                                                               \
-      const double v = q[k] + rho;                                                                  \
-      const int ok = v < (LIM); /* false for NaN */                                                 \
-      bad |= !ok;                                                                                   \
-      const CT m = (CT)(ok ? v : 0.0);                                                              \
-      const CT neg = -(CT)(xr[k] < 0); /* all ones for a negative value */                          \
-      cr[k] = (CT)((m ^ neg) - neg);   /* -m or m */                                                \
-    }                                                                                               \
-    return bad;                                                                                     \
-  }                                                                                                 \
+/* The row walk and the sums exist for int64 codes (suffix _i64: any code below 2^53) and int32
+ * codes (_i32: codes below 2^31, half the memory traffic and a vectorisable conversion -- what the
+ * kvc encoder asks for first); CT is the code type. Each family's codes come from DZ_CODES_* (codes
+ * only) and DZ_FROM_QUOT_* (codes from quotients), defined after it below. */
+#define KVN_DZ_FAMILY(SUF, CT)                                                                     \
   /* Reconstruction sums of n codes and their quotients: per level l = 1..levels, acc[4 * l +      \
    * lane] += llrint((l - q) * 2^24) (rounded half to even by the 1.5 * 2^52 trick: |residual| <=  \
    * 2^24 for a quotient that matches its code, in the default rounding mode) and cnt[4 * l +      \
@@ -1140,19 +1118,6 @@ KVN_QUOT_ROW(float)
       acc[slot] = (int64_t)((uint64_t)acc[slot] + (uint64_t)(int64_t)r); /* slot 0 may wrap */      \
       cnt[slot] += 1;                                                                               \
     }                                                                                               \
-  }                                                                                                 \
-  /* Codes only, in one loop (no scratch: measured ~15 % faster than the blocks without sums). */   \
-  static KVN_NOINLINE int dz_direct_f##SUF(const float* xr, const float* st, int64_t ss, int64_t n, double rho,   \
-                              CT* cr) {                                                             \
-    int bad = 0;                                                                                    \
-    for (int64_t k = 0; k < n; ++k) DZ_DIRECT_ONE(CT, LIM, (double)st[k * ss]);                  \
-    return bad;                                                                                     \
-  }                                                                                                 \
-  static KVN_NOINLINE int dz_direct_d##SUF(const float* xr, const double* st, int64_t ss, int64_t n, double rho,  \
-                              CT* cr) {                                                             \
-    int bad = 0;                                                                                    \
-    for (int64_t k = 0; k < n; ++k) DZ_DIRECT_ONE(CT, LIM, st[k * ss]);                          \
-    return bad;                                                                                     \
   }                                                                                                 \
   /* One (i, j) row of n values: codes (quantize != 0: written to cr; else cr holds them) and,     \
    * with levels > 0, the sums. Returns the codes' flag. */                                         \
@@ -1195,11 +1160,48 @@ KVN_QUOT_ROW(float)
     return bad;                                                                                     \
   }
 
+/* int64 codes, one loop each (the int64 conversion has no SSE2 vector form, so there is nothing
+ * to gain from splitting them as the int32 ones below are). Dead-zone codes from quotients:
+ * sign(x) * floor(q + rho); nonzero if a q + rho is not below 2^53 (or is NaN: a non-finite x).
+ * q >= 0 (steps > 0), so truncation is floor. */
+static KVN_NOINLINE int dz_from_quot_i64(const float* xr, const double* q, int64_t n, double rho, int64_t* cr) {
+  const double lim = 9007199254740992.0; /* 2^53 */
+  int bad = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const double v = q[k] + rho;
+    const int ok = v < lim; /* false for NaN */
+    bad |= !ok;
+    const int64_t m = (int64_t)(ok ? v : 0.0);
+    const int64_t neg = -(int64_t)(xr[k] < 0); /* all ones for a negative value */
+    cr[k] = (m ^ neg) - neg;                   /* -m or m */
+  }
+  return bad;
+}
+
+/* Codes only, without scratch (measured ~15 % faster than the blocks when no sums are taken). */
+#define KVN_DZ_DIRECT(SNAME, STYPE)                                                                    \
+  static KVN_NOINLINE int dz_direct_##SNAME##_i64(const float* xr, const STYPE* st, int64_t ss, int64_t n, \
+                                                  double rho, int64_t* cr) {                          \
+    const double lim = 9007199254740992.0; /* 2^53 */                                                 \
+    int bad = 0;                                                                                      \
+    for (int64_t k = 0; k < n; ++k) {                                                                 \
+      const double v = fabs((double)xr[k]) / (double)st[k * ss] + rho;                                \
+      const int ok = v < lim;                                                                         \
+      bad |= !ok;                                                                                     \
+      const int64_t m = (int64_t)(ok ? v : 0.0);                                                      \
+      const int64_t neg = -(int64_t)(xr[k] < 0);                                                      \
+      cr[k] = (m ^ neg) - neg;                                                                        \
+    }                                                                                                 \
+    return bad;                                                                                       \
+  }
+KVN_DZ_DIRECT(f, float)
+KVN_DZ_DIRECT(d, double)
+
 /* int32 codes without sums, vectorisable: per block, the magnitudes floor(|x| / step + rho) (or -1
  * where that is not below 2^31 or NaN: rho > 0, so a valid magnitude is never negative), then the
  * flags OR-ed, then the signs -- three loops without a cross-iteration dependency the compiler
  * cannot vectorise (one loop with the flag reduction ran scalar: 0.5 against 0.2 ms on a
- * [1535, 3, 64] tensor). Same codes and flag as dz_direct_*_i32. */
+ * [1535, 3, 64] tensor). Same codes and flag as dz_direct_*_i64, in int32. */
 #define KVN_DZ_MAG(SNAME, STYPE)                                                                     \
   static KVN_NOINLINE void dz_mag_##SNAME(const float* xr, const STYPE* st, int64_t ss, int64_t n,  \
                                           double rho, int32_t* m) {                                 \
@@ -1268,11 +1270,8 @@ static KVN_NOINLINE int dz_from_quot_blocks_i32(const float* xr, const double* q
   ((SKIND) == 1 ? dz_direct_f_i64(XR, (const float*)(STEP), SS, N, RHO, CR)                \
                 : dz_direct_d_i64(XR, (const double*)(STEP), SS, N, RHO, CR))
 #define DZ_CODES_i32(XR, STEP, SKIND, SS, N, RHO, CR) dz_blocks_i32(XR, STEP, SKIND, SS, N, RHO, CR)
-KVN_DZ_FAMILY(_i64, int64_t, 9007199254740992.0) /* 2^53 */
-KVN_DZ_FAMILY(_i32, int32_t, 2147483648.0)       /* 2^31 */
-
-/* Code element kinds of the dead-zone / escape entry points. */
-enum { C_I64 = 0, C_I32 = 1 };
+KVN_DZ_FAMILY(_i64, int64_t)
+KVN_DZ_FAMILY(_i32, int32_t)
 
 static int dz_dispatch(const float* x, int64_t n0, int64_t n1, int64_t n2, const void* step, int skind, int64_t s0,
                        int64_t s1, int64_t s2, double rho, void* codes, int ckind, int64_t orow, int quantize,
@@ -1379,11 +1378,6 @@ int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_lev
   return KVN_OK;
 }
 
-/* kvn_escape_split in one pass over the codes (same sym, esc and L): the symbols are written as
- * if L = max_level, the escapes collected in token order with their rows (at most cap of them:
- * KVN_OVERFLOW beyond, sym then undone -- the caller uses the two passes), then put in row order
- * by a stable counting sort; when every |c| < max_level - 1, L = max|c| + 1 and the symbols are
- * shifted down by max_level - L instead. etok, erow: int32 [cap] scratch; esc: int32 [cap]. */
 /* The symbol SV of code C in row R_ of a one-pass split at L = max_level (ml, e = 2 ml - 1, top,
  * ne, cap, etok, erow in scope): an escape is recorded in token order while the scratch lasts. */
 #define ESC_SYMBOL(C, R_, SV)                                                  \
@@ -1470,7 +1464,7 @@ int kvn_escape_split1(const void* codes, int ckind, int64_t n, int64_t R, int64_
                       int64_t* lv) {
   const int64_t ml = max_level > 0 ? max_level : 1;
   uint64_t top = 0;
-  const int64_t ne = ckind == 1 ? esc_pass_i32((const int32_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top)
+  const int64_t ne = ckind == C_I32 ? esc_pass_i32((const int32_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top)
                                 : esc_pass_i64((const int64_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top);
   if (ne > cap) return KVN_OVERFLOW;
   return esc_finish(sym, n, R, ml, top, ne, esc, etok, erow, n_esc, lv);
@@ -1536,7 +1530,7 @@ int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int
   for (int64_t k = 0; k < gk; ++k) ctx_bounds(thr, nthr, k, bk + k * MAXQ);
   uint64_t top = 0;
   const int64_t ne =
-      ckind == 1 ? esc_ctx_pass_i32((const int32_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls)
+      ckind == C_I32 ? esc_ctx_pass_i32((const int32_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls)
                  : esc_ctx_pass_i64((const int64_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls);
   free(bk);
   if (ne > cap) {
@@ -1554,8 +1548,10 @@ int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int
 
 /* Inverse: out[t * R + r] = sym - (L - 1), escape symbols (2L - 1) replaced by esc values taken in
  * row-major order of [R, n]; with delta (uint8 [R] or NULL), the columns r with delta[r] != 0
- * become their running sums over t. Returns 1 if the escape count differs from n_esc, 2 if an escaped
- * value lies inside (-L, L) (both corrupt files), KVN_NOMEM, else KVN_OK. sym: uint16 [n, R]. */
+ * become their running sums over t. out: int64 (okind 0) or int32 (okind 1) [n, R]. Returns 1 if the
+ * escape count differs from n_esc, 2 if an escaped value lies inside (-L, L) (both corrupt files),
+ * 3 if int32 output was asked for and a code does not fit (the caller redoes it in int64), KVN_NOMEM,
+ * else KVN_OK. sym: uint16 [n, R]. */
 int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const int64_t* esc, int64_t n_esc,
                     const uint8_t* delta, void* out, int okind) {
   const uint16_t e = (uint16_t)(2 * L - 1);
@@ -1588,7 +1584,7 @@ int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const 
         v = (int64_t)s - (L - 1);
       }
       /* kvc's token-delta rows: running sums down the tokens (wrapping like numpy's cumsum) */
-      if (okind == 1) {
+      if (okind == C_I32) {
         if (delta && delta[r] && t) v += o32[(t - 1) * R + r]; /* both within int32: no overflow in int64 */
         wide |= v < INT32_MIN || v > INT32_MAX;
         o32[t * R + r] = (int32_t)v;
@@ -1602,7 +1598,8 @@ int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const 
 }
 
 /* kvc reconstruction (kvcodec/codecs/kvc.py, normative): out[t, h, d] = clamp(f32(code) * step
- * + mean[h, d], +-fmax), cast to the out kind. codes: int64 [n, H, D]; step: float32 with element
+ * + mean[h, d], +-fmax), cast to the out kind. codes: int64 (ckind 0) or int32 (ckind 1) [n, H, D]
+ * (token rows crow apart); step: float32 with element
  * strides s0, s1, s2 (0 broadcasts); mean: float32 [H, D]. fmax <= 0: no clamp. */
 /* One row of D dequantized values from codes of type CT (kvn_kvc_dequant's arithmetic). */
 #define KVN_DQ_ROW(SUF, CT)                                                                                \
@@ -1637,7 +1634,7 @@ int kvn_kvc_dequant(const void* codes, int ckind, int64_t crow, int64_t n, int64
     for (int64_t h = 0; h < H; ++h) {
       const int64_t co = t * crow + h * D;
       const float* st = step + t * s0 + h * s1;
-      if (ckind == 1)
+      if (ckind == C_I32)
         dq_row_i32((const int32_t*)codes + co, st, s2, mean + h * D, D, m, rtab, rm, row + h * D);
       else
         dq_row_i64((const int64_t*)codes + co, st, s2, mean + h * D, D, m, rtab, rm, row + h * D);
@@ -1692,7 +1689,7 @@ void kvn_delta_hist(const void* c, int ckind, int64_t n, int64_t R, int64_t ts, 
   memset(hc, 0, sizeof(int32_t) * (size_t)(R * 128));
   memset(he, 0, sizeof(int32_t) * (size_t)(R * 128));
   if (ts < 1) ts = 1;
-  if (ckind == 1)
+  if (ckind == C_I32)
     delta_hist_i32((const int32_t*)c, n, R, ts, hc, he);
   else
     delta_hist_i64((const int64_t*)c, n, R, ts, hc, he);
