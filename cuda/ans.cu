@@ -6,6 +6,7 @@
 //   ans_kivix_{f32,f16,bf16}[_mode]     the same with any token mapping and anchors (delta coding)
 //   ans_toksym_{f32,f16,bf16}[_mode]    cachegen-lmcache: per-token symmetric dequantization
 //   ans_toksymx_{f32,f16,bf16}[_mode]   cachegen: the same with any token mapping and anchors
+//   ans_tokens[_blk]                    int32 symbols X[N, R] (token-major), any scope: kvc
 // Where the cumulative tables (A + 1 words each) are read from:
 //   NAME_blk   the block copies table set 0 (blk_words words; one table set, scope 0) into dynamic
 //              shared memory once; streams index it directly (no per-stream copy)
@@ -46,6 +47,34 @@ __device__ __forceinline__ void ans_kernel_body(const kvc::AnsParams& p) {
   extern "C" __global__ void __launch_bounds__(128, 4) NAME##_blk(const kvc::AnsParams p) {       \
     ans_kernel_body<SINK, OUT, GEN, TAB_BLOCK>(p);                                              \
   }
+
+// Token-major symbols of any scope, magnitude contexts included (kvc); _blk: one table set in
+// shared memory (scopes 0 and 2). No _smem variant: with contexts the table changes per symbol.
+template <int MODE>
+__device__ __forceinline__ void ans_tokens_body(const kvc::AnsParams& p) {
+  extern __shared__ uint32_t kvc_ans_smem[];
+  const uint32_t* base = p.cdf;
+  const uint16_t* bucket = nullptr;
+  if (MODE == TAB_BLOCK) {
+    const uint32_t nc = (uint32_t)p.blk_words, nb = (uint32_t)p.bucket_words;
+    for (uint32_t i = threadIdx.x; i < nc; i += blockDim.x) kvc_ans_smem[i] = __ldg(p.cdf + i);
+    const uint32_t* bsrc = (const uint32_t*)p.bucket;
+    for (uint32_t i = threadIdx.x; i < nb; i += blockDim.x) kvc_ans_smem[nc + i] = __ldg(bsrc + i);
+    __syncthreads();
+    base = kvc_ans_smem;
+    if (nb) bucket = (const uint16_t*)(kvc_ans_smem + nc);
+  }
+  const uint32_t s = blockIdx.x * blockDim.x + threadIdx.x;
+  if (s >= (uint32_t)p.n_streams) return;
+  p.status[s] = kvc::ans_decode_stream_tokens(p, s, base, bucket);
+}
+
+extern "C" __global__ void __launch_bounds__(128, 4) ans_tokens(const kvc::AnsParams p) {
+  ans_tokens_body<TAB_GLOBAL>(p);
+}
+extern "C" __global__ void __launch_bounds__(128, 4) ans_tokens_blk(const kvc::AnsParams p) {
+  ans_tokens_body<TAB_BLOCK>(p);
+}
 
 KVC_ANS_KERNEL(ans_symbols, kvc::SINK_SYMBOLS, kvc::OUT_F32, 1)
 KVC_ANS_KERNEL(ans_kivi_f32, kvc::SINK_KIVI, kvc::OUT_F32, 0)

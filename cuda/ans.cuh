@@ -124,6 +124,10 @@ struct AnsParams {
   int32_t cs, half;                    // padded table stride 2^LOG + 1 and 2^(LOG-1) (see ans_find)
   const uint16_t* bucket;              // _blk kernels, optional: [K, 2^bucket_bits] (see AnsTable)
   int32_t bucket_bits, bucket_words;   // 0: no bucket index; words of the index in shared memory
+  // ans_tokens kernels (token-major symbols, any scope; kvc):
+  int32_t* acc;                        // scope 2: int32 [n_groups, N] scratch (see ans_decode_stream_tokens)
+  const int32_t* thr;                  // scope 2: the class thresholds T_1 .. T_{Q-1} (eighths)
+  int32_t n_thr, center;               // scope 2: Q - 1 and the symbol of magnitude 0, (A - 1) / 2
 };
 
 template <int OUT>
@@ -394,6 +398,65 @@ KVC_HD int32_t ans_decode_stream(const AnsParams& p, uint32_t s, uint32_t* tab, 
     }
   }
   if (bad) return bad;
+  return ans_done(st) ? ANS_OK : ANS_NOT_CONSUMED;
+}
+
+// ---------------------------------------------------------------------------- token-major
+// Decode stream s into token-major int32 symbols out[j * R + r] (the codecs' [N, R] order; kvc).
+// Scopes 0 and 1 as above; scope 2 (magnitude contexts, formats/ANS.md §3.1): row k = r - r0 > 0
+// of the stream takes table table_of[q * R + r] (table_of is [Q, R]) with class
+//   q = #{ i : 8 * a >= T_i * k },  a = sum over the stream's rows above r of |X[., j] - center|
+// kept per token in acc[g * N + j] (row 0 writes it, later rows add to it): exactly the
+// integers of kvcodec.entropy.stage.magnitude_classes. The thresholds increase, so the count
+// stops at the first one not reached.
+KVC_HD int32_t ans_decode_stream_tokens(const AnsParams& p, uint32_t s, const uint32_t* cdf_base,
+                                        const uint16_t* bucket_base) {
+  const uint32_t ng = (uint32_t)p.n_groups;
+  const uint32_t c = s / ng, g = s - c * ng;
+  const uint32_t G = (uint32_t)p.G, C = (uint32_t)p.C, R = (uint32_t)p.R;
+  const uint32_t r0 = g * G, r1 = r0 + G < R ? r0 + G : R;
+  const uint32_t t0 = c * C, t1 = t0 + C < (uint32_t)p.N ? t0 + C : (uint32_t)p.N;
+  const bool ctx = p.scope == 2;
+  const uint32_t set = p.scope == 1 ? c : 0u;
+  const uint32_t cs = (uint32_t)p.cs;
+  const uint32_t w0 = load4(p.offsets + s), w1 = load4(p.offsets + s + 1);
+  AnsStream st;
+  if (!ans_init(st, p.words + w0, w1 - w0)) return ANS_ZERO_WORD;
+  AnsTable tb;
+  tb.half = (uint32_t)p.half;
+  tb.shift = ANS_PREC - (uint32_t)p.bucket_bits;
+  int32_t* out = (int32_t*)p.out;
+  int32_t* acc = ctx ? p.acc + (uint64_t)g * (uint32_t)p.N : nullptr;
+  const int32_t center = p.center;
+  const uint32_t nthr = ctx ? (uint32_t)p.n_thr : 0u;
+  for (uint32_t r = r0; r < r1; ++r) {
+    const uint32_t k = r - r0;
+    int32_t* o = out + ((uint64_t)t0 * R + r);
+    if (!ctx || k == 0) {  // one table for the row's segment
+      const uint32_t ti = (uint32_t)p.table_of[set * R + r];
+      tb.cdf = cdf_base + (uint64_t)ti * cs;
+      tb.bkt = bucket_base != nullptr ? bucket_base + ((uint64_t)ti << p.bucket_bits) : nullptr;
+      for (uint32_t j = t0; j < t1; ++j) {
+        const int32_t sym = (int32_t)ans_pop(st, tb);
+        *o = sym;
+        o += R;
+        if (ctx) acc[j] = sym >= center ? sym - center : center - sym;
+      }
+      continue;
+    }
+    for (uint32_t j = t0; j < t1; ++j) {
+      const uint64_t a8 = 8u * (uint64_t)(uint32_t)acc[j];
+      uint32_t q = 0;
+      while (q < nthr && a8 >= (uint64_t)(uint32_t)p.thr[q] * k) ++q;
+      const uint32_t ti = (uint32_t)p.table_of[q * R + r];
+      tb.cdf = cdf_base + (uint64_t)ti * cs;
+      tb.bkt = bucket_base != nullptr ? bucket_base + ((uint64_t)ti << p.bucket_bits) : nullptr;
+      const int32_t sym = (int32_t)ans_pop(st, tb);
+      *o = sym;
+      o += R;
+      acc[j] += sym >= center ? sym - center : center - sym;
+    }
+  }
   return ans_done(st) ? ANS_OK : ANS_NOT_CONSUMED;
 }
 

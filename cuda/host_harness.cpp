@@ -1,7 +1,7 @@
 // host_harness.cpp -- runs the kernels' per-item device code on the CPU.
 //
 // The kernels in this folder are thin loops around __host__ __device__ functions (dequant.cuh,
-// intq.cuh, ans.cuh). This file compiles those same functions with the host compiler, so
+// intq.cuh, ans.cuh, kvc_codec.cuh). This file compiles those same functions with the host compiler, so
 // tests/test_cuda_compile.py can check them bit for bit against kvcodec's CPU reference
 // decoders on a machine without a GPU:
 //   g++ -std=c++17 -O2 -ffp-contract=off -shared -fPIC host_harness.cpp -o harness.so
@@ -10,6 +10,7 @@
 #include "dequant.cuh"
 #include "intq.cuh"
 #include "ans.cuh"
+#include "kvc_codec.cuh"
 #include <vector>
 
 template <int B>
@@ -30,6 +31,7 @@ int64_t kvc_sizeof(int which) {
     case 1: return (int64_t)sizeof(kvc::Nvfp4Params);
     case 2: return (int64_t)sizeof(kvc::IntqParams);
     case 3: return (int64_t)sizeof(kvc::AnsParams);
+    case 4: return (int64_t)sizeof(kvc::KvcParams);
     default: return -1;
   }
 }
@@ -103,6 +105,29 @@ void kvc_ans_host(const kvc::AnsParams* p, int sink, int out, int mode, int gen)
     p->status[s] = r;
   }
 #undef KVC_ANS_RUN
+}
+
+// Token-major stage decode (the ans_tokens kernels); blk: one copy of table set 0 as in _blk.
+void kvc_ans_tokens_host(const kvc::AnsParams* p, int blk) {
+  std::vector<uint32_t> tab(blk ? (size_t)p->blk_words : 0);
+  for (size_t i = 0; i < tab.size(); ++i) tab[i] = p->cdf[i];
+  std::vector<uint16_t> bkt(blk ? (size_t)p->bucket_words * 2 : 0);
+  for (size_t i = 0; i < bkt.size(); ++i) bkt[i] = p->bucket[i];
+  const uint32_t* base = blk ? tab.data() : p->cdf;
+  const uint16_t* bucket = bkt.empty() ? nullptr : bkt.data();
+  for (uint32_t s = 0; s < (uint32_t)p->n_streams; ++s)
+    p->status[s] = kvc::ans_decode_stream_tokens(*p, s, base, bucket);
+}
+
+// The kvc codec's kernels: which 0 = kvc_esc_count, 1 = kvc_join, 2 = kvc_dequant (out dtype).
+void kvc_kvc_host(const kvc::KvcParams* p, int which, int out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (which == 0) kvc::kvc_esc_count_row(*p, (uint32_t)i);
+    else if (which == 1) kvc::kvc_join_row(*p, (uint32_t)i);
+    else if (out == 0) kvc::kvc_dequant_item<kvc::OUT_F32>(*p, (uint32_t)i);
+    else if (out == 1) kvc::kvc_dequant_item<kvc::OUT_F16>(*p, (uint32_t)i);
+    else kvc::kvc_dequant_item<kvc::OUT_BF16>(*p, (uint32_t)i);
+  }
 }
 
 // Element-wise conversions, for exhaustive checks against torch.

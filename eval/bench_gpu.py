@@ -13,6 +13,9 @@ GB/s counts fp16 output bytes (2 per element) per second. The copy baseline move
 the same byte size with ``dst.copy_(src)``; its GB/s counts the bytes written (a copy reads as
 many, so read+write is twice that).
 
+kvc tensors are not tiled (their token-delta rows would run on across tiles): the unit tensor
+itself is timed.
+
 An end-to-end row decodes a whole multi-layer cache with ``kvcodec.decode(..., device="cuda")``
 (uploads and Python included) against ``device="cpu"``.
 
@@ -58,7 +61,15 @@ CODECS = [
     ("cachegen-lmcache", "cachegen-lmcache", 8192),
     ("cachegen", "cachegen", 40960),
     ("kivi-4-delta-ans", "kivi-4-delta-ans", 32768),  # anchors (1 in 8) fill whole 4096-token chunks
+    # kvc: not tiled (token-delta rows run across tiles, and the planes are packed): one tensor
+    # coded whole. Few streams per tensor (rows_per_stream x chunk symbols each), so this is the
+    # per-tensor rate; the -cal preset is coded without a calibration file (same stage layout:
+    # magnitude contexts, 64-row streams, k_tok rows)
+    ("kvc-near", "kvc-near", 8192),
+    ("kvc-near-cal (no cal file)", "kvc-near-cal", 8192),
 ]
+#: Codecs whose unit tensor is decoded as it is instead of tiled.
+UNTILED = ("kvc",)
 
 
 def k_like(t: int, seed: int) -> torch.Tensor:
@@ -160,8 +171,8 @@ def bench_codec(name: str, config, t_unit: int, size_mb: float, repeats: int, co
     ref = codec.decode_tensor(enc, ctx)
     cpu_s = time.perf_counter() - t0
     unit_bytes = x.numel() * 2
-    reps = max(1, int(round(size_mb * 2**20 / unit_bytes)))
-    big = tile_encoded(codec, enc, t_unit, reps)
+    reps = 1 if codec.codec_id in UNTILED else max(1, int(round(size_mb * 2**20 / unit_bytes)))
+    big = enc if reps == 1 else tile_encoded(codec, enc, t_unit, reps)
     bctx = TensorContext(layer=1, role="k", shape=(t_unit * reps, H, D), dtype=torch.float16, globals=ctx.globals)
     plan = gpu.prepare_decode(codec, big, bctx, "cuda")
     out = plan()  # checked run (stream status included)
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - record and go on: one codec must not hide the others
             rows.append({"codec": name, "error": f"{type(e).__name__}: {e}"[:300]})
         print(json.dumps(rows[-1]), flush=True)
-    for name in ("fp8-e4m3", "kivi-4-ans", "cachegen-lmcache"):
+    for name in ("fp8-e4m3", "kivi-4-ans", "cachegen-lmcache", "kvc-near", "kvc-near-cal"):
         if time.perf_counter() - start > args.budget_s:
             skipped.append(f"e2e:{name}")
             continue

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .codec import Codec, EncodedTensor, TensorContext
 
 #: Kernel programs (one NVRTC compilation each) in the cuda/ folder.
-PROGRAMS = ("dequant.cu", "intq.cu", "ans.cu")
+PROGRAMS = ("dequant.cu", "intq.cu", "ans.cu", "kvc_codec.cu")
 
 #: NVRTC options shared by run time and the CI compile test. Bit-exactness with the CPU
 #: reference needs IEEE single precision everywhere: no FMA contraction (torch rounds after each
@@ -590,7 +590,9 @@ def kernel_names(program: str) -> list[str]:
         return [f"intq_{o}" for o in outs] + [f"intq_b{b}_{o}_v16" for b in range(1, 9) for o in outs]
     if program == "ans.cu":
         base = ["ans_symbols"] + [f"ans_{k}_{o}" for k in ("kivi", "kivix", "toksym", "toksymx") for o in outs]
-        return base + [b + "_smem" for b in base] + [b + "_blk" for b in base]
+        return base + [b + "_smem" for b in base] + [b + "_blk" for b in base] + ["ans_tokens", "ans_tokens_blk"]
+    if program == "kvc_codec.cu":
+        return ["kvc_esc_count", "kvc_join"] + [f"kvc_dequant_{o}" for o in outs]
     raise DeviceError(f"unknown kernel program {program!r}")
 
 
@@ -785,6 +787,7 @@ class AnsParams(ctypes.Structure):
         ("aux", ctypes.c_void_p),
         *[(n, ctypes.c_int32) for n in ("aux_mode", "code_off", "code_max", "blk_words", "cs", "half")],
         ("bucket", ctypes.c_void_p), ("bucket_bits", ctypes.c_int32), ("bucket_words", ctypes.c_int32),
+        ("acc", ctypes.c_void_p), ("thr", ctypes.c_void_p), ("n_thr", ctypes.c_int32), ("center", ctypes.c_int32),
     ]
 
 
@@ -803,11 +806,10 @@ class DeviceStage:
         from .entropy.stage import parse_planes
 
         lay, words, off, tsets, rts = parse_planes(planes, tables, row_table)
-        if lay.scope == 2:
-            # no kernel computes §3.1's classes: decoding with the row table of class 0 would give
-            # wrong symbols, so refuse before uploading anything
-            raise DeviceError("entropy stage scope 2 (magnitude contexts, formats/ANS.md §3.1) has no GPU "
-                              "kernel yet; decode this file with device='cpu'")
+        if lay.scope == 2 and lay.G * (lay.A // 2 + 1) >= 2**31:
+            # the kernels keep §3.1's magnitude sums in int32
+            raise DeviceError("entropy stage scope 2 with magnitude sums beyond int32 (rows per stream "
+                              f"{lay.G}, alphabet {lay.A}): decode this file with device='cpu'")
         self.layout = lay
         f = tsets.astype(np.uint64) << np.uint64(24 - lay.P)  # [n_sets, K, A] at precision 24
         log = max(1, (lay.A - 1).bit_length())  # 2**log >= A
@@ -817,6 +819,7 @@ class DeviceStage:
             cdf[:, 0] = 0
             cdf[:, 1:lay.A + 1] = np.cumsum(f.reshape(-1, lay.A), axis=1).astype(np.uint32)
         sets = np.arange(lay.n_sets, dtype=np.int64)[:, None] * lay.K
+        # [n_sets, R]; scope 2: [Q, R], the table of each (class, row) in the one set
         table_of = (sets + np.asarray(rts, dtype=np.int64)).astype(np.int32)
         if lay.n_streams >= 2**31 or words.size >= 2**32:
             raise DeviceError("entropy stage too large for the GPU decoder")
@@ -825,7 +828,8 @@ class DeviceStage:
         self.cdf = to_device(cdf, dev)
         self.table_of = to_device(np.ascontiguousarray(table_of), dev)
         self.status = torch.zeros(max(1, lay.n_streams), dtype=torch.int32, device=dev)
-        self._cdf_host = cdf if lay.scope == 0 else None
+        self._cdf_host = cdf if lay.n_sets == 1 else None
+        self.thr = to_device(np.array(lay.thresholds or (0,), dtype=np.int32), dev)
         self._dev = dev
         self._bucket: tuple[torch.Tensor, int] | None = None
 
@@ -853,16 +857,11 @@ class DeviceStage:
         shared memory, else per-thread copies when they fit, else global memory.
         """
         lay = self.layout
+        if lay.scope == 2:
+            raise DeviceError("a scope-2 stage (magnitude contexts) decodes through launch_tokens only")
         ptr = (lambda t: t.data_ptr() if t is not None else 0)
         blk_words = lay.K * self.cs
-        # bucket index for the _blk kernels: 2**bits entries per table (bits <= P: finer buckets
-        # than the table's own quantum would not help), as many bits as fit next to the tables
-        bits = 0
-        if lay.scope == 0 and lay.A <= 65535:
-            for b in range(min(lay.P, BUCKET_BITS), 3, -1):
-                if (blk_words + lay.K * (1 << b) // 2) * 4 <= _SMEM_DEFAULT_LIMIT:
-                    bits = b
-                    break
+        bits = self._bucket_bits(blk_words) if lay.scope == 0 else 0
         if tables is None:
             if lay.scope == 0 and blk_words * 4 <= _SMEM_DEFAULT_LIMIT:
                 tables = "blk"
@@ -883,7 +882,7 @@ class DeviceStage:
                       lay.R, lay.N, lay.C, lay.G, lay.A, lay.n_groups, lay.n_streams, lay.scope,
                       heads, dim, group, axis, mid, lay.A - 1 if max_code is None else max_code,
                       tmul, tdiv, tadd, out_is_t, base_group, ptr(aux), aux_mode, code_off, code_max, blk_words,
-                      self.cs, self.half, ptr(bkt), bits, bucket_words)
+                      self.cs, self.half, ptr(bkt), bits, bucket_words, 0, self.thr.data_ptr(), 0, 0)
         smem = {"blk": (blk_words + bucket_words) * 4, "smem": ANS_THREADS * self.cs * 4, "global": 0}[tables]
         if sink == SINK_SYMBOLS:
             name = "ans_symbols"
@@ -894,6 +893,51 @@ class DeviceStage:
             name = f"ans_{kind}_{_out_name(out_dtype or out.dtype)}"
         keep = [self.words, self.offsets, self.cdf, self.table_of, self.status, out, scale, zero, base, aux, bkt]
         return Launch("ans.cu", name + ("" if tables == "global" else "_" + tables), lay.n_streams, [p], keep=keep,
+                      block=ANS_THREADS, smem=smem)
+
+    def _bucket_bits(self, blk_words: int) -> int:
+        """Bits of the _blk kernels' bucket index: ``2**bits`` entries per table (``bits <= P``:
+        finer buckets than the table's own quantum would not help), as many as fit next to the
+        tables in 48 KB; 0 for none."""
+        lay = self.layout
+        if lay.n_sets != 1 or lay.A > 65535:
+            return 0
+        for b in range(min(lay.P, BUCKET_BITS), 3, -1):
+            if (blk_words + lay.K * (1 << b) // 2) * 4 <= _SMEM_DEFAULT_LIMIT:
+                return b
+        return 0
+
+    def launch_tokens(self, out: torch.Tensor, *, tables: str | None = None, use_bucket: bool = True) -> Launch:
+        """The launch that decodes every stream into token-major ``int32 out [N, R]`` (any scope,
+        magnitude contexts included: the ``ans_tokens`` kernels).
+
+        ``tables``: ``"blk"`` (one table set in shared memory; the default when it fits in
+        48 KB) or ``"global"``.
+        """
+        lay = self.layout
+        blk_words = lay.K * self.cs
+        fits = lay.n_sets == 1 and blk_words * 4 <= _SMEM_DEFAULT_LIMIT
+        if tables is None:
+            tables = "blk" if fits else "global"
+        if tables not in ("blk", "global") or (tables == "blk" and not fits):
+            raise DeviceError("ans_tokens: tables 'blk' need one table set of at most 48 KB, else 'global'")
+        if tuple(out.shape) != (lay.N, lay.R) or out.dtype != torch.int32 or not out.is_contiguous():
+            raise DeviceError(f"ans_tokens: out must be a contiguous int32 [{lay.N}, {lay.R}] tensor")
+        bits = self._bucket_bits(blk_words) if tables == "blk" and use_bucket else 0
+        bkt = self.bucket(bits) if bits else None
+        bucket_words = lay.K * (1 << bits) // 2 if bits else 0
+        acc = None
+        if lay.scope == 2:  # per (stream group, token): the magnitude sum of the rows decoded so far
+            acc = torch.empty((lay.n_groups, max(1, lay.N)), dtype=torch.int32, device=out.device)
+        p = AnsParams(self.words.data_ptr(), self.offsets.data_ptr(), self.cdf.data_ptr(), self.table_of.data_ptr(),
+                      self.status.data_ptr(), out.data_ptr(), 0, 0, 0,
+                      lay.R, lay.N, lay.C, lay.G, lay.A, lay.n_groups, lay.n_streams, lay.scope,
+                      0, 0, 1, 0, 0, lay.A - 1, 1, 0, 0, 1, 1, 0, 0, 0, 0, blk_words,
+                      self.cs, self.half, 0 if bkt is None else bkt.data_ptr(), bits, bucket_words,
+                      0 if acc is None else acc.data_ptr(), self.thr.data_ptr(), lay.Q - 1, lay.center)
+        smem = (blk_words + bucket_words) * 4 if tables == "blk" else 0
+        keep = [self.words, self.offsets, self.cdf, self.table_of, self.status, out, bkt, acc, self.thr]
+        return Launch("ans.cu", "ans_tokens" + ("_blk" if tables == "blk" else ""), lay.n_streams, [p], keep=keep,
                       block=ANS_THREADS, smem=smem)
 
     def check(self, where: str) -> None:
@@ -1052,5 +1096,158 @@ def _gpu_cachegen(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", de
                                   mid=(rec - 1) // 2, tmul=1, tdiv=g - 1, tadd=1, out_is_t=1, base_group=g)
             _run_stage(dev, dl_st, launch, where, check)
         return out.reshape(ctx.shape)
+
+    return DecodePlan(run)
+
+
+# ---------------------------------------------------------------------------- kvc
+class KvcParams(ctypes.Structure):
+    """Mirror of ``kvc::KvcParams`` (cuda/kvc_codec.cuh)."""
+
+    _fields_ = [
+        *[(n, ctypes.c_void_p) for n in ("codes", "esc", "esc_count", "esc_base", "pred", "step_ch", "sc", "step_tab",
+                                        "mean", "recon", "tok", "out", "status")],
+        *[(n, ctypes.c_int32) for n in ("n", "R", "H", "D", "L", "n_esc", "n_recon", "step_mode", "raw", "pad_")],
+    ]
+
+
+KVC_STEP_CHANNEL, KVC_STEP_KTOK, KVC_STEP_TOKEN = 0, 1, 2
+_KVC_THREADS = 256
+
+
+def fwht_torch(x: torch.Tensor) -> torch.Tensor:
+    """:func:`kvcodec.transforms.hadamard.fwht` on a float32 tensor of any device: the same
+    butterflies and the same final float32 multiply, so the same bits (each add, subtract and
+    multiply is one IEEE rounding on either device)."""
+    d = x.shape[-1]
+    lead = x.shape[:-1]
+    y = x.clone()
+    h = 1
+    while h < d:
+        v = y.view(*lead, d // (2 * h), 2, h)
+        a = v[..., 0, :].clone()
+        b = v[..., 1, :]
+        v[..., 0, :] = a + b
+        v[..., 1, :] = a - b  # b still holds the odd halves: only the even ones were overwritten
+        h *= 2
+    return y * torch.tensor(np.float32(1.0 / np.sqrt(d)), device=y.device)
+
+
+def _kvc_error(code: int, where: str, n_esc: int) -> Exception:
+    from .quant.deadzone import STEP_CODE_MAX, STEP_CODE_MIN
+
+    if code == 1:
+        return FormatError(f"{where}: kvc: the escape symbols and the esc plane's {n_esc} values disagree in number")
+    if code == 2:
+        return FormatError(f"{where}: kvc: an escaped code lies inside the regular range")
+    if code == 3:
+        return DeviceError(f"{where}: kvc codes beyond 32 bits, which the GPU decoder does not hold; "
+                           "decode this file with device='cpu'")
+    return FormatError(f"{where}: kvc step code outside [{STEP_CODE_MIN}, {STEP_CODE_MAX}]")
+
+
+@register_gpu_decoder("kvc")
+def _gpu_kvc(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> DecodePlan:
+    """kvc on the GPU: the entropy stage (any scope, magnitude contexts included) to token-major
+    symbols, escape join and token-delta sums per row, then dequantization straight into the
+    ``[T, H, D]`` output (protected tokens copied as they are). Validation is the CPU decoder's
+    own (:meth:`~kvcodec.codecs.kvc.KVCCodec.parse_tensor`)."""
+    from .entropy.stage import StageLayout
+    from .quant.deadzone import STEP_CODE_MAX, STEP_CODE_MIN, recon_values, step_from_code
+
+    v = codec.parse_tensor(enc, ctx)
+    t, h, d = ctx.shape
+    _check_size(ctx.shape)
+    where, n = v.where, v.n
+    bits = _BITS_VIEW[ctx.dtype]
+    ibits = {np.int16: torch.int16, np.int32: torch.int32}[bits]
+    keep_idx = torch.from_numpy(np.flatnonzero(v.mask)).to(dev)
+    prot = to_device(np.ascontiguousarray(v.prot, dtype=bits), dev)
+
+    def protected() -> torch.Tensor:
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
+        if keep_idx.numel():
+            out.view(ibits)[keep_idx] = prot
+        return out
+
+    if n == 0:
+        return DecodePlan(lambda check=True: protected())
+    lv, rows = v.lv, v.rows
+    try:  # the geometry the CPU decoder checks before it allocates, then the stage's own checks
+        if "meta" not in v.stage_planes:
+            raise FormatError("ANS stage plane 'meta' is missing")
+        lay = StageLayout(v.stage_planes["meta"])
+        if (lay.R, lay.N, lay.A) != (rows, n, 2 * lv):
+            raise FormatError(f"ANS stage is [{lay.R}, {lay.N}] over {lay.A} symbols, expected "
+                              f"[{rows}, {n}] over {2 * lv}")
+        stage = DeviceStage(v.stage_planes, dev)
+    except FormatError as e:
+        raise type(e)(f"{where}: kvc entropy stage: {e}") from None
+    hd = h * d
+    if v.per_channel and not v.k_tok:
+        mode, sc = KVC_STEP_CHANNEL, np.zeros(1, np.int32)
+        step_ch = step_from_code(v.sc_ch).reshape(-1)
+    else:
+        mode = KVC_STEP_KTOK if v.per_channel else KVC_STEP_TOKEN
+        sc64 = v.sc_ch.reshape(-1) if v.per_channel else np.array(v.base, dtype=object)
+        if any(not -2**31 <= int(b) < 2**31 for b in sc64):
+            raise DeviceError(f"{where}: kvc step_base beyond 32 bits; decode this file with device='cpu'")
+        sc = np.array([int(b) for b in sc64], dtype=np.int32)
+        step_ch = np.zeros(1, np.float32)
+    m = len(v.rc) if v.rc else 0
+    recon = recon_values(np.arange(-m, m + 1), v.rc) if m else np.zeros(1, np.float32)
+    esc = v.esc.astype(np.int32).reshape(-1)
+    n_esc = esc.size
+    d_esc = to_device(esc if n_esc else np.zeros(1, np.int32), dev)
+    d_pred = to_device(v.use.astype(np.uint8), dev) if v.use is not None else None
+    d_step_ch = to_device(np.ascontiguousarray(step_ch, dtype=np.float32), dev)
+    d_sc = to_device(sc, dev)
+    d_tab = to_device(step_from_code(np.arange(STEP_CODE_MIN, STEP_CODE_MAX + 1)), dev)
+    d_mean = to_device(np.ascontiguousarray(v.mean.reshape(-1), dtype=np.float32), dev)
+    d_recon = to_device(np.ascontiguousarray(recon, dtype=np.float32), dev)
+    free = np.flatnonzero(~v.mask)
+    d_tok = to_device(free.astype(np.int32), dev)
+    d_free = torch.from_numpy(free).to(dev)
+    status = torch.zeros(1, dtype=torch.int32, device=dev)
+    raw = v.tr == "hadamard"
+    lim = float(torch.finfo(ctx.dtype).max)
+
+    def params(codes, counts, base, out) -> KvcParams:
+        ptr = (lambda x: 0 if x is None else x.data_ptr())
+        return KvcParams(codes.data_ptr(), d_esc.data_ptr(), ptr(counts), ptr(base), ptr(d_pred), d_step_ch.data_ptr(),
+                         d_sc.data_ptr(), d_tab.data_ptr(), d_mean.data_ptr(), d_recon.data_ptr() if m else 0,
+                         d_tok.data_ptr(), ptr(out), status.data_ptr(), n, rows, h, d, lv, n_esc, m, mode,
+                         1 if raw else 0, 0)
+
+    def run(check: bool = True) -> torch.Tensor:
+        out = protected()
+        codes = torch.empty((n, rows), dtype=torch.int32, device=dev)
+        _run_stage(dev, stage, stage.launch_tokens(codes), where, check=False)
+        status.zero_()
+        counts = torch.empty(rows, dtype=torch.int32, device=dev)
+        keep = [codes, counts, d_esc, d_pred, status, d_step_ch, d_sc, d_tab, d_mean, d_recon, d_tok]
+
+        def launch(kernel: str, items: int, p: KvcParams, *more: torch.Tensor) -> None:
+            _decode_launch(dev, Launch("kvc_codec.cu", kernel, items, [p, ctypes.c_int64(items)],
+                                       keep=keep + list(more), block=_KVC_THREADS))
+
+        launch("kvc_esc_count", rows, params(codes, counts, None, None))
+        base = torch.cumsum(counts, 0, dtype=torch.int32) - counts  # row r's first escape
+        launch("kvc_join", rows, params(codes, counts, base, None), base)
+        dst = torch.empty((n, h, d), dtype=torch.float32, device=dev) if raw else out
+        launch("kvc_dequant_" + _out_name(torch.float32 if raw else ctx.dtype), n * hd,
+               params(codes, None, None, dst), dst)
+        if raw:  # Hadamard files: the reference's inverse transform, mean, saturation and cast
+            xh = torch.clamp(fwht_torch(dst) + d_mean.view(1, h, d), -lim, lim)
+            out[d_free] = xh.to(ctx.dtype)
+        if check:
+            try:
+                stage.check(where)
+            except FormatError as e:
+                raise type(e)(f"{where}: kvc entropy stage: {str(e).removeprefix(where + ': ')}") from None
+            code = int(status[0])
+            if code:
+                raise _kvc_error(code, where, n_esc)
+        return out
 
     return DecodePlan(run)

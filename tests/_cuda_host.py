@@ -28,6 +28,12 @@ GPU_CODEC_CONFIGS = [
     {"id": "kivi-ans", "bits": 4, "delta": 8, "chunk": 16}, {"id": "kivi-ans", "bits": 3, "tables": "cluster", "n_tables": 3},
     {"id": "cachegen-lmcache", "chunk": 8}, {"id": "cachegen"}, {"id": "cachegen", "group": 1},
     {"id": "cachegen", "group": 4, "chunk": 5, "anchor_levels": 31},
+    # kvc: the -cal presets (magnitude contexts, k_tok step rows, reconstruction offsets; coded
+    # without a calibration file here), plain kvc (scope 0, token-mode V), Hadamard, per-head V
+    # steps with centring and forced deltas, and small streams/chunks with contexts
+    {"id": "kvc-near-cal"}, {"id": "kvc-aggressive-cal"}, {"id": "kvc"}, {"id": "kvc", "transform": "hadamard"},
+    {"id": "kvc", "v_scale": "head", "v_center": True, "delta": 2, "max_level": 4},
+    {"id": "kvc", "ctx": [4, 12, 20], "rows_per_stream": 5, "chunk": 7, "k_recon": 3, "delta": 2, "recent": 2},
 ]
 
 _OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -46,7 +52,8 @@ def build_harness(tmpdir: Path) -> ctypes.CDLL | None:
     if res.returncode != 0:
         raise AssertionError(f"host harness failed to compile:\n{' '.join(cmd)}\n{res.stderr}")
     lib = ctypes.CDLL(str(so))
-    for name in ("kvc_fp8_host", "kvc_nvfp4_host", "kvc_intq_host", "kvc_ans_host", "kvc_convert_host"):
+    for name in ("kvc_fp8_host", "kvc_nvfp4_host", "kvc_intq_host", "kvc_ans_host", "kvc_convert_host",
+                 "kvc_ans_tokens_host", "kvc_kvc_host"):
         getattr(lib, name).restype = None
     lib.kvc_sizeof.restype = ctypes.c_int64
     lib.kvc_sizeof.argtypes = [ctypes.c_int]
@@ -64,6 +71,12 @@ def run_on_host(lib: ctypes.CDLL, launch: gpu.Launch) -> None:
                          ctypes.c_int(1 if vec else 0), n)
     elif k.startswith("nvfp4_"):
         lib.kvc_nvfp4_host(p, ctypes.c_int(["f32", "f16", "bf16"].index(k.split("_")[1])), n)
+    elif k in ("ans_tokens", "ans_tokens_blk"):
+        lib.kvc_ans_tokens_host(p, ctypes.c_int(1 if k.endswith("_blk") else 0))
+    elif k.startswith("kvc_"):
+        which = 0 if k == "kvc_esc_count" else 1 if k == "kvc_join" else 2
+        out = ["f32", "f16", "bf16"].index(k.split("_")[-1]) if which == 2 else 0
+        lib.kvc_kvc_host(p, ctypes.c_int(which), ctypes.c_int(out), n)
     elif k.startswith("ans_"):
         parts = k.split("_")
         sink = {"symbols": 0, "kivi": 1, "kivix": 1, "toksym": 2, "toksymx": 2}[parts[1]]

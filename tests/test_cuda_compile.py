@@ -156,6 +156,7 @@ def test_param_structs_match_ctypes(harness):
     assert harness.kvc_sizeof(1) == ctypes_sizeof(gpu.Nvfp4Params)
     assert harness.kvc_sizeof(2) == ctypes_sizeof(gpu.IntqParams)
     assert harness.kvc_sizeof(3) == ctypes_sizeof(gpu.AnsParams)
+    assert harness.kvc_sizeof(4) == ctypes_sizeof(gpu.KvcParams)
 
 
 def ctypes_sizeof(t):
@@ -362,14 +363,170 @@ def test_ans_stage_host_build_matches_reference(harness, r, n, a, cfg):
         assert np.array_equal(out.numpy(), x), (mode, bucket)
 
 
-def test_device_stage_refuses_scope_2_with_a_clear_error():
-    """No kernel computes the magnitude classes of formats/ANS.md §3.1: a scope-2 stage (valid on
-    the CPU) must be refused before upload, not decoded with the wrong tables."""
+@pytest.mark.parametrize("r,n,a,cfg", [
+    (6, 120, 9, {"chunk": 40, "rows_per_stream": 3, "tables": "cluster", "n_tables": 3, "scope": "ctx",
+                 "thresholds": [4, 12]}),
+    (13, 77, 20, {"chunk": 16, "rows_per_stream": 13, "tables": "cluster", "n_tables": 5, "scope": "ctx",
+                  "thresholds": [0, 3, 8, 30, 65536]}),                   # T_1 = 0, T = max
+    (5, 50, 64, {"chunk": 64, "rows_per_stream": 1, "tables": "cluster", "n_tables": 2, "scope": "ctx",
+                 "thresholds": [8]}),                                     # G = 1: every class 0
+    (40, 33, 2, {"chunk": 5, "rows_per_stream": 16, "tables": "cluster", "n_tables": 2, "scope": "ctx",
+                 "thresholds": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], "precision": 3}),  # Q = 16
+    (7, 90, 12, {"chunk": 20, "rows_per_stream": 4}),                       # scope 0
+    (5, 60, 6, {"chunk": 16, "scope": "chunk"}),                            # scope 1: global tables
+    (4, 0, 6, {"chunk": 16, "scope": "ctx", "tables": "cluster", "n_tables": 2, "thresholds": [4]}),  # no tokens
+])
+def test_ans_tokens_host_build_matches_reference(harness, r, n, a, cfg):
+    """The token-major stage kernels (kvc's): every scope, formats/ANS.md §3.1's magnitude
+    classes included, equal the pure-integer reference decoder, with tables in shared memory
+    (with and without the bucket index) and in global memory."""
+    from kvcodec.entropy.stage import magnitude_classes
+
+    x, st, planes = _random_stage(r * 7 + n, r, n, a, **cfg)
+    if cfg.get("scope") == "ctx" and n:
+        # skewed magnitudes along the tokens so that several classes occur
+        g = np.random.default_rng(r + n)
+        width = np.where(np.arange(n) % 3 == 0, a // 2, 1)
+        c = (a - 1) // 2
+        x = np.clip(c + (g.integers(-a, a + 1, size=(r, n)) * width // a), 0, a - 1).astype(np.int32)
+        planes = st.encode(x, alphabet=a)
+        if cfg["rows_per_stream"] > 1 and len(cfg["thresholds"]) > 1:
+            assert len(np.unique(magnitude_classes(x, cfg["rows_per_stream"], cfg["thresholds"], c))) >= 2
+    assert np.array_equal(st.decode(planes, method="reference"), x)
+    stage = gpu.DeviceStage(planes, torch.device("cpu"))
+    lay = stage.layout
+    modes = [("global", True)] + ([("blk", True), ("blk", False)] if lay.n_sets == 1 else [])
+    assert stage.launch_tokens(torch.zeros((n, r), dtype=torch.int32)).kernel == \
+        ("ans_tokens_blk" if lay.n_sets == 1 else "ans_tokens")
+    for mode, bucket in modes:
+        out = torch.full((n, r), -1, dtype=torch.int32)
+        launch = stage.launch_tokens(out, tables=mode, use_bucket=bucket)
+        if lay.n_streams:
+            run_on_host(harness, launch)
+        stage.check("test")
+        assert np.array_equal(out.numpy(), x.T), (mode, bucket)
+
+
+def test_scope_2_stage_only_through_the_token_kernels():
+    """The sink kernels know no magnitude classes: a scope-2 stage given to them is refused, not
+    decoded with the wrong tables."""
     x, st, planes = _random_stage(11, 6, 120, 9, chunk=40, rows_per_stream=3, tables="cluster", n_tables=3,
                                   scope="ctx", thresholds=[4, 12])
-    assert np.array_equal(st.decode(planes, method="reference"), x)
-    with pytest.raises(DeviceError, match=r"scope 2.*device='cpu'"):
-        gpu.DeviceStage(planes, torch.device("cpu"))
+    stage = gpu.DeviceStage(planes, torch.device("cpu"))
+    with pytest.raises(DeviceError, match="launch_tokens"):
+        stage.launch(gpu.SINK_SYMBOLS, torch.zeros((6, 120), dtype=torch.int32))
+    with pytest.raises(DeviceError, match="int32"):
+        stage.launch_tokens(torch.zeros((6, 120), dtype=torch.int64))
+
+
+def test_ans_tokens_host_build_rejects_corrupt_ctx_streams(harness):
+    from kvcodec.errors import StreamError
+
+    x, st, planes = _random_stage(3, 8, 150, 10, chunk=50, rows_per_stream=4, tables="cluster", n_tables=3,
+                                  scope="ctx", thresholds=[4, 12])
+    bad = dict(planes)
+    w = planes["words"].copy()
+    w[len(w) // 2] ^= 0x00010000
+    bad["words"] = w
+    with pytest.raises(StreamError):
+        st.decode(bad, method="reference")
+    stage = gpu.DeviceStage(bad, torch.device("cpu"))
+    run_on_host(harness, stage.launch_tokens(torch.zeros((150, 8), dtype=torch.int32)))
+    with pytest.raises(StreamError):
+        stage.check("test")
+
+
+def test_fwht_torch_equals_the_reference():
+    from kvcodec.transforms.hadamard import fwht
+
+    g = np.random.default_rng(4)
+    for d in (1, 2, 16, 128, 256):
+        x = (g.standard_normal((9, 3, d)) * 10.0 ** g.integers(-3, 4, size=(9, 3, 1))).astype(np.float32)
+        got = gpu.fwht_torch(torch.from_numpy(x)).numpy()
+        assert np.array_equal(got.view(np.uint32), fwht(x).view(np.uint32)), d
+
+
+def _kvc_tensor(config, shape=(40, 2, 16), role="k", seed=0, dtype=torch.float16):
+    import kvcodec
+    from kvcodec.codec import TensorContext
+
+    codec = kvcodec.get_codec(config)
+    x = _rand(shape, dtype, seed)
+    x[3, 0, 2] = 300.0  # an escape
+    cache = kvcodec.KVCache.from_tensors([(x, x)] * 2)
+    ctx = TensorContext(layer=0, role=role, shape=shape, dtype=dtype, globals=codec.encode_globals(cache))
+    return codec, codec.encode_tensor(x, ctx), ctx
+
+
+def _unpacked(codec, enc, ctx):
+    """The tensor's planes as separate planes (what a packed tensor holds), for mutation."""
+    from kvcodec.codec import EncodedTensor
+    from kvcodec.codecs.kvc import PACK_PIECES
+    from kvcodec.format.pack import unpack_planes
+
+    pr = dict(enc.params)
+    planes = unpack_planes(enc.planes["pack"], pr.pop("pk"), PACK_PIECES, "test") if "pk" in pr else dict(enc.planes)
+    return EncodedTensor(dict(planes), pr)
+
+
+def _kvc_mutations():
+    def more_esc(e):
+        e.planes["esc"] = np.concatenate([e.planes["esc"], e.planes["esc"][:1]])
+
+    def fewer_esc(e):
+        e.planes["esc"] = e.planes["esc"][1:]
+
+    def esc_inside(e):
+        v = e.planes["esc"].copy()
+        v[0] = 1
+        e.planes["esc"] = v
+
+    def step_far(e):
+        side = e.planes["side"].copy()
+        side[1, 0, 0] = 400.0  # channel step code outside [-320, 320]
+        e.planes["side"] = side
+
+    def tok_far(e):  # k_tok rows: a channel code near the bottom, so an offset pushes it out
+        side = e.planes["side"].copy()
+        side[1, 1, 5] = -318.0  # recency offsets are negative (finer steps)
+        e.planes["side"] = side
+
+    def base_far(e):
+        e.params["step_base"] = [e.params["step_base"][0] + 700] + e.params["step_base"][1:]
+
+    def flip_word(e):
+        w = e.planes["ans_words"].copy()
+        w[len(w) // 2] ^= 0x00040000
+        e.planes["ans_words"] = w
+
+    return {"more_esc": more_esc, "fewer_esc": fewer_esc, "esc_inside": esc_inside, "step_far": step_far,
+            "tok_far": tok_far, "base_far": base_far, "flip_word": flip_word}
+
+
+_PLAIN = {"id": "kvc", "pack": 0, "max_level": 6}
+_CAL = {"id": "kvc-near-cal", "pack": 0, "max_level": 6}  # k_tok step rows, contexts, rc
+_COMMON = ("more_esc", "fewer_esc", "esc_inside", "flip_word")
+KVC_FORGERIES = ([(_PLAIN, "k", m) for m in _COMMON + ("step_far",)] + [(_PLAIN, "v", m) for m in _COMMON + ("base_far",)]
+                 + [(_CAL, "k", m) for m in _COMMON + ("step_far", "tok_far")] + [(_CAL, "v", "base_far")])
+
+
+@pytest.mark.parametrize("config,role,mutation", KVC_FORGERIES,
+                         ids=[f"{c['id']}-{r}-{m}" for c, r, m in KVC_FORGERIES])
+def test_kvc_gpu_decoder_rejects_what_the_reference_rejects(host_runner, config, role, mutation):
+    """Forged kvc tensors: the GPU decoder (host build) raises the reference decoder's error class
+    (escape counts, escapes inside the regular range, step codes out of range, corrupt streams)."""
+    from kvcodec.errors import KVCodecError
+
+    codec, enc, ctx = _kvc_tensor(config, role=role, seed=len(mutation))
+    enc = _unpacked(codec, enc, ctx)
+    assert "esc" in enc.planes, "the test tensor was meant to have escapes"
+    assert bool(enc.params.get("k_tok")) == (config is _CAL and role == "k")
+    _kvc_mutations()[mutation](enc)
+    with pytest.raises(KVCodecError) as cpu:
+        codec.decode_tensor(enc, ctx)
+    with pytest.raises(KVCodecError) as dev:
+        gpu._GPU_DECODERS["kvc"](codec, enc, ctx, torch.device("cpu"))()
+    assert type(dev.value) is type(cpu.value), (cpu.value, dev.value)
 
 
 def test_ans_stage_host_build_rejects_corrupt_streams(harness):

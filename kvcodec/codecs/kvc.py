@@ -106,6 +106,7 @@ Example:
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -567,7 +568,21 @@ class KVCCodec(Codec):
         return EncodedTensor(planes, params)
 
     # ------------------------------------------------------------------ decode
-    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
+    def parse_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> SimpleNamespace:
+        """Validate one coded tensor (everything but the entropy stage's streams, which the
+        decoders check as they decode them) — shared by :meth:`decode_tensor` and the GPU decoder
+        (:mod:`kvcodec.gpu`), so both accept and reject the same files.
+
+        Returns a namespace: ``where``, ``n`` (coded tokens), ``mask`` (bool ``[T]``, protected
+        tokens), ``prot`` (their source-dtype bits); when ``n > 0`` also ``lv`` (``L``), ``tr``
+        (transform), ``per_channel``, ``k_tok``, ``rows`` (``R`` of the symbol matrix),
+        ``stage_planes``, ``esc`` (int8/16/32), ``use`` (bool ``[R]`` token-delta rows, or
+        None), ``sc_ch`` (int64 ``[H, D]`` channel step codes, per-channel tensors), ``base``
+        (``H`` step-code bases, token-mode tensors), ``mean`` (float32 ``[H, D]``) and ``rc``.
+
+        Raises:
+            FormatError: planes or params that do not describe a valid tensor of ``ctx.shape``.
+        """
         p = self.params
         where = f"layers.{ctx.layer}.{ctx.role}"
         t, h, d = ctx.shape
@@ -602,20 +617,14 @@ class KVCCodec(Codec):
             side = np.zeros((2, h, d), dtype=np.float16)  # token-mode V, not centred
         if side is None or side.dtype != np.float16 or side.shape != (2, h, d):
             raise FormatError(f"{where}: 'side' plane missing or not float16[2, {h}, {d}]")
-        out = torch.empty(t, h, d, dtype=ctx.dtype)
-        keep = torch.from_numpy(mask)
-        out[keep] = torch.from_numpy(prot.copy()).view(ctx.dtype)
+        v = SimpleNamespace(where=where, n=n, mask=mask, prot=prot)
         if n == 0:
-            return out
+            return v
         k_tok = pr.get("k_tok", 0)
         if k_tok not in (0, 1) or (k_tok and not per_channel):
             raise FormatError(f"{where}: kvc k_tok must be 0 or 1 (per-channel tensors only), got {k_tok!r}")
         rows = h * d + (0 if per_channel and not k_tok else h)
         stage_planes = {k: enc.planes[_STAGE_PREFIX + k] for k in _STAGE_PLANES if _STAGE_PREFIX + k in enc.planes}
-        try:  # the stage checks its geometry against ours before it allocates, then validates
-            sym = _stage(p).decode(stage_planes, layout="tokens", expected=(rows, n, 2 * lv))  # [n, R]
-        except FormatError as e:  # the same error class (StreamError, ...), located
-            raise type(e)(f"{where}: kvc entropy stage: {e}") from None
         esc = enc.planes.get("esc", np.zeros(0, np.int32))
         if esc.dtype not in (np.int8, np.int16, np.int32):
             raise FormatError(f"{where}: kvc 'esc' plane must be int8, int16 or int32, got {esc.dtype}")
@@ -625,35 +634,62 @@ class KVCCodec(Codec):
         if not pred and "pred" in enc.planes:
             raise FormatError(f"{where}: kvc 'pred' plane present but the params say pred 0")
         use = pred_mask(enc.planes.get("pred"), rows, where) if pred else None
-        if native.available():  # escape join and token-delta running sums in one pass
-            codes = native.escape_join_tokens(sym, esc, lv, use, narrow=True)  # int32 where they fit
-        else:
-            codes = escape_join(sym.T, esc, lv).T
-            if use is not None:
-                codes = undelta_rows(codes, enc.planes["pred"], where)
-        main = codes[:, : h * d].reshape(n, h, d)
-        sc_raw = side[1].astype(np.float64)
+        sc_ch, base = None, None
         if per_channel:
+            sc_raw = side[1].astype(np.float64)
             if not np.all(np.isfinite(sc_raw)) or np.any(sc_raw != np.round(sc_raw)):
                 raise FormatError(f"{where}: kvc step codes are not integers")
             sc_ch = _checked_codes(sc_raw, where)
-            if k_tok:  # per-token integer offsets added to the channel log-step codes
-                step = token_steps(sc_ch, codes[:, h * d:], where)
-            else:
-                step = step_from_code(sc_ch)[None]
         else:
             base = pr.get("step_base")
             if not isinstance(base, list) or len(base) != h or not all(isinstance(b, int) for b in base):
                 raise FormatError(f"{where}: kvc step_base must list {h} integers")
-            sc = codes[:, h * d:] + np.array(base, dtype=np.int64)[None]
-            step = step_from_code(_checked_codes(sc, where))[:, :, None]
         mean = side[0].astype(np.float32)
         if not np.all(np.isfinite(mean)):
             raise FormatError(f"{where}: kvc channel means are not finite")
         rc = _checked_recon(pr.get("rc"), where)
         if rc and not per_channel:
             raise FormatError(f"{where}: kvc rc (reconstruction offsets) is for per-channel tensors only")
-        if tr == "none" and native.available():  # the same float32 arithmetic, saturation and cast
+        v.__dict__.update(lv=lv, tr=tr, per_channel=per_channel, k_tok=k_tok, rows=rows, stage_planes=stage_planes,
+                          esc=esc, use=use, sc_ch=sc_ch, base=base, mean=mean, rc=rc)
+        return v
+
+    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
+        p = self.params
+        v = self.parse_tensor(enc, ctx)
+        where, n, mask = v.where, v.n, v.mask
+        t, h, d = ctx.shape
+        out = torch.empty(t, h, d, dtype=ctx.dtype)
+        keep = torch.from_numpy(mask)
+        out[keep] = torch.from_numpy(v.prot.copy()).view(ctx.dtype)
+        if n == 0:
+            return out
+        lv = v.lv
+        try:  # the stage checks its geometry against ours before it allocates, then validates
+            sym = _stage(p).decode(v.stage_planes, layout="tokens", expected=(v.rows, n, 2 * lv))  # [n, R]
+        except FormatError as e:  # the same error class (StreamError, ...), located
+            raise type(e)(f"{where}: kvc entropy stage: {e}") from None
+        try:
+            if native.available():  # escape join and token-delta running sums in one pass
+                codes = native.escape_join_tokens(sym, v.esc, lv, v.use, narrow=True)  # int32 where they fit
+            else:
+                codes = escape_join(sym.T, v.esc, lv).T
+                if v.use is not None:
+                    codes = codes.astype(np.int64, copy=True)
+                    codes[:, v.use] = np.cumsum(codes[:, v.use], axis=0)
+        except FormatError as e:
+            raise FormatError(f"{where}: {e}") from None
+        main = codes[:, : h * d].reshape(n, h, d)
+        if v.per_channel:
+            if v.k_tok:  # per-token integer offsets added to the channel log-step codes
+                step = token_steps(v.sc_ch, codes[:, h * d:], where)
+            else:
+                step = step_from_code(v.sc_ch)[None]
+        else:
+            sc = codes[:, h * d:] + np.array(v.base, dtype=np.int64)[None]
+            step = step_from_code(_checked_codes(sc, where))[:, :, None]
+        mean, rc = v.mean, v.rc
+        if v.tr == "none" and native.available():  # the same float32 arithmetic, saturation and cast
             free = np.flatnonzero(~mask)
             if free[-1] - free[0] + 1 == n:  # the coded tokens are one run: write them in place
                 native.kvc_dequantize(main, step, mean, ctx.dtype, out=out[int(free[0]):int(free[-1]) + 1], recon=rc)
@@ -662,7 +698,7 @@ class KVCCodec(Codec):
             return out
         # normative: the exact value each code stands for, then one float32 multiply
         z = (recon_values(main, rc) if rc else main.astype(np.float32)) * step
-        if tr == "hadamard":
+        if v.tr == "hadamard":
             z = fwht(z)
         xh = z + mean[None]
         lim = float(torch.finfo(ctx.dtype).max)  # saturate instead of overflowing to inf
