@@ -607,3 +607,47 @@ def test_ans_stage_host_build_random_geometries(harness):
             assert np.array_equal(out.numpy(), x), (cfg, mode, bucket)
 
     check()
+
+
+# ---------------------------------------------------------------------------- whole files, batched
+@pytest.fixture
+def host_device(host_runner, monkeypatch):
+    """``device="cuda"`` decodes on the CPU through the host build (the GPU tests' dry run)."""
+    monkeypatch.setattr(gpu, "_resolve_device", lambda device: torch.device("cpu"))
+    return host_runner
+
+
+@pytest.mark.parametrize("name", ["kvc-near-cal", "kvc", "kivi-4-ans", "cachegen"])
+@pytest.mark.parametrize("tokens_per_chunk", [0, 32])
+def test_whole_file_device_decode_through_the_host_build(host_device, name, tokens_per_chunk):
+    """``kvcodec.decode(..., device="cuda")`` — the batched path (:class:`gpu.batched_decode`,
+    checks deferred to the end, chunked tensors concatenated) — equals the CPU decode bit for bit."""
+    import kvcodec
+    from conftest import make_cache
+
+    cache = make_cache(layers=3, tokens=70, heads=2, dim=40, dtype=torch.bfloat16, seed=2)
+    blob = kvcodec.get_codec(name).encode(cache, tokens_per_chunk=tokens_per_chunk)
+    want, got = kvcodec.decode(blob), kvcodec.decode(blob, device="cuda")
+    for (i, role, a), (_, _, b) in zip(want.tensors(), got.tensors()):
+        assert torch.equal(_bits(b), _bits(a)), f"{name} chunk {tokens_per_chunk} layers.{i}.{role}"
+
+
+def test_batched_decode_raises_on_exit_naming_the_tensor(host_device):
+    from kvcodec.errors import StreamError
+
+    codec, good, ctx = _kvc_tensor({"id": "kvc-near-cal", "pack": 0})
+    bad = _unpacked(codec, good, ctx)
+    w = bad.planes["ans_words"].copy()
+    w[len(w) // 2] ^= 0x00040000
+    bad.planes["ans_words"] = w
+    with pytest.raises(StreamError, match=r"layers\.0\.k: kvc entropy stage"):
+        codec.decode_tensor(bad, ctx)
+    reached = False
+    with pytest.raises(StreamError, match=r"layers\.0\.k: kvc entropy stage"):
+        with gpu.batched_decode("cuda"):
+            ok = gpu.decode_tensor_device(codec, good, ctx, "cuda")
+            gpu.decode_tensor_device(codec, bad, ctx, "cuda")  # launched; its check waits for the exit
+            reached = True
+    assert reached
+    assert torch.equal(_bits(ok), _bits(codec.decode_tensor(good, ctx)))
+    assert gpu._active_batch(torch.device("cpu")) is None  # the batch is gone after an error

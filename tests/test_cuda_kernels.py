@@ -45,8 +45,7 @@ def _dryrun_host_runner(tmp_path_factory):
     mp.setattr(gpu, "_HOST_RUNNER", lambda launch: run_on_host(lib, launch))
     mp.setattr(gpu, "run_launch", lambda mods, launch: run_on_host(lib, launch))
     mp.setattr(gpu, "device_modules", lambda device="cuda": None)
-    mp.setattr(gpu, "decode_tensor_device",
-               lambda codec, enc, ctx, device: gpu._GPU_DECODERS[codec.codec_id](codec, enc, ctx, DEV)())
+    mp.setattr(gpu, "_resolve_device", lambda device: DEV)
     yield
     mp.undo()
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -97,6 +96,37 @@ def test_whole_cache_decode_on_cuda(tokens):
             dev = kvcodec.decode(blob, device="cuda")
             for (i, role, t_cpu), (_, _, t_dev) in zip(cpu.tensors(), dev.tensors()):
                 _assert_bit_equal(t_dev, t_cpu, f"{name} {dtype} T={tokens} layers.{i}.{role}")
+
+
+@pytest.mark.parametrize("name", ["kvc-near-cal", "kvc-aggressive-cal", "kvc", "kivi-4-ans", "cachegen", "fp8-e4m3"])
+def test_chunked_file_decode_on_cuda(name):
+    """Token chunks of a file decode on several CUDA streams (gpu.batched_decode) and are
+    concatenated on the current stream: the result must equal the CPU decode."""
+    from conftest import make_cache
+
+    cache = make_cache(layers=6, tokens=300, heads=3, dim=64, dtype=torch.float16, seed=7)
+    blob = kvcodec.get_codec(name).encode(cache, tokens_per_chunk=64)
+    cpu = kvcodec.decode(blob)
+    dev = kvcodec.decode(blob, device="cuda")
+    for (i, role, t_cpu), (_, _, t_dev) in zip(cpu.tensors(), dev.tensors()):
+        _assert_bit_equal(t_dev, t_cpu, f"{name} chunked layers.{i}.{role}")
+
+
+def test_batched_decode_checks_on_exit():
+    codec = kvcodec.get_codec({"id": "kvc-near-cal", "pack": 0})
+    x = _rand((200, 2, 64), torch.float16, 11)
+    enc, ctx = _encode(codec, x, "k")
+    w = enc.planes["ans_words"].copy()
+    w[len(w) // 2] ^= 0x00040000
+    bad = kvcodec.codec.EncodedTensor({**enc.planes, "ans_words": w}, dict(enc.params))
+    reached = False
+    with pytest.raises(StreamError, match="kvc entropy stage"):
+        with gpu.batched_decode("cuda"):
+            good = gpu.decode_tensor_device(codec, enc, ctx, "cuda")
+            gpu.decode_tensor_device(codec, bad, ctx, "cuda")
+            reached = True
+    assert reached
+    _assert_bit_equal(good, codec.decode_tensor(enc, ctx), "batched good tensor")
 
 
 def _real_cache_path():

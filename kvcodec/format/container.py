@@ -557,6 +557,10 @@ class KVCReader:
             if len(parts) == 1:
                 out[ti.role] = parts[0]
             elif parts:
+                if device != "cpu":  # the parts may still be decoding on other CUDA streams
+                    from ..gpu import sync_batch_streams
+
+                    sync_batch_streams()
                 out[ti.role] = torch.cat(parts, dim=0)
             else:
                 out[ti.role] = torch.empty((0, ti.shape[1], ti.shape[2]), dtype=self.dtype,
@@ -572,7 +576,13 @@ class KVCReader:
         """Decode the whole file into a :class:`KVCache`, one layer at a time."""
         m = self.manifest
         self.check_padding()
-        layers = list(self.read_layers(device=device))
+        if device == "cpu":
+            layers = list(self.read_layers(device=device))
+        else:  # every tensor's kernels launched without waiting, on several CUDA streams; checked at the end
+            from ..gpu import batched_decode
+
+            with batched_decode(device):
+                layers = list(self.read_layers(device=device))
         rope = m["rope"]
         return KVCache(
             layers=layers,
