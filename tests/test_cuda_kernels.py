@@ -3,7 +3,8 @@
 Marked ``gpu``: skipped (never faked) without a CUDA device; eval/gpu_check.sh runs them on one.
 Covers every codec with a GPU decoder on random caches with odd sizes (T=0, T=1, odd head_dim),
 the edge-case value table of kvcodec.testing, a real SmolLM2 cache when one is available
-(``$KVCODEC_REAL_CACHE`` or ``.whl/real_cache_*.safetensors``), corrupt ANS streams, and launches
+(``$KVCODEC_REAL_CACHE`` or ``.whl/real_cache_*.safetensors``; with a calibration file there too,
+the calibrated kvc presets), corrupt ANS streams, and launches
 on a non-default stream.
 """
 
@@ -147,12 +148,28 @@ def test_real_cache_decode_on_cuda():
     # first, second and last layers cover the layer-dependent bins of the cachegen codecs
     keep = sorted({0, 1, 2, full.num_layers // 2, full.num_layers - 1})
     cache = kvcodec.KVCache(layers=[full.layers[i] for i in keep], token_ids=full.token_ids, model=full.model)
-    for name in _presets_with_gpu():
-        blob = kvcodec.get_codec(name).encode(cache)
+    configs = [(name, name, cache) for name in _presets_with_gpu()]
+    cal = _real_calibration_path()
+    if cal is not None:  # the -cal presets as shipped: calibrated steps (attention, sensitivities), all layers
+        configs += [(f"{n} + {os.path.basename(cal)}", {"id": n, "calibration": cal}, full)
+                    for n in ("kvc-transparent-cal", "kvc-near-cal", "kvc-aggressive-cal")]
+    for label, config, c in configs:
+        blob = kvcodec.get_codec(config).encode(c)
         cpu = kvcodec.decode(blob)
         dev = kvcodec.decode(blob, device="cuda")
         for (i, role, t_cpu), (_, _, t_dev) in zip(cpu.tensors(), dev.tensors()):
-            _assert_bit_equal(t_dev, t_cpu, f"real cache {name} layers.{i}.{role}")
+            _assert_bit_equal(t_dev, t_cpu, f"real cache {label} layers.{i}.{role}")
+
+
+def _real_calibration_path():
+    """A kvc calibration file for the real cache (``$KVCODEC_REAL_CALIBRATION`` or
+    ``.whl/*.qstats.safetensors``, written by eval/gpu_prepare.sh), or None."""
+    env = os.environ.get("KVCODEC_REAL_CALIBRATION")
+    if env:
+        return env
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = sorted(glob.glob(os.path.join(here, ".whl", "*.qstats.safetensors")))
+    return found[0] if found else None
 
 
 @pytest.mark.parametrize("fmt,dtype8", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
