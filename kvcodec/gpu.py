@@ -1244,6 +1244,21 @@ def fwht_torch(x: torch.Tensor) -> torch.Tensor:
     return y * torch.tensor(np.float32(1.0 / np.sqrt(d)), device=y.device)
 
 
+_STEP_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _step_table(dev: torch.device) -> torch.Tensor:
+    """The float32 step of every log-step code (kvcodec.quant.deadzone.step_from_code), on ``dev``."""
+    from .quant.deadzone import STEP_CODE_MAX, STEP_CODE_MIN, step_from_code
+
+    if dev not in _STEP_TABLES:
+        tab = to_device(step_from_code(np.arange(STEP_CODE_MIN, STEP_CODE_MAX + 1)), dev)
+        if dev.type == "cuda":  # shared by every stream from now on: the upload must be complete
+            torch.cuda.synchronize(dev)
+        _STEP_TABLES[dev] = tab
+    return _STEP_TABLES[dev]
+
+
 def _kvc_error(code: int, where: str, n_esc: int) -> Exception:
     from .quant.deadzone import STEP_CODE_MAX, STEP_CODE_MIN
 
@@ -1264,7 +1279,7 @@ def _gpu_kvc(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: to
     ``[T, H, D]`` output (protected tokens copied as they are). Validation is the CPU decoder's
     own (:meth:`~kvcodec.codecs.kvc.KVCCodec.parse_tensor`)."""
     from .entropy.stage import StageLayout
-    from .quant.deadzone import STEP_CODE_MAX, STEP_CODE_MIN, recon_values, step_from_code
+    from .quant.deadzone import recon_values, step_from_code
 
     v = codec.parse_tensor(enc, ctx)
     t, h, d = ctx.shape
@@ -1300,10 +1315,12 @@ def _gpu_kvc(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: to
         step_ch = step_from_code(v.sc_ch).reshape(-1)
     else:
         mode = KVC_STEP_KTOK if v.per_channel else KVC_STEP_TOKEN
-        sc64 = v.sc_ch.reshape(-1) if v.per_channel else np.array(v.base, dtype=object)
-        if any(not -2**31 <= int(b) < 2**31 for b in sc64):
-            raise DeviceError(f"{where}: kvc step_base beyond 32 bits; decode this file with device='cpu'")
-        sc = np.array([int(b) for b in sc64], dtype=np.int32)
+        if v.per_channel:  # channel codes: already checked to lie in the step-code range
+            sc = v.sc_ch.reshape(-1).astype(np.int32)
+        else:
+            if not all(-2**31 <= b < 2**31 for b in v.base):
+                raise DeviceError(f"{where}: kvc step_base beyond 32 bits; decode this file with device='cpu'")
+            sc = np.array(v.base, dtype=np.int32)
         step_ch = np.zeros(1, np.float32)
     m = len(v.rc) if v.rc else 0
     recon = recon_values(np.arange(-m, m + 1), v.rc) if m else np.zeros(1, np.float32)
@@ -1313,7 +1330,7 @@ def _gpu_kvc(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: to
     d_pred = to_device(v.use.astype(np.uint8), dev) if v.use is not None else None
     d_step_ch = to_device(np.ascontiguousarray(step_ch, dtype=np.float32), dev)
     d_sc = to_device(sc, dev)
-    d_tab = to_device(step_from_code(np.arange(STEP_CODE_MIN, STEP_CODE_MAX + 1)), dev)
+    d_tab = _step_table(dev)
     d_mean = to_device(np.ascontiguousarray(v.mean.reshape(-1), dtype=np.float32), dev)
     d_recon = to_device(np.ascontiguousarray(recon, dtype=np.float32), dev)
     free = np.flatnonzero(~v.mask)
