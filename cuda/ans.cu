@@ -17,7 +17,8 @@
 
 enum AnsTableMode { TAB_GLOBAL = 0, TAB_THREAD = 1, TAB_BLOCK = 2 };
 
-template <int SINK, int OUT, int GEN, int MODE>
+// TOKENS: the token-major decoder of any scope (ans_decode_stream_tokens) instead of a sink.
+template <int SINK, int OUT, int GEN, int MODE, bool TOKENS = false>
 __device__ __forceinline__ void ans_kernel_body(const kvc::AnsParams& p) {
   extern __shared__ uint32_t kvc_ans_smem[];
   const uint32_t* base = p.cdf;
@@ -33,8 +34,12 @@ __device__ __forceinline__ void ans_kernel_body(const kvc::AnsParams& p) {
   }
   const uint32_t s = blockIdx.x * blockDim.x + threadIdx.x;
   if (s >= (uint32_t)p.n_streams) return;
-  uint32_t* tab = MODE == TAB_THREAD ? kvc_ans_smem + threadIdx.x * (uint32_t)p.cs : nullptr;
-  p.status[s] = kvc::ans_decode_stream<SINK, OUT, GEN>(p, s, tab, base, bucket);
+  if constexpr (TOKENS) {
+    p.status[s] = kvc::ans_decode_stream_tokens(p, s, base, bucket);
+  } else {
+    uint32_t* tab = MODE == TAB_THREAD ? kvc_ans_smem + threadIdx.x * (uint32_t)p.cs : nullptr;
+    p.status[s] = kvc::ans_decode_stream<SINK, OUT, GEN>(p, s, tab, base, bucket);
+  }
 }
 
 #define KVC_ANS_KERNEL(NAME, SINK, OUT, GEN)                                                     \
@@ -50,30 +55,11 @@ __device__ __forceinline__ void ans_kernel_body(const kvc::AnsParams& p) {
 
 // Token-major symbols of any scope, magnitude contexts included (kvc); _blk: one table set in
 // shared memory (scopes 0 and 2). No _smem variant: with contexts the table changes per symbol.
-template <int MODE>
-__device__ __forceinline__ void ans_tokens_body(const kvc::AnsParams& p) {
-  extern __shared__ uint32_t kvc_ans_smem[];
-  const uint32_t* base = p.cdf;
-  const uint16_t* bucket = nullptr;
-  if (MODE == TAB_BLOCK) {
-    const uint32_t nc = (uint32_t)p.blk_words, nb = (uint32_t)p.bucket_words;
-    for (uint32_t i = threadIdx.x; i < nc; i += blockDim.x) kvc_ans_smem[i] = __ldg(p.cdf + i);
-    const uint32_t* bsrc = (const uint32_t*)p.bucket;
-    for (uint32_t i = threadIdx.x; i < nb; i += blockDim.x) kvc_ans_smem[nc + i] = __ldg(bsrc + i);
-    __syncthreads();
-    base = kvc_ans_smem;
-    if (nb) bucket = (const uint16_t*)(kvc_ans_smem + nc);
-  }
-  const uint32_t s = blockIdx.x * blockDim.x + threadIdx.x;
-  if (s >= (uint32_t)p.n_streams) return;
-  p.status[s] = kvc::ans_decode_stream_tokens(p, s, base, bucket);
-}
-
 extern "C" __global__ void __launch_bounds__(128, 4) ans_tokens(const kvc::AnsParams p) {
-  ans_tokens_body<TAB_GLOBAL>(p);
+  ans_kernel_body<kvc::SINK_SYMBOLS, kvc::OUT_F32, 1, TAB_GLOBAL, true>(p);
 }
 extern "C" __global__ void __launch_bounds__(128, 4) ans_tokens_blk(const kvc::AnsParams p) {
-  ans_tokens_body<TAB_BLOCK>(p);
+  ans_kernel_body<kvc::SINK_SYMBOLS, kvc::OUT_F32, 1, TAB_BLOCK, true>(p);
 }
 
 KVC_ANS_KERNEL(ans_symbols, kvc::SINK_SYMBOLS, kvc::OUT_F32, 1)

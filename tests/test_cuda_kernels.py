@@ -81,6 +81,14 @@ def _rand(shape, dtype, seed):
     return x.to(dtype)
 
 
+def _assert_file_decodes_equal(blob: bytes, label: str) -> None:
+    """``kvcodec.decode(blob, device="cuda")`` equals the CPU decode, tensor by tensor."""
+    cpu = kvcodec.decode(blob)
+    dev = kvcodec.decode(blob, device="cuda")
+    for (i, role, t_cpu), (_, _, t_dev) in zip(cpu.tensors(), dev.tensors()):
+        _assert_bit_equal(t_dev, t_cpu, f"{label} layers.{i}.{role}")
+
+
 def _presets_with_gpu():
     return [n for n in kvcodec.list_codecs() if kvcodec.get_codec(n).codec_id in gpu.gpu_codec_ids()]
 
@@ -92,11 +100,7 @@ def test_whole_cache_decode_on_cuda(tokens):
     for dtype in DTYPES:
         cache = make_cache(layers=3, tokens=tokens, heads=2, dim=40, dtype=dtype, seed=tokens)
         for name in _presets_with_gpu():
-            blob = kvcodec.get_codec(name).encode(cache)
-            cpu = kvcodec.decode(blob)
-            dev = kvcodec.decode(blob, device="cuda")
-            for (i, role, t_cpu), (_, _, t_dev) in zip(cpu.tensors(), dev.tensors()):
-                _assert_bit_equal(t_dev, t_cpu, f"{name} {dtype} T={tokens} layers.{i}.{role}")
+            _assert_file_decodes_equal(kvcodec.get_codec(name).encode(cache), f"{name} {dtype} T={tokens}")
 
 
 @pytest.mark.parametrize("name", ["kvc-near-cal", "kvc-aggressive-cal", "kvc", "kivi-4-ans", "cachegen", "fp8-e4m3"])
@@ -106,11 +110,7 @@ def test_chunked_file_decode_on_cuda(name):
     from conftest import make_cache
 
     cache = make_cache(layers=6, tokens=300, heads=3, dim=64, dtype=torch.float16, seed=7)
-    blob = kvcodec.get_codec(name).encode(cache, tokens_per_chunk=64)
-    cpu = kvcodec.decode(blob)
-    dev = kvcodec.decode(blob, device="cuda")
-    for (i, role, t_cpu), (_, _, t_dev) in zip(cpu.tensors(), dev.tensors()):
-        _assert_bit_equal(t_dev, t_cpu, f"{name} chunked layers.{i}.{role}")
+    _assert_file_decodes_equal(kvcodec.get_codec(name).encode(cache, tokens_per_chunk=64), f"{name} chunked")
 
 
 def test_batched_decode_checks_on_exit():
@@ -130,13 +130,22 @@ def test_batched_decode_checks_on_exit():
     _assert_bit_equal(good, codec.decode_tensor(enc, ctx), "batched good tensor")
 
 
-def _real_cache_path():
-    env = os.environ.get("KVCODEC_REAL_CACHE")
-    if env:
-        return env
+def _carried(env: str, pattern: str):
+    """A file named by ``$env``, else the first ``.whl/<pattern>`` (eval/gpu_prepare.sh), else None."""
+    if os.environ.get(env):
+        return os.environ[env]
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    found = sorted(glob.glob(os.path.join(here, ".whl", "real_cache_*.safetensors")))
+    found = sorted(glob.glob(os.path.join(here, ".whl", pattern)))
     return found[0] if found else None
+
+
+def _real_cache_path():
+    return _carried("KVCODEC_REAL_CACHE", "real_cache_*.safetensors")
+
+
+def _real_calibration_path():
+    """A kvc calibration file for the real cache, or None."""
+    return _carried("KVCODEC_REAL_CALIBRATION", "*.qstats.safetensors")
 
 
 def test_real_cache_decode_on_cuda():
@@ -154,22 +163,7 @@ def test_real_cache_decode_on_cuda():
         configs += [(f"{n} + {os.path.basename(cal)}", {"id": n, "calibration": cal}, full)
                     for n in ("kvc-transparent-cal", "kvc-near-cal", "kvc-aggressive-cal")]
     for label, config, c in configs:
-        blob = kvcodec.get_codec(config).encode(c)
-        cpu = kvcodec.decode(blob)
-        dev = kvcodec.decode(blob, device="cuda")
-        for (i, role, t_cpu), (_, _, t_dev) in zip(cpu.tensors(), dev.tensors()):
-            _assert_bit_equal(t_dev, t_cpu, f"real cache {label} layers.{i}.{role}")
-
-
-def _real_calibration_path():
-    """A kvc calibration file for the real cache (``$KVCODEC_REAL_CALIBRATION`` or
-    ``.whl/*.qstats.safetensors``, written by eval/gpu_prepare.sh), or None."""
-    env = os.environ.get("KVCODEC_REAL_CALIBRATION")
-    if env:
-        return env
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    found = sorted(glob.glob(os.path.join(here, ".whl", "*.qstats.safetensors")))
-    return found[0] if found else None
+        _assert_file_decodes_equal(kvcodec.get_codec(config).encode(c), f"real cache {label}")
 
 
 @pytest.mark.parametrize("fmt,dtype8", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
