@@ -909,10 +909,10 @@ class DeviceStage:
         from .entropy.stage import parse_planes
 
         lay, words, off, tsets, rts = parse_planes(planes, tables, row_table)
-        if lay.scope == 2 and lay.G * (lay.A // 2 + 1) >= 2**31:
-            # the kernels keep §3.1's magnitude sums in int32
+        if lay.scope == 2 and min(lay.G, lay.R) * (lay.A // 2 + 1) >= 2**31:
+            # the kernels keep §3.1's magnitude sums in int32 (a stream has at most min(G, R) rows)
             raise DeviceError("entropy stage scope 2 with magnitude sums beyond int32 (rows per stream "
-                              f"{lay.G}, alphabet {lay.A}): decode this file with device='cpu'")
+                              f"{min(lay.G, lay.R)}, alphabet {lay.A}): decode this file with device='cpu'")
         self.layout = lay
         f = tsets.astype(np.uint64) << np.uint64(24 - lay.P)  # [n_sets, K, A] at precision 24
         log = max(1, (lay.A - 1).bit_length())  # 2**log >= A

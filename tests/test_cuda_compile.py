@@ -651,3 +651,65 @@ def test_batched_decode_raises_on_exit_naming_the_tensor(host_device):
     assert reached
     assert torch.equal(_bits(ok), _bits(codec.decode_tensor(good, ctx)))
     assert gpu._active_batch(torch.device("cpu")) is None  # the batch is gone after an error
+
+
+def test_kvc_gpu_decoder_on_mutated_planes_agrees_with_the_reference(host_runner):
+    """Random bit flips, byte overwrites, resized planes and shifted params on kvc tensors (the
+    host build of the kernels): the GPU decoder raises only kvcodec errors, accepts exactly what the
+    CPU decoder accepts, with the same bits, and rejects with the same error class -- except
+    DeviceError, its documented limit (codes or step bases past 32 bits, magnitude sums past int32).
+    (Run the same under AddressSanitizer to check the kernel code's memory accesses.)"""
+    import random
+
+    from kvcodec.codec import EncodedTensor
+    from kvcodec.errors import DeviceError, KVCodecError
+
+    rng = random.Random(12)
+    base = [_kvc_tensor(c, shape=(50, 2, 16), role=r, seed=i)
+            for i, (c, r) in enumerate([(_CAL, "k"), (_CAL, "v"), (_PLAIN, "k"), (_PLAIN, "v"),
+                                        ({"id": "kvc", "pack": 0, "ctx": [4, 12], "rows_per_stream": 5, "chunk": 7,
+                                          "k_recon": 2, "delta": 2}, "k")])]
+    outcomes = {"accepted": 0, "rejected": 0}
+
+    def run(f):
+        try:
+            return f()
+        except KVCodecError as e:
+            return type(e)
+
+    for _ in range(250):
+        codec, enc, ctx = rng.choice(base)
+        planes = {k: np.array(v, copy=True) for k, v in enc.planes.items()}
+        params = dict(enc.params)
+        for _ in range(rng.randint(1, 3)):
+            k = rng.choice(sorted(planes))
+            a = planes[k]
+            if not a.size:
+                continue
+            if rng.random() < 0.2:  # one element more or fewer
+                planes[k] = np.resize(a.reshape(-1), a.size + rng.choice([-1, 1])).astype(a.dtype)
+                continue
+            b = a.view(np.uint8).reshape(-1).copy()
+            i = rng.randrange(b.size)
+            b[i] = b[i] ^ (1 << rng.randrange(8)) if rng.random() < 0.7 else rng.randrange(256)
+            planes[k] = b.view(a.dtype).reshape(a.shape)
+        if rng.random() < 0.2:
+            key = rng.choice(sorted(params))
+            v = params[key]
+            if isinstance(v, int) and not isinstance(v, bool):
+                params[key] = v + rng.choice([-1, 1, 1000])
+            elif isinstance(v, list) and v and all(isinstance(x, int) for x in v):
+                params[key] = [x + rng.choice([0, 1, -1, 500]) for x in v]
+        e = EncodedTensor(planes, params)
+        got = run(lambda: gpu._GPU_DECODERS["kvc"](codec, e, ctx, torch.device("cpu"))())
+        want = run(lambda: codec.decode_tensor(e, ctx))
+        if got is DeviceError:
+            continue
+        if isinstance(want, torch.Tensor):
+            assert isinstance(got, torch.Tensor), f"GPU path rejected ({got.__name__}) what the reference accepts"
+            assert torch.equal(_bits(got), _bits(want))
+            outcomes["accepted"] += 1
+        else:
+            assert got is want, f"GPU path: {got}, reference: {want.__name__}"
+            outcomes["rejected"] += 1
+    assert outcomes["accepted"] >= 10 and outcomes["rejected"] >= 100, outcomes
