@@ -7,6 +7,7 @@ with g++ lets the CPU tests check the exact code the GPU runs against the CPU re
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -46,7 +47,10 @@ def build_harness(tmpdir: Path) -> ctypes.CDLL | None:
         return None
     src = gpu.cuda_source_dir() / "host_harness.cpp"
     so = tmpdir / "kvc_harness.so"
-    cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", "-Werror",
+    # $KVCODEC_HARNESS_CFLAGS adds flags, e.g. "-fsanitize=address,undefined" (with the sanitizer
+    # runtime preloaded: see cuda/README.md) to check the kernel code's memory accesses
+    extra = os.environ.get("KVCODEC_HARNESS_CFLAGS", "").split()
+    cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", "-Werror", *extra,
            "-shared", "-fPIC", str(src), "-o", str(so)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
