@@ -67,6 +67,7 @@ CODECS = [
     # magnitude contexts, 64-row streams, k_tok rows)
     ("kvc-near", "kvc-near", 8192),
     ("kvc-near-cal (no cal file)", "kvc-near-cal", 8192),
+    ("kvc-near-cal chunk=256 (no cal file)", {"id": "kvc-near-cal", "chunk": 256}, 8192),  # 8x the streams
 ]
 #: Codecs whose unit tensor is decoded as it is instead of tiled.
 UNTILED = ("kvc",)

@@ -8,7 +8,9 @@ For the built-in SmolLM2 cache (``--context`` tokens, 30 layers, K and V) coded 
 * GPU-path host preparation: for every tensor, the validation, table building and upload
   arguments that ``kvcodec.gpu.prepare_decode`` does before launching (run here with the
   uploads going to CPU memory: on a GPU each upload is a small host-to-device copy on top);
-* stage geometry: ANS streams per tensor and symbols per stream. One GPU thread decodes one
+* stage geometry: ANS streams per tensor and symbols per stream, for the shipped presets and
+  for kvc-near-cal with shorter token chunks (``--chunks``: the stage setting that multiplies the
+  streams for a small cost in bits; eval/results/kvc_chunk.md). One GPU thread decodes one
   stream symbol after symbol, so the longest stream bounds a tensor's kernel time, and the
   streams of the whole file (decoded side by side, ``gpu.batched_decode``) bound how many
   threads are busy.
@@ -30,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--context", type=int, default=1536)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--chunks", type=lambda v: [int(x) for x in v.split(",") if x], default=[512, 256, 128],
+                    help="token chunks to try on kvc-near-cal besides the shipped 2048")
     ap.add_argument("--out", default="eval/results/kvc_gpu_host")
     args = ap.parse_args(argv)
     import numpy as np
@@ -53,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
                                                sensitivity_samples=4, continuation=512), cal)
     presets = [("kvc-near", "kvc-near"), ("kvc-near-cal", {"id": "kvc-near-cal", "calibration": str(cal)}),
                ("kvc-aggressive-cal", {"id": "kvc-aggressive-cal", "calibration": str(cal)})]
+    # shorter token chunks: more, shorter streams (more GPU threads, less sequential work each)
+    presets += [(f"kvc-near-cal chunk={c}", {"id": "kvc-near-cal", "calibration": str(cal), "chunk": c})
+                for c in args.chunks]
     rows = []
     real_resolve = gpu._resolve_device
     for label, config in presets:
@@ -95,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                      "streams_per_tensor": sorted(set(streams)), "streams_in_file": int(np.sum(streams)),
                      "longest_stream_symbols": longest})
         print(json.dumps(rows[-1]), flush=True)
-    res = {"command": f"python eval/kvc_gpu_host.py --context {args.context} --repeat {args.repeat} --out {args.out}",
+    res = {"command": f"python eval/kvc_gpu_host.py --context {args.context} --repeat {args.repeat} "
+                      f"--chunks {','.join(map(str, args.chunks))} --out {args.out}",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, python {platform.python_version()}, "
                       f"torch {torch.__version__}", "context": args.context, "rows": rows}
