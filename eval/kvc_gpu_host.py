@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
              "CPU decode = `kvcodec.decode(blob)`; host prep = `gpu.prepare_decode` of every tensor (validation, tables, "
              "upload arguments; uploads to CPU memory here), fastest of the repeats. Streams: ANS streams per tensor and "
              "in the whole file; one GPU thread decodes one stream, so the longest stream's symbol count is the "
-             "sequential work that bounds the kernel time.", "",
+             "sequential work that bounds the kernel time. The times are this shared machine's (they swung by "
+             "a third between rows and runs of the same code); bits and stream counts are exact.", "",
              "| preset | bits/elem | tensors | CPU decode ms | host prep ms | per tensor ms | streams/tensor | "
              "streams in file | longest stream (symbols) |", "|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
