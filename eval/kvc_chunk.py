@@ -28,10 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import kvcodec
-    from kvcodec.harness import default_text, load_model
-    from kvcodec.harness.calibration import query_statistics, save_query_statistics
+    from kvc_rd import held_out_calibration
     from kvcodec.harness.capture import default_cache
-    from kvcodec.harness.models import cache_dir
 
     torch.set_num_threads(1)
     chunks = [int(c) for c in args.chunks.split(",")]
@@ -43,12 +41,7 @@ def main(argv: list[str] | None = None) -> int:
              "| tokens | chunk | bits/elem | encode × cachegen | decode × cachegen |", "|---|---|---|---|---|"]
     for ctx in (4096, 1536):
         cache = default_cache(context=ctx)
-        cal = cache_dir() / "calibration" / f"smollm2-eval-text-skip8192-ctx{ctx}.qstats.safetensors"
-        if not cal.exists():
-            model, tok = load_model()
-            cal.parent.mkdir(parents=True, exist_ok=True)
-            save_query_statistics(query_statistics(model, tok, default_text(), context=ctx, skip_tokens=8192,
-                                                   sensitivity_samples=4, continuation=512), cal)
+        cal = held_out_calibration(ctx)
         codecs = {ch: kvcodec.get_codec({"id": "kvc-transparent-cal", "calibration": str(cal), "chunk": ch})
                   for ch in chunks}
         codecs["cachegen"] = kvcodec.get_codec("cachegen")

@@ -27,18 +27,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import kvcodec
     import kvcodec.codecs.kvc as kvc
-    from kvcodec.harness import default_text, load_model
-    from kvcodec.harness.calibration import query_statistics, save_query_statistics
+    from kvc_rd import held_out_calibration
     from kvcodec.harness.capture import default_cache
 
     torch.set_num_threads(1)
     cache = default_cache(context=1536)
-    cal = Path.home() / ".cache" / "kvcodec" / "calibration" / "smollm2-eval-text-skip8192-ctx1536.qstats.safetensors"
-    if not cal.exists():
-        model, tok = load_model()
-        cal.parent.mkdir(parents=True, exist_ok=True)
-        save_query_statistics(query_statistics(model, tok, default_text(), context=1536, skip_tokens=8192,
-                                               sensitivity_samples=4, continuation=512), cal)
+    cal = held_out_calibration(1536)
     shipped_level = kvc.PACK_ZSTD_LEVEL
     rows = []  # (preset, variant, codec, zstd level)
     for p in ("kvc-near-cal", "kvc-transparent-cal"):

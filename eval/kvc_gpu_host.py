@@ -44,17 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     from kvcodec.codec import EncodedTensor, TensorContext
     from kvcodec.entropy.stage import StageLayout
     from kvcodec.format.container import open_kvc
-    from kvcodec.harness import default_text, load_model
-    from kvcodec.harness.calibration import query_statistics, save_query_statistics
+    from kvc_rd import held_out_calibration
     from kvcodec.harness.capture import default_cache
 
     cache = default_cache(context=args.context)
-    cal = Path.home() / ".cache" / "kvcodec" / "calibration" / "smollm2-eval-text-skip8192-ctx1536.qstats.safetensors"
-    if not cal.exists():
-        model, tok = load_model()
-        cal.parent.mkdir(parents=True, exist_ok=True)
-        save_query_statistics(query_statistics(model, tok, default_text(), context=1536, skip_tokens=8192,
-                                               sensitivity_samples=4, continuation=512), cal)
+    cal = held_out_calibration(1536)
     presets = [("kvc-near", "kvc-near"), ("kvc-near-cal", {"id": "kvc-near-cal", "calibration": str(cal)}),
                ("kvc-aggressive-cal", {"id": "kvc-aggressive-cal", "calibration": str(cal)})]
     # shorter token chunks: more, shorter streams (more GPU threads, less sequential work each)

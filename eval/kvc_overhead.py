@@ -62,17 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.md")
     args = ap.parse_args(argv)
     import kvcodec
-    from kvcodec.harness import default_text, load_model
-    from kvcodec.harness.calibration import query_statistics, save_query_statistics
+    from kvc_rd import held_out_calibration
     from kvcodec.harness.capture import default_cache
 
     cache = default_cache(context=args.context)
-    cal = Path.home() / ".cache" / "kvcodec" / "calibration" / f"smollm2-eval-text-skip8192-ctx{args.context}.qstats.safetensors"
-    if not cal.exists():
-        model, tok = load_model()
-        cal.parent.mkdir(parents=True, exist_ok=True)
-        save_query_statistics(query_statistics(model, tok, default_text(), context=args.context, skip_tokens=8192,
-                                               sensitivity_samples=4, continuation=512), cal)
+    cal = held_out_calibration(args.context)
     rows = {}
     for p in PRESETS:
         cfg = {"id": p, "calibration": str(cal)} if p.endswith("-cal") else p

@@ -98,6 +98,23 @@ def pca_gain(cache) -> dict:
     return out
 
 
+def held_out_calibration(context: int) -> Path:
+    """The calibration file the eval scripts share: SmolLM2 on the built-in text from token 8192
+    (after the evaluated windows), ``context`` tokens, 4 sensitivity draws over 512 tokens — the
+    file ``kvc_rd.py`` writes with its defaults. Made (about a minute) when missing."""
+    from kvcodec.harness import default_text, load_model
+    from kvcodec.harness.calibration import query_statistics, save_query_statistics
+    from kvcodec.harness.models import cache_dir
+
+    cal = cache_dir() / "calibration" / f"smollm2-eval-text-skip8192-ctx{context}.qstats.safetensors"
+    if not cal.exists():
+        model, tok = load_model()
+        cal.parent.mkdir(parents=True, exist_ok=True)
+        save_query_statistics(query_statistics(model, tok, default_text(), context=context, skip_tokens=8192,
+                                               sensitivity_samples=4, continuation=512), cal)
+    return cal
+
+
 def machine() -> str:
     return f"{platform.machine()} {os.cpu_count()}-core CPU, {platform.system()} {platform.release()}, torch {torch.__version__}"
 
