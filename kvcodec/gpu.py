@@ -384,12 +384,15 @@ class DecodePlan:
     (``StreamError``, ``FormatError``...), once its kernels are done.
     """
 
-    def __init__(self, run: Callable[[bool], torch.Tensor], verify: Callable[[], None] | None = None) -> None:
+    def __init__(self, run: Callable[[], torch.Tensor], verify: Callable[[], None] | None = None) -> None:
         self._run = run
         self._verify = verify
 
     def __call__(self, check: bool = True) -> torch.Tensor:
-        return self._run(check)
+        out = self._run()
+        if check:
+            self.verify()
+        return out
 
     def verify(self) -> None:
         """The status checks of the last ``plan(check=False)`` (synchronises; no-op for codecs
@@ -758,7 +761,7 @@ def _decode_launch(dev: torch.device, launch: Launch) -> None:
 def _gpu_raw(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> DecodePlan:
     # bits only: the CPU decode is already a copy, so the GPU path is the upload itself
     t = codec.decode_tensor(enc, ctx).to(dev)
-    return DecodePlan(lambda check=True: t.clone())
+    return DecodePlan(t.clone)
 
 
 @register_gpu_decoder("fp16")
@@ -766,7 +769,7 @@ def _gpu_fp16(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: t
     a = _plane(enc, ctx, "bits", np.int16, ctx.numel)
     h = to_device(a, dev).view(torch.float16).reshape(ctx.shape)
     # the cast fp16 -> source dtype is exact (fp32) or RNE (bf16) on both devices
-    return DecodePlan(lambda check=True: h.to(ctx.dtype, copy=True))
+    return DecodePlan(lambda: h.to(ctx.dtype, copy=True))
 
 
 @register_gpu_decoder("fp8")
@@ -784,7 +787,7 @@ def _gpu_fp8(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: to
     c = to_device(codes.reshape(ctx.shape), dev)
     s = to_device(scale.reshape(sshape), dev)
 
-    def run(check: bool = True) -> torch.Tensor:
+    def run() -> torch.Tensor:
         out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
         if out.numel():
             _decode_launch(dev, fp8_launch(c, s, out, fmt, d_block=block if g == "block" else None))
@@ -811,7 +814,7 @@ def _gpu_nvfp4(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: 
     bs_dev = to_device(bs.reshape(t, h, dp // 16), dev)
     ts_dev = to_device(ts.reshape(1), dev)
 
-    def run(check: bool = True) -> torch.Tensor:
+    def run() -> torch.Tensor:
         out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
         if out.numel():
             _decode_launch(dev, nvfp4_launch(c_dev, bs_dev, ts_dev, out))
@@ -855,7 +858,7 @@ def _gpu_kivi(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: t
     s_dev = to_device(scale.view(np.int16), dev)
     z_dev = to_device(zero.view(np.int16), dev)
 
-    def run(check: bool = True) -> torch.Tensor:
+    def run() -> torch.Tensor:
         out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
         if n:
             _decode_launch(dev, intq_launch(pk, s_dev, z_dev, out[:tq], bits, axis, group))
@@ -964,7 +967,7 @@ class DeviceStage:
             raise DeviceError("a scope-2 stage (magnitude contexts) decodes through launch_tokens only")
         ptr = (lambda t: t.data_ptr() if t is not None else 0)
         blk_words = lay.K * self.cs
-        bits = self._bucket_bits(blk_words) if lay.scope == 0 else 0
+        bits = self._bucket_bits(blk_words)
         if tables is None:
             if lay.scope == 0 and blk_words * 4 <= _SMEM_DEFAULT_LIMIT:
                 tables = "blk"
@@ -1069,19 +1072,9 @@ def _stage_planes(enc: "EncodedTensor", prefix: str, rows: int, n: int, alphabet
     return sub
 
 
-def _run_stage(dev: torch.device, stage: DeviceStage, launch: Launch, where: str, check: bool = True) -> None:
+def _run_stage(dev: torch.device, stage: DeviceStage, launch: Launch) -> None:
     if stage.layout.n_streams:
         _decode_launch(dev, launch)
-    if check:
-        stage.check(where)
-
-
-def _stage_symbols(dev: torch.device, stage: DeviceStage, where: str, check: bool = True) -> torch.Tensor:
-    """Decode a stage to ``int32 [R, N]`` symbols on the device."""
-    lay = stage.layout
-    out = torch.zeros((lay.R, lay.N), dtype=torch.int32, device=dev)
-    _run_stage(dev, stage, stage.launch(SINK_SYMBOLS, out), where, check)
-    return out
 
 
 @register_gpu_decoder("kivi-ans")
@@ -1110,22 +1103,22 @@ def _gpu_kivi_ans(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", de
     z_dev = to_device(zero.view(np.int16).reshape(-1), dev)
     ax = 0 if axis == "channel" else 1
 
-    def run(check: bool = True) -> torch.Tensor:
+    def run() -> torch.Tensor:
         out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
         kw = dict(scale=s_dev, zero=z_dev, heads=h, dim=d, group=group, axis=ax)
         if not dl:
             # one pass: ANS decode fused with the kivi dequantization, straight into [T, H, D]
-            _run_stage(dev, st, st.launch(SINK_KIVI, out, **kw), where, check)
+            _run_stage(dev, st, st.launch(SINK_KIVI, out, **kw))
             return out
         # delta: the anchors' stage decodes and dequantizes tokens 0, dl, 2*dl, ... and keeps their
         # codes; the differences' stage adds each token's anchor code (range-checked) and
         # dequantizes the rest. Both fused, in stream order on the same CUDA stream.
         anc_codes = torch.empty((na, c), dtype=torch.uint8, device=dev)
-        _run_stage(dev, anc_st, anc_st.launch(SINK_KIVI, out, tmul=dl, aux=anc_codes, aux_mode=1, **kw), where, check)
+        _run_stage(dev, anc_st, anc_st.launch(SINK_KIVI, out, tmul=dl, aux=anc_codes, aux_mode=1, **kw))
         if t - na:
             launch = dif_st.launch(SINK_KIVI, out, tmul=1, tdiv=dl - 1, tadd=1, base_group=dl, aux=anc_codes,
                                    aux_mode=2, code_off=(1 << bits) - 1, code_max=(1 << bits) - 1, **kw)
-            _run_stage(dev, dif_st, launch, where, check)
+            _run_stage(dev, dif_st, launch)
         return out
 
     def verify() -> None:
@@ -1163,10 +1156,10 @@ def _gpu_cachegen_lmcache(codec: "Codec", enc: "EncodedTensor", ctx: "TensorCont
     s_dev = to_device(scale.view(np.int16), dev)
     levels = rec - 1
 
-    def run(check: bool = True) -> torch.Tensor:
+    def run() -> torch.Tensor:
         out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
         launch = st.launch(SINK_TOKSYM, out, scale=s_dev, mid=(levels - 1) // 2, max_code=rec - 2)
-        _run_stage(dev, st, launch, where, check)
+        _run_stage(dev, st, launch)
         return out
 
     return DecodePlan(run, lambda: st.check(where))
@@ -1189,11 +1182,10 @@ def _gpu_cachegen(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", de
     dl_st = DeviceStage(_stage_planes(enc, "ans_", c, t - na, rec, where), dev)
     s_dev = to_device(scale.view(np.int16), dev)
 
-    def run(check: bool = True) -> torch.Tensor:
+    def run() -> torch.Tensor:
         # anchors: fp32 values (code - Ma) * scale[j * g], kept for the deltas
         anc_hat = torch.empty((na, c), dtype=torch.float32, device=dev)
-        _run_stage(dev, anc_st, anc_st.launch(SINK_TOKSYM, anc_hat, scale=s_dev, mid=(la - 1) // 2, tmul=g,
-                                              out_is_t=0), where, check)
+        _run_stage(dev, anc_st, anc_st.launch(SINK_TOKSYM, anc_hat, scale=s_dev, mid=(la - 1) // 2, tmul=g, out_is_t=0))
         out = torch.empty((t, c), dtype=ctx.dtype, device=dev)
         if na:
             out[0::g] = anc_hat.to(ctx.dtype)  # the same RNE cast as the reference's final .to(dtype)
@@ -1201,7 +1193,7 @@ def _gpu_cachegen(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", de
             # delta column j is token j + j // (g-1) + 1; value = anchor + (code - M) * scale[t]
             launch = dl_st.launch(SINK_TOKSYM, out, out_dtype=ctx.dtype, scale=s_dev, base=anc_hat,
                                   mid=(rec - 1) // 2, tmul=1, tdiv=g - 1, tadd=1, out_is_t=1, base_group=g)
-            _run_stage(dev, dl_st, launch, where, check)
+            _run_stage(dev, dl_st, launch)
         return out.reshape(ctx.shape)
 
     def verify() -> None:
@@ -1297,7 +1289,7 @@ def _gpu_kvc(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: to
         return out
 
     if n == 0:
-        return DecodePlan(lambda check=True: protected())
+        return DecodePlan(protected)
     lv, rows = v.lv, v.rows
     try:  # the geometry the CPU decoder checks before it allocates, then the stage's own checks
         if "meta" not in v.stage_planes:
@@ -1347,10 +1339,10 @@ def _gpu_kvc(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: to
                          d_tok.data_ptr(), ptr(out), status.data_ptr(), n, rows, h, d, lv, n_esc, m, mode,
                          1 if raw else 0, 0)
 
-    def run(check: bool = True) -> torch.Tensor:
+    def run() -> torch.Tensor:
         out = protected()
         codes = torch.empty((n, rows), dtype=torch.int32, device=dev)
-        _run_stage(dev, stage, stage.launch_tokens(codes), where, check=False)
+        _run_stage(dev, stage, stage.launch_tokens(codes))
         status.zero_()
         counts = torch.empty(rows, dtype=torch.int32, device=dev)
         keep = [codes, counts, d_esc, d_pred, status, d_step_ch, d_sc, d_tab, d_mean, d_recon, d_tok]
@@ -1368,8 +1360,6 @@ def _gpu_kvc(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: to
         if raw:  # Hadamard files: the reference's inverse transform, mean, saturation and cast
             xh = torch.clamp(fwht_torch(dst) + d_mean.view(1, h, d), -lim, lim)
             out[d_free] = xh.to(ctx.dtype)
-        if check:
-            verify()
         return out
 
     def verify() -> None:
