@@ -675,8 +675,7 @@ class KVCCodec(Codec):
             else:
                 codes = escape_join(sym.T, v.esc, lv).T
                 if v.use is not None:
-                    codes = codes.astype(np.int64, copy=True)
-                    codes[:, v.use] = np.cumsum(codes[:, v.use], axis=0)
+                    codes = running_sums(codes, v.use)
         except FormatError as e:
             raise FormatError(f"{where}: {e}") from None
         main = codes[:, : h * d].reshape(n, h, d)
@@ -804,8 +803,18 @@ def undelta_rows(codes: np.ndarray, plane: Any, where: str = "kvc") -> np.ndarra
         >>> undelta_rows(np.array([[1, 1], [1, 1], [2, 1]]), np.packbits([True, False])).tolist()
         [[1, 1], [2, 1], [4, 1]]
     """
+    return running_sums(codes, pred_mask(plane, np.shape(codes)[1], where))
+
+
+def running_sums(codes: np.ndarray, use: np.ndarray) -> np.ndarray:
+    """``codes [n, R]`` as int64 with the columns where ``use`` (bool ``[R]``) is set replaced by
+    their running sums over tokens (:func:`undelta_rows` with the ``pred`` plane already read).
+
+    Example:
+        >>> running_sums(np.array([[1, 1], [1, 1]]), np.array([True, False])).tolist()
+        [[1, 1], [2, 1]]
+    """
     c = np.asarray(codes, dtype=np.int64)
-    use = pred_mask(plane, c.shape[1], where)
     if use.any():
         c = c.copy()
         c[:, use] = np.cumsum(c[:, use], axis=0)
