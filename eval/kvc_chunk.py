@@ -16,7 +16,6 @@ import argparse
 import datetime
 import platform
 import time
-from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import kvcodec
-    from kvc_rd import held_out_calibration
+    from kvc_rd import held_out_calibration, write_markdown
     from kvcodec.harness.capture import default_cache
 
     torch.set_num_threads(1)
@@ -60,10 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         for ch in chunks:
             lines.append(f"| {ctx} | {ch} | {8 * size[ch] / cache.num_elements:.4f} | {best[ch][0] / ref[0]:.2f} | "
                          f"{best[ch][1] / ref[1]:.2f} |")
-    text = "\n".join(lines) + "\n"
-    Path(args.out).with_suffix(".md").write_text(text)
-    print(text)
-    return 0
+    return write_markdown(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import argparse
 import datetime
 import platform
 import time
-from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import kvcodec
     import kvcodec.codecs.kvc as kvc
-    from kvc_rd import held_out_calibration
+    from kvc_rd import held_out_calibration, write_markdown
     from kvcodec.harness.capture import default_cache
 
     torch.set_num_threads(1)
@@ -64,10 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = next(j for j, r in enumerate(rows) if r[0] == p and r[1] == "as shipped")
         lines.append(f"| {p} | {v} | {8 * sizes[i] / cache.num_elements:.4f} | {best[i]:.3f} | "
                      f"{best[i] - best[ref]:+.3f} |")
-    text = "\n".join(lines) + "\n"
-    Path(args.out).with_suffix(".md").write_text(text)
-    print(text)
-    return 0
+    return write_markdown(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,14 @@ def held_out_calibration(context: int) -> Path:
     return cal
 
 
+def write_markdown(out: str | Path, lines: list[str]) -> int:
+    """Write a report's lines as ``<out>.md`` and print them; returns the scripts' exit code 0."""
+    text = "\n".join(lines) + "\n"
+    Path(out).with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
 def machine() -> str:
     return f"{platform.machine()} {os.cpu_count()}-core CPU, {platform.system()} {platform.release()}, torch {torch.__version__}"
 

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", default="eval/results")
     ap.add_argument("--out", default="eval/results/kvc_recon")
     args = ap.parse_args(argv)
+    from kvc_rd import write_markdown
+
     runs = {}
     for w, stem in WINDOWS:
         d = json.loads((Path(args.results) / f"{stem}.json").read_text())
@@ -88,10 +90,7 @@ def main(argv: list[str] | None = None) -> int:
               "previous steps although V's squared error fell 14 %: moving V's values toward zero shrinks "
               "every attention output coherently, where rounding errors average out over the attended "
               "tokens. Gain-preserving variants (offsets outward) were worse too (0.0040-0.0059)."]
-    text = "\n".join(lines) + "\n"
-    Path(args.out).with_suffix(".md").write_text(text)
-    print(text)
-    return 0
+    return write_markdown(args.out, lines)
 
 
 if __name__ == "__main__":
