@@ -1,0 +1,39 @@
+"""Files written by the encoder before issue 19 (tests/data/corpus_pre19, see make_corpus.py there)
+decode to the recorded tensors, and today's encoder writes them again byte for byte."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+import kvcodec
+from kvcodec.cache import KVCache, LayerInfo
+from kvcodec.format import vectors
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "tests" / "data" / "corpus_pre19"
+INDEX = json.loads((CORPUS / "index.json").read_text())["files"]
+_INPUTS: dict[str, KVCache] = {}
+
+
+def _input(row) -> KVCache:
+    if row["input"] not in _INPUTS:
+        c = KVCache.from_safetensors(CORPUS / row["input"])
+        c.layer_info = [LayerInfo(k, w) for k, w in row["layer_kinds"]]
+        _INPUTS[row["input"]] = c
+    return _INPUTS[row["input"]]
+
+
+@pytest.mark.parametrize("row", INDEX, ids=[r["file"] for r in INDEX])
+def test_pre19_file_decodes_and_reencodes_byte_for_byte(row, monkeypatch):
+    monkeypatch.chdir(ROOT)  # calibrated entries name their calibration file relative to the root
+    blob = (CORPUS / row["file"]).read_bytes()
+    assert hashlib.sha256(blob).hexdigest() == row["kvc_sha256"], "corpus file changed on disk"
+    assert vectors.decoded_sha256(kvcodec.decode(blob)) == row["decoded_sha256"]
+    with kvcodec.format.open(blob) as r:
+        stored = r.manifest["codec"]
+    again = kvcodec.get_codec(stored).encode(_input(row), tokens_per_chunk=row["tokens_per_chunk"])
+    assert again == blob, f"{row['file']}: the encoder no longer writes the same bytes"
