@@ -23,6 +23,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import numpy as np
@@ -51,6 +52,8 @@ class TensorContext:
     dtype: torch.dtype
     layer_kind: str = "full"
     globals: dict[str, np.ndarray] = field(default_factory=dict)
+    #: the codec's per-call state from :meth:`Codec.prepare` (None for codecs that keep none)
+    state: Any = None
 
     @property
     def numel(self) -> int:
@@ -74,11 +77,75 @@ class EncodedTensor:
         return sum(int(p.nbytes) for p in self.planes.values())
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What :meth:`Codec.prepare` returns for one encode call.
+
+    Attributes:
+        config: the codec config recorded in the file (it may differ from the codec's own, e.g.
+            kvc fills in the SHA-256 of the calibration file it read).
+        state: per-call state handed to every :meth:`Codec.encode_tensor` as ``ctx.state``.
+        close: called once when the call ends (releases threads), or None.
+    """
+
+    config: dict[str, Any]
+    state: Any = None
+    close: Any = None
+
+
+@dataclass(frozen=True)
+class EncodePlan:
+    """One encode call, prepared once: the input checked, side inputs (calibration) read and
+    hashed, file-level planes computed. Every route that writes a file (:meth:`Codec.encode`,
+    :func:`kvcodec.format.write_file`, ``kvcodec encode``, eval, bench) writes from one of these,
+    so they all write the same bytes. Use it as a context manager (:meth:`Codec.plan`).
+
+    Attributes:
+        codec: the codec (never modified).
+        cache: the cache to code.
+        config: the codec config recorded in the file's manifest.
+        globals: file-level planes (:meth:`Codec.encode_globals`).
+        state: the codec's per-call state (``ctx.state`` of every tensor).
+        tokens_per_chunk: chunk length of the token axis (0: one chunk per tensor).
+    """
+
+    codec: "Codec"
+    cache: KVCache
+    config: dict[str, Any]
+    globals: dict[str, np.ndarray]
+    state: Any
+    tokens_per_chunk: int
+    close: Any = None
+
+    def __enter__(self) -> "EncodePlan":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.close is not None:
+            self.close()
+
+
+def _freeze(v: Any) -> Any:
+    """Lists (and nested ones) as tuples, so a codec's params cannot be changed in place."""
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+def _thaw(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_thaw(x) for x in v]
+    return v
+
+
 class Codec(ABC):
     """Base class of every codec. Subclasses set ``codec_id`` and ``defaults``.
 
     ``defaults`` maps each parameter name to its default; the constructor accepts exactly those
     names. The config is ``{"id": codec_id, **params}``; equality and ``repr`` derive from it.
+    A codec is immutable (``params`` is a read-only mapping, list values are tuples) and keeps no
+    state between calls, so one object can be shared between threads; per-call state lives in
+    the :class:`EncodePlan` (:meth:`prepare`).
     """
 
     codec_id: ClassVar[str] = ""
@@ -104,8 +171,18 @@ class Codec(ABC):
                     f"got {v!r}"
                 )
             merged[k] = float(v) if isinstance(d, float) else v
-        self.params = merged
-        self.check_params()
+        object.__setattr__(self, "params", merged)
+        #: parameters that must be set (non-empty) to encode: a preset's promise (register_preset)
+        object.__setattr__(self, "requires", ())
+        object.__setattr__(self, "preset", None)
+        self.check_params()  # on the plain values (JSON types), then frozen
+        object.__setattr__(self, "params", MappingProxyType({k: _freeze(v) for k, v in merged.items()}))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"codec objects are immutable: cannot set {name!r} (build another with get_codec)")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"codec objects are immutable: cannot delete {name!r}")
 
     def check_params(self) -> None:
         """Validate ``self.params``; raise :class:`ConfigError`. Subclasses extend this."""
@@ -113,7 +190,7 @@ class Codec(ABC):
     # ------------------------------------------------------------------ config
     def get_config(self) -> dict[str, Any]:
         """The JSON-able config that rebuilds this codec through :func:`get_codec`."""
-        return {"id": self.codec_id, **copy.deepcopy(self.params)}
+        return {"id": self.codec_id, **{k: _thaw(copy.deepcopy(v)) for k, v in self.params.items()}}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Codec":
@@ -152,6 +229,54 @@ class Codec(ABC):
         """Decode one tensor; return ``ctx.shape`` in ``ctx.dtype`` on the CPU."""
 
     # ------------------------------------------------------------------ whole caches
+    def prepare(self, cache: KVCache) -> Prepared:
+        """Per-call preparation (read side inputs, compute per-call state). The default keeps no
+        state. Subclasses that override it must not modify ``self``."""
+        return Prepared(self.get_config())
+
+    def check_requirements(self) -> None:
+        """Raise ConfigError when a setting the codec's preset promised to have is empty.
+
+        Example:
+            >>> import kvcodec
+            >>> kvcodec.get_codec("kvc-near-cal").check_requirements()
+            Traceback (most recent call last):
+            ...
+            kvcodec.errors.ConfigError: preset 'kvc-near-cal' needs 'calibration': ...
+        """
+        missing = [k for k in self.requires if not self.params.get(k)]
+        if missing:
+            raise ConfigError(
+                f"preset {self.preset!r} needs {' and '.join(repr(k) for k in missing)}: it was tuned with "
+                f"one and would not keep its quality promise without; give one, e.g. "
+                f"{{\"id\": \"{self.preset}\", \"{missing[0]}\": \"FILE\"}} (kvcodec calibrate makes it)"
+            )
+
+    def plan(self, cache: KVCache, tokens_per_chunk: int = 0) -> EncodePlan:
+        """Check ``cache`` once and prepare one encode call (see :class:`EncodePlan`).
+
+        Raises:
+            InputError: the cache is malformed or holds NaN/Inf.
+            ConfigError: a bad ``tokens_per_chunk``, or the codec needs a setting it lacks (a
+                ``-cal`` preset without its calibration file).
+        """
+        if type(tokens_per_chunk) is not int or tokens_per_chunk < 0:
+            raise ConfigError(f"tokens_per_chunk must be an integer >= 0, got {tokens_per_chunk!r}")
+        self.check_requirements()
+        cache.validate()
+        for i, role, t in cache.tensors():
+            # amax propagates NaN and is ~6x faster than isfinite().all() on fp16 CPU tensors
+            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.abs().amax())):
+                raise InputError(f"layers.{i}.{role} holds NaN or Inf values; refusing to encode")
+        prep = self.prepare(cache)
+        try:
+            globals_ = {k: np.ascontiguousarray(v) for k, v in self.encode_globals(cache).items()}
+        except BaseException:
+            if prep.close is not None:
+                prep.close()
+            raise
+        return EncodePlan(self, cache, prep.config, globals_, prep.state, tokens_per_chunk, prep.close)
+
     def encode(
         self, cache: KVCache, path: str | os.PathLike[str] | None = None, *, tokens_per_chunk: int = 0
     ) -> bytes:
@@ -162,13 +287,8 @@ class Codec(ABC):
         """
         from .format import container
 
-        cache.validate()
-        for i, role, t in cache.tensors():
-            # amax propagates NaN and is ~6x faster than isfinite().all() on fp16 CPU tensors
-            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.abs().amax())):
-                raise InputError(f"layers.{i}.{role} holds NaN or Inf values; refusing to encode")
-        globals_ = {k: np.ascontiguousarray(v) for k, v in self.encode_globals(cache).items()}
-        return container.write_cache(self, cache, globals_, path=path, tokens_per_chunk=tokens_per_chunk)
+        with self.plan(cache, tokens_per_chunk) as plan:
+            return container.write_cache(plan, path=path)
 
     def decode(self, data: bytes | str | os.PathLike[str], device: str = "cpu") -> KVCache:
         """Decode KVC bytes (or a path, or a binary file) written by this codec into a :class:`KVCache`.
@@ -202,11 +322,20 @@ def register_codec(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
-def register_preset(name: str, config: dict[str, Any], description: str = "") -> None:
-    """Register a named preset (for example ``"kivi-4"``) for a registered codec config."""
+_REQUIRES: dict[str, tuple[str, ...]] = {}
+
+
+def register_preset(name: str, config: dict[str, Any], description: str = "",
+                    requires: tuple[str, ...] = ()) -> None:
+    """Register a named preset (for example ``"kivi-4"``) for a registered codec config.
+
+    ``requires`` names parameters the preset cannot keep its promise without (kvc's ``-cal``
+    presets: ``calibration``); encoding with the preset while one is empty raises ConfigError.
+    """
     if name in _PRESETS and _PRESETS[name][0] != config:
         raise ConfigError(f"preset {name!r} is already registered with another config")
     _PRESETS[name] = (dict(config), description)
+    _REQUIRES[name] = tuple(requires)
 
 
 def _ensure_loaded() -> None:
@@ -234,7 +363,7 @@ def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
             except ValueError as e:
                 raise ConfigError(f"codec config is not valid JSON: {e}") from None
         elif s in _PRESETS:
-            config = _PRESETS[s][0]
+            config = {"id": s}
         elif s in _CODECS:
             config = {"id": s}
         else:
@@ -247,14 +376,20 @@ def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
         raise ConfigError(f"expected a codec name or config dict, got {type(name_or_config).__name__}")
     if not isinstance(config, dict) or not isinstance(config.get("id"), str):
         raise ConfigError(f"codec config needs a string 'id': {config!r}")
+    preset = None
     if config["id"] not in _CODECS and config["id"] in _PRESETS:
-        config = {**_PRESETS[config["id"]][0], **{k: v for k, v in config.items() if k != "id"}}
+        preset = config["id"]
+        config = {**_PRESETS[preset][0], **{k: v for k, v in config.items() if k != "id"}}
     cls = _CODECS.get(config["id"])
     if cls is None:
         raise UnknownCodecError(
             f"unknown codec id {config['id']!r}; known ids: {', '.join(sorted(_CODECS))}"
         )
-    return cls.from_config(config)
+    codec = cls.from_config(config)
+    if preset is not None:
+        object.__setattr__(codec, "preset", preset)
+        object.__setattr__(codec, "requires", _REQUIRES.get(preset, ()))
+    return codec
 
 
 def list_codecs() -> list[str]:
@@ -276,7 +411,9 @@ def codec_ids() -> list[str]:
 
 __all__ = [
     "Codec",
+    "EncodePlan",
     "EncodedTensor",
+    "Prepared",
     "TensorContext",
     "codec_ids",
     "get_codec",

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -197,3 +198,19 @@ __all__ = [
     "rounding_ties",
     "value_cases",
 ]
+
+
+def spelled_out(name_or_config: Any) -> Any:
+    """The codec of a preset name or config with every setting spelled out under its codec id.
+
+    It writes the same bitstream as the preset but carries none of the preset's requirements: the
+    kvc ``-cal`` presets refuse to encode without a calibration file (their quality promise needs
+    one), while tests that only check bitstreams code their steps on random caches without one.
+
+    Example:
+        >>> spelled_out("kvc-near-cal").get_config()["id"]
+        'kvc'
+    """
+    from .codec import get_codec
+
+    return get_codec(get_codec(name_or_config).get_config())

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import kvcodec
+from kvcodec.testing import spelled_out
 from kvcodec.errors import ConfigError, InputError, KVCodecError, UnknownCodecError
 
 from conftest import make_cache
@@ -24,7 +25,7 @@ def test_config_registry_roundtrip(name):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_every_codec_roundtrips_shape_and_dtype(name, dtype):
     cache = make_cache(dtype=dtype, dim=32)
-    codec = kvcodec.get_codec(name)
+    codec = spelled_out(name)
     blob = codec.encode(cache)
     out = kvcodec.decode(blob)
     assert out.num_layers == cache.num_layers
@@ -40,7 +41,7 @@ def test_every_codec_roundtrips_shape_and_dtype(name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_lossless_codecs_are_bit_identical(name, dtype):
     cache = make_cache(dtype=dtype)
-    assert kvcodec.decode(kvcodec.get_codec(name).encode(cache)).equal(cache)
+    assert kvcodec.decode(spelled_out(name).encode(cache)).equal(cache)
 
 
 def test_fp16_is_bit_identical_on_fp16():
@@ -65,13 +66,13 @@ def test_nan_input_rejected():
     cache.layers[1]["v"][3, 0, 0] = float("nan")
     for name in kvcodec.list_codecs():
         with pytest.raises(InputError, match="NaN or Inf"):
-            kvcodec.get_codec(name).encode(cache)
+            spelled_out(name).encode(cache)
 
 
 def test_mla_and_empty_caches():
     for cache in (make_cache(mla=True, dim=40), make_cache(tokens=0), make_cache(tokens=1)):
         for name in kvcodec.list_codecs():
-            out = kvcodec.decode(kvcodec.get_codec(name).encode(cache))
+            out = kvcodec.decode(spelled_out(name).encode(cache))
             assert [t.shape for _, _, t in out.tensors()] == [t.shape for _, _, t in cache.tensors()]
 
 

@@ -20,6 +20,7 @@ import torch
 
 from kvcodec import gpu
 from kvcodec.errors import DeviceError, FormatError
+from kvcodec.testing import spelled_out
 
 from _cuda_host import GPU_CODEC_CONFIGS, build_harness, convert, run_on_host
 
@@ -626,7 +627,7 @@ def test_whole_file_device_decode_through_the_host_build(host_device, name, toke
     from conftest import make_cache
 
     cache = make_cache(layers=3, tokens=70, heads=2, dim=40, dtype=torch.bfloat16, seed=2)
-    blob = kvcodec.get_codec(name).encode(cache, tokens_per_chunk=tokens_per_chunk)
+    blob = spelled_out(name).encode(cache, tokens_per_chunk=tokens_per_chunk)
     want, got = kvcodec.decode(blob), kvcodec.decode(blob, device="cuda")
     for (i, role, a), (_, _, b) in zip(want.tensors(), got.tensors()):
         assert torch.equal(_bits(b), _bits(a)), f"{name} chunk {tokens_per_chunk} layers.{i}.{role}"

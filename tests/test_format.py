@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 import kvcodec
+from kvcodec.testing import spelled_out
 from kvcodec import KVCache, LayerInfo, ModelIdentity
 from kvcodec import format as kvf
 from kvcodec.errors import FormatError, InputError, KVCodecError
@@ -49,7 +50,7 @@ def test_crc32_check_value():
 @pytest.mark.parametrize("name", kvcodec.list_codecs())
 def test_every_preset_is_deterministic_aligned_and_opens_in_safetensors(name, tmp_path):
     cache = make_cache(layers=2, tokens=33, dim=32)
-    codec = kvcodec.get_codec(name)
+    codec = spelled_out(name)
     blob = codec.encode(cache)
     assert codec.encode(cache) == blob  # canonical: same input and config, same bytes
     assert kvcodec.get_codec(codec.get_config()).encode(cache) == blob

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import save as st_save
 
 import kvcodec
+from kvcodec.testing import spelled_out
 from kvcodec import format as kvf
 from kvcodec.errors import (
     ChecksumError,
@@ -379,7 +380,7 @@ _PRESET_FILES: dict = {}
 def _preset_file(name, chunk):
     key = (name, chunk)
     if key not in _PRESET_FILES:
-        _PRESET_FILES[key] = kvcodec.get_codec(name).encode(make_cache(layers=2, tokens=20, heads=2, dim=32),
+        _PRESET_FILES[key] = spelled_out(name).encode(make_cache(layers=2, tokens=20, heads=2, dim=32),
                                                            tokens_per_chunk=chunk)
     return _PRESET_FILES[key]
 

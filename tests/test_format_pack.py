@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcodec
+from kvcodec.testing import spelled_out
 from kvcodec.codec import TensorContext
 from kvcodec.codecs.kvc import PACK_PIECES
 from kvcodec.errors import FormatError
@@ -119,8 +120,8 @@ def test_random_directories_raise_format_errors_only(data, directory):
 def test_kvc_packed_file_is_smaller_and_decodes_like_the_unpacked_one():
     cache = make_cache(layers=3, tokens=70, heads=2, dim=24, dtype=torch.float16, seed=5)
     for preset in ("kvc-near", "kvc-aggressive", "kvc-transparent-cal"):
-        zpacked = kvcodec.get_codec(preset)
-        packed, loose = kvcodec.get_codec({"id": preset, "pack": 1}), kvcodec.get_codec({"id": preset, "pack": 0})
+        zpacked = spelled_out(preset)
+        packed, loose = spelled_out({"id": preset, "pack": 1}), spelled_out({"id": preset, "pack": 0})
         assert zpacked.params["pack"] == 2
         b2, b1, b0 = zpacked.encode(cache), packed.encode(cache), loose.encode(cache)
         assert len(b1) < len(b0) - 3 * 2 * 4 * 150, (len(b1), len(b0))  # ~200 bytes per plane saved

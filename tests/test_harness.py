@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from kvcodec.errors import DependencyError, InputError
+from kvcodec.errors import ConfigError, DependencyError, InputError
 from kvcodec.harness import capture as capture_mod
 from kvcodec.harness import models
 
@@ -130,8 +130,8 @@ def test_cal_presets_get_the_calibration_file_or_are_left_out_of_all():
     settings = expand_settings(["kvc-near", "kvc-near-cal", "kivi-4", "kvc-aggressive-cal"])
     kept, skipped = with_calibration(settings, None, skip_uncalibrated=True)
     assert [n for n, _ in kept] == ["kvc-near", "kivi-4"] and skipped == ["kvc-near-cal", "kvc-aggressive-cal"]
-    named, skipped = with_calibration(settings, None)  # named explicitly: they run, uncalibrated
-    assert [n for n, _ in named] == ["kvc-near", "kvc-near-cal", "kivi-4", "kvc-aggressive-cal"] and skipped == []
+    with pytest.raises(ConfigError, match="preset 'kvc-near-cal' needs 'calibration'"):
+        with_calibration(settings, None)  # named explicitly without a file: refused, as on every route
     cal, _ = with_calibration(settings, "m.qstats.safetensors", skip_uncalibrated=True)
     assert [n for n, _ in cal] == ["kvc-near", "kvc-near-cal +calibration", "kivi-4", "kvc-aggressive-cal +calibration"]
     assert cal[1][1].params["calibration"] == "m.qstats.safetensors" and cal[0][1].params["calibration"] == ""

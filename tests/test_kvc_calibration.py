@@ -129,10 +129,9 @@ def test_calibrated_k_error_within_half_of_its_per_token_step(tmp_path):
     save_query_statistics(_stats(cache), p)
     codec = kvcodec.get_codec({"id": "kvc", "calibration": str(p), "k_step": 0.3, "sinks": 0, "sink_v_ratio": 0.0})
     k = cache.layers[0]["k"]
-    plan = codec._calibration_plan(cache)
-    codec._calib = plan
-    enc = codec.encode_planes(k, TensorContext(0, "k", tuple(k.shape), k.dtype))
-    codec._calib = {}
+    with codec.plan(cache) as call:
+        plan = call.state
+        enc = codec.encode_planes(k, TensorContext(0, "k", tuple(k.shape), k.dtype, state=plan))
     assert enc.params["k_tok"] == 1
     dec = codec.decode_tensor(enc, TensorContext(0, "k", tuple(k.shape), k.dtype))
     sc = enc.planes["side"][1].astype(np.int64)
@@ -175,7 +174,7 @@ def test_calibrated_file_names_its_statistics_by_hash(tmp_path):
     for bad in ("ABC", "0" * 63, 5):
         with pytest.raises(ConfigError, match="calibration_sha256"):
             kvcodec.get_codec({"id": "kvc", "calibration_sha256": bad})
-    with pytest.raises(ConfigError, match="cannot be read"):
+    with pytest.raises(InputError, match="cannot be read"):
         kvcodec.get_codec({"id": "kvc", "calibration": str(tmp_path / "missing.safetensors")}).encode(cache)
 
 
@@ -190,16 +189,14 @@ def test_background_attention_estimates_give_the_same_file(tmp_path, monkeypatch
     codec = kvcodec.get_codec({"id": "kvc-near", "calibration": str(p)})
     threaded = codec.encode(cache)
     orig = kvc_mod.KVCCodec._calibration_plan
-    monkeypatch.setattr(kvc_mod.KVCCodec, "_calibration_plan", lambda self, c, pool=None: orig(self, c, None))
+    monkeypatch.setattr(kvc_mod.KVCCodec, "_calibration_plan", lambda self, c, st, pool=None: orig(self, c, st, None))
     assert codec.encode(cache) == threaded
     monkeypatch.setattr(kvc_mod.KVCCodec, "_calibration_plan", orig)
 
     def boom(*a, **k):
         raise RuntimeError("estimate failed")
 
-    import kvcodec.harness.calibration as cal_mod
-
-    monkeypatch.setattr(cal_mod, "attention_estimate", boom)
+    monkeypatch.setattr(kvc_mod, "attention_estimate", boom)
     with pytest.raises(RuntimeError, match="estimate failed"):
         codec.encode(cache)
 

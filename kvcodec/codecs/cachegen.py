@@ -148,7 +148,7 @@ class CacheGenCodec(Codec):
 
     Example:
         >>> import kvcodec
-        >>> kvcodec.get_codec("cachegen").params["levels"]
+        >>> kvcodec.get_codec("cachegen").get_config()["levels"]
         [31, 15, 15]
     """
 

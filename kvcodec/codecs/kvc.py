@@ -114,7 +114,7 @@ import torch
 
 from .. import native
 from ..cache import KVCache
-from ..codec import Codec, EncodedTensor, TensorContext, register_codec, register_preset
+from ..codec import Codec, EncodedTensor, Prepared, TensorContext, register_codec, register_preset
 from ..errors import ConfigError, FormatError
 from ..format.pack import pack_planes, unpack_planes
 from ..quant.deadzone import (
@@ -129,6 +129,7 @@ from ..quant.deadzone import (
     step_from_code,
 )
 from ..transforms.allocation import weighted_steps
+from .kvc_calibration import Calibration, QueryStats, attention_estimate
 from ..transforms.centering import channel_means, head_rms, token_rms
 from ..transforms.hadamard import fwht, is_power_of_two
 
@@ -306,52 +307,51 @@ class KVCCodec(Codec):
             raise ConfigError(f"kvc ctx / entropy settings: {e}") from None
 
     # ------------------------------------------------------------------ calibration (encoder only)
-    def encode(self, cache: KVCache, path: Any = None, *, tokens_per_chunk: int = 0) -> bytes:
-        """Encode ``cache`` (see :meth:`Codec.encode`). With a ``calibration`` file the encoder
-        first estimates, per layer, the query energy per K channel and the attention each token
-        will receive (:mod:`kvcodec.harness.calibration`); only the steps change, and they are
-        stored as always, so the decoder needs nothing else."""
+    def prepare(self, cache: KVCache) -> Prepared:
+        """Per-call state: with a ``calibration`` file, read it once (its SHA-256 goes into the
+        file's codec config) and estimate, per layer, the query energy per K channel and the
+        attention each token will receive (:mod:`kvcodec.codecs.kvc_calibration`). Only the steps
+        change, and they are stored as always, so the decoder needs nothing else.
+
+        Raises:
+            InputError: the calibration file cannot be read.
+            FormatError: it is not a calibration file.
+            ConfigError: it is for another model, or its hash differs from ``calibration_sha256``.
+        """
+        config = self.get_config()
+        if not self.params["calibration"]:
+            return Prepared(config, {})
+        cal = Calibration.load(self.params["calibration"])
         given = self.params["calibration_sha256"]
-        if self.params["calibration"]:
-            digest = _file_sha256(self.params["calibration"])
-            if given and given != digest:
-                raise ConfigError(f"kvc calibration {self.params['calibration']!r} has SHA-256 {digest}, "
-                                  f"the config names {given}")
-            self.params["calibration_sha256"] = digest  # recorded in the file's codec config
-        pool = None
+        if given and given != cal.sha256:
+            raise ConfigError(f"kvc calibration {self.params['calibration']!r} has SHA-256 {cal.sha256}, "
+                              f"the config names {given}")
+        config["calibration_sha256"] = cal.sha256  # recorded in the file's codec config
+        # the attention estimates (the calibrated encoder's costliest part) run on a second
+        # thread, a layer ahead of the coding, which mostly waits in C and releases the GIL
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-attn")
         try:
-            if self.params["calibration"]:
-                # the attention estimates (the calibrated encoder's costliest part) run on a second
-                # thread, a layer ahead of the coding, which mostly waits in C and releases the GIL
-                from concurrent.futures import ThreadPoolExecutor
+            state = self._calibration_plan(cache, cal.stats, pool)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        return Prepared(config, state, lambda: pool.shutdown(wait=True, cancel_futures=True))
 
-                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-attn")
-                self._calib = self._calibration_plan(cache, pool)
-            else:
-                self._calib = {}
-            return super().encode(cache, path, tokens_per_chunk=tokens_per_chunk)
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-            self._calib = {}
-            self.params["calibration_sha256"] = given
-
-    def _calibration_plan(self, cache: KVCache, pool: Any = None) -> dict[int, dict[str, Any]]:
+    def _calibration_plan(self, cache: KVCache, stats: QueryStats, pool: Any = None) -> dict[int, dict[str, Any]]:
         """Per layer: ``q_energy``, ``attn`` (with ``pool``, an executor, a future of it, resolved
-        by :meth:`_layer_calib`), ``k_mult`` / ``v_mult``."""
-        from ..harness.calibration import attention_estimate, load_query_statistics
-
-        stats = load_query_statistics(self.params["calibration"])
+        by :func:`_layer_calib`), ``k_mult`` / ``v_mult``."""
         if stats.num_layers != cache.num_layers:
             raise ConfigError(f"kvc calibration {self.params['calibration']!r} has {stats.num_layers} "
                               f"layers, the cache {cache.num_layers}: it is for another model")
-        plan: dict[int, dict[str, np.ndarray]] = {}
+        plan: dict[int, dict[str, Any]] = {}
         for i, layer in enumerate(cache.layers):
             if "k" not in layer:
                 continue
             k = layer["k"]
             e = stats.q_energy[i]
-            entry: dict[str, np.ndarray] = {}
+            entry: dict[str, Any] = {}
             if e is not None:
                 if e.shape != tuple(k.shape[1:]):
                     raise ConfigError(f"kvc calibration: layer {i} query energy is {list(e.shape)}, "
@@ -372,19 +372,6 @@ class KVCCodec(Codec):
                     if m is not None and i in plan:
                         plan[i][role + "_mult"] = m
         return plan
-
-    def _layer_calib(self, layer: int) -> dict[str, Any]:
-        """The calibration plan of ``layer`` (empty without a file), its attention estimate
-        waited for if it is still being computed."""
-        entry = getattr(self, "_calib", {}).get(layer, {})
-        a = entry.get("attn")
-        if a is not None and not isinstance(a, np.ndarray):
-            a = a.result()  # a future; re-raises the estimate's own error
-            if a is None:
-                del entry["attn"]
-            else:
-                entry["attn"] = a
-        return entry
 
     @property
     def nominal_bits(self) -> float:
@@ -475,7 +462,7 @@ class KVCCodec(Codec):
             lv = p["k_recon"] if (is_k and n) else 0  # levels with reconstruction offsets
             step_rel = p["k_step"] if is_k else p["v_step"]
             base = head_rms(z, acc)  # [H]
-            calib = self._layer_calib(ctx.layer) if ctx.role == "k" else {}
+            calib = _layer_calib(ctx.state, ctx.layer) if ctx.role == "k" else {}
             if "k_mult" in calib:  # per-head sensitivity from the calibration (Fisher) statistics
                 base = base * calib["k_mult"]
             if is_k and p["k_qgamma"] > 0 and not use_h and n and "q_energy" in calib:
@@ -519,7 +506,7 @@ class KVCCodec(Codec):
                 params["rc"] = rc
         else:
             rel = p["v_step"] * token_rms(z, acc)  # [n, H]
-            vcal = self._layer_calib(ctx.layer) if ctx.role == "v" else {}
+            vcal = _layer_calib(ctx.state, ctx.layer) if ctx.role == "v" else {}
             if "v_mult" in vcal:  # per-head sensitivity from the calibration (Fisher) statistics
                 rel = rel * vcal["v_mult"][None, :]
             attn = vcal.get("attn")
@@ -957,6 +944,21 @@ def detect_sinks(v: torch.Tensor, ratio: float, skip: int = 0) -> np.ndarray:
     return pos[pos >= skip]
 
 
+def _layer_calib(state: dict[int, dict[str, Any]] | None, layer: int) -> dict[str, Any]:
+    """The calibration plan of ``layer`` (empty without a file), its attention estimate waited
+    for if it is still being computed. ``state`` is the encode call's (:meth:`KVCCodec.prepare`);
+    only the thread coding that call reads and resolves it."""
+    entry = (state or {}).get(layer, {})
+    a = entry.get("attn")
+    if a is not None and not isinstance(a, np.ndarray):
+        a = a.result()  # a future; re-raises the estimate's own error
+        if a is None:
+            del entry["attn"]
+        else:
+            entry["attn"] = a
+    return entry
+
+
 def _narrowest(v: np.ndarray) -> np.ndarray:
     """``v`` as int8, int16 or int32, the narrowest that holds every value."""
     lo, hi = (int(v.min()), int(v.max())) if v.size else (0, 0)
@@ -964,19 +966,6 @@ def _narrowest(v: np.ndarray) -> np.ndarray:
         if np.iinfo(dt).min <= lo and hi <= np.iinfo(dt).max:
             return v.astype(dt)
     return v.astype(np.int32)
-
-
-def _file_sha256(path: str) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        return h.hexdigest()
-    except OSError as e:
-        raise ConfigError(f"kvc calibration file {path!r} cannot be read: {e}") from None
 
 
 def _checked_recon(rc: Any, where: str) -> list[int] | None:
@@ -1053,7 +1042,7 @@ _CTX_LOW = {"ctx": [2, 5, 12], "rows_per_stream": 64, "chunk": 2048}
 register_preset("kvc-transparent-cal", {"id": "kvc", "k_step": 0.2912, "v_step": 0.9984, "k_qgamma": 1.0,
                                         "sink_v_ratio": 0.0, "attn_clip": 3.0, "attn_coarse": 2.0, **_RAMP, **_CTX,
                                         **_KREC},
-                "kvc-transparent's bar (mean KL <= 0.002) with a calibration file")
+                "kvc-transparent's bar (mean KL <= 0.002) with a calibration file", requires=("calibration",))
 # kvc-near-cal's steps: 0.5152 / 1.8515 before k_recon, x1.1 with it, then x1.06 more after a
 # finer scan (each 1 % of step is ~0.7 % of the file here): at these steps, at 0.98x and at 1.057x
 # all four tuning windows stay within 90 % of the KL bar (eval/results/kvc_presets*.md,
@@ -1063,7 +1052,7 @@ register_preset("kvc-transparent-cal", {"id": "kvc", "k_step": 0.2912, "v_step":
 # held-out windows (ctx 1536 from token 12288, ctx 4096) meet the bars too.
 register_preset("kvc-near-cal", {"id": "kvc", "k_step": 0.6007, "v_step": 2.1589, "sink_v_ratio": 0.0, "attn_clip": 3.0,
                                  "attn_coarse": 1.0, **_RAMP, **_CTX, **_KREC},
-                "kvc-near's bar (mean KL <= 0.01, dPPL <= 1%) with a calibration file")
+                "kvc-near's bar (mean KL <= 0.01, dPPL <= 1%) with a calibration file", requires=("calibration",))
 register_preset("kvc-aggressive-cal", {"id": "kvc", "k_step": 1.0759, "v_step": 3.5931, "sink_v_ratio": 0.0,
                                        "attn_clip": 3.0, "attn_coarse": 2.0, **_RAMP, **_NARROW, **_CTX_LOW},
-                "kvc-aggressive's bar (mean KL <= 0.05) with a calibration file")
+                "kvc-aggressive's bar (mean KL <= 0.05) with a calibration file", requires=("calibration",))

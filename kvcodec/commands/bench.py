@@ -145,7 +145,11 @@ def run(args: argparse.Namespace) -> int:
     from ..harness.evaluate import with_calibration
 
     # with a calibration file the kvc presets tuned for one (*-cal) use it: rows "<name> +calibration"
-    settings, _ = with_calibration([(name, get_codec(name)) for name in names], args.calibration)
+    settings, skipped = with_calibration([(name, get_codec(name)) for name in names], args.calibration,
+                                         skip_uncalibrated=args.codecs == "all")
+    if skipped:
+        print(f"bench: left out {', '.join(skipped)} (tuned for a calibration file: give one with "
+              "--calibration FILE, from kvcodec calibrate)", file=sys.stderr, flush=True)
     rows = bench_interleaved(settings, cache, args.repeat, args.reference,
                              progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     has_ref = any("encode_x_ref" in r for r in rows)

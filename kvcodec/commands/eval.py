@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="dtype of the reference cache the codecs compress (default float16)")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="calibration file (kvcodec calibrate) for the kvc presets tuned for one (names ending "
-                   "in -cal); without it those presets are left out of 'all' (named ones run uncalibrated)")
+                   "in -cal); without it those presets are left out of 'all', and naming one is an error")
     p.add_argument("--out", default=None, help="run directory (default runs/eval-<UTC time>)")
     p.add_argument("--stem", default="results", help="file name stem in the run directory")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")

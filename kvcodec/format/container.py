@@ -38,7 +38,7 @@ from .atomic import atomic_write_chunks
 from .manifest import FORMAT_KEY, FORMAT_VERSION, canonical_json, tensor_name
 
 if TYPE_CHECKING:
-    from ..codec import Codec
+    from ..codec import Codec, EncodePlan
 
 __all__ = [
     "FORMAT_KEY",
@@ -89,11 +89,12 @@ def _json_params(params: Any, where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: codec params are not finite JSON: {e}") from None
 
 
-def _encode_planes(codec: "Codec", cache: KVCache, globals_: dict[str, np.ndarray], tokens_per_chunk: int,
+def _encode_planes(plan: "EncodePlan",
                    params_out: dict[tuple[int, str], list[dict[str, Any]]]) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(stored name, array)`` in canonical order, encoding one tensor chunk at a time."""
     from ..codec import TensorContext
 
+    codec, cache, globals_, tokens_per_chunk = plan.codec, plan.cache, plan.globals, plan.tokens_per_chunk
     chunked = tokens_per_chunk > 0
     for g in sorted(globals_):
         if not mf.GLOBAL_RE.fullmatch(g):
@@ -112,7 +113,7 @@ def _encode_planes(codec: "Codec", cache: KVCache, globals_: dict[str, np.ndarra
             x = t if not chunked else t[s : s + tokens_per_chunk]
             x = x.detach().cpu().contiguous()
             ctx = TensorContext(layer=i, role=role, shape=tuple(x.shape), dtype=x.dtype,
-                                layer_kind=cache.layer_info[i].kind, globals=globals_)
+                                layer_kind=cache.layer_info[i].kind, globals=globals_, state=plan.state)
             enc = codec.encode_tensor(x, ctx)
             plist.append({"tokens": int(x.shape[0]),
                           "params": _json_params(enc.params, f"layers.{i}.{role}")})
@@ -125,9 +126,9 @@ def _encode_planes(codec: "Codec", cache: KVCache, globals_: dict[str, np.ndarra
                 yield tensor_name(i, role, p, j if chunked else None), arr
 
 
-def build_manifest(codec: "Codec", cache: KVCache, params: dict[tuple[int, str], list[dict[str, Any]]],
+def build_manifest(config: dict[str, Any], cache: KVCache, params: dict[tuple[int, str], list[dict[str, Any]]],
                    storage: dict[str, dict[str, Any]], tokens_per_chunk: int) -> dict[str, Any]:
-    """The manifest of ``cache`` coded by ``codec`` (SPEC §4)."""
+    """The manifest of ``cache`` coded with the codec ``config`` (SPEC §4)."""
     layers = []
     for i, layer in enumerate(cache.layers):
         info = cache.layer_info[i]
@@ -149,7 +150,7 @@ def build_manifest(codec: "Codec", cache: KVCache, params: dict[tuple[int, str],
         "has_token_ids": cache.token_ids is not None,
         "has_positions": cache.positions is not None,
         "chunking": {"tokens_per_chunk": int(tokens_per_chunk)},
-        "codec": codec.get_config(),
+        "codec": config,
         "layers": layers,
         "storage": {"alignment": sio.ALIGNMENT, "checksum": mf.CHECKSUM, "tensors": storage},
         "required_features": [],
@@ -170,15 +171,15 @@ def _check_cache(cache: KVCache, tokens_per_chunk: int) -> None:
         raise InputError(f"{cache.num_layers} layers exceeds the format limit of {mf.MAX_LAYERS}")
 
 
-def _assemble(codec: "Codec", cache: KVCache, globals_: dict[str, np.ndarray], tokens_per_chunk: int,
-              spool: BinaryIO | None) -> tuple[bytes, list[sio.Entry], list[_Plane]]:
+def _assemble(plan: "EncodePlan", spool: BinaryIO | None) -> tuple[bytes, list[sio.Entry], list[_Plane]]:
     """Encode everything. Plane bytes go to ``spool`` (each at its aligned position) when given,
     else they are kept in memory. Returns the header bytes, the layout and the planes."""
+    codec, cache, tokens_per_chunk = plan.codec, plan.cache, plan.tokens_per_chunk
     _check_cache(cache, tokens_per_chunk)
     params: dict[tuple[int, str], list[dict[str, Any]]] = {}
     planes: list[_Plane] = []
     pos = 0
-    for name, arr in _encode_planes(codec, cache, globals_, tokens_per_chunk, params):
+    for name, arr in _encode_planes(plan, params):
         p = _Plane(name, arr)
         if spool is not None:  # same bytes and padding as plan_layout, written as we go
             assert p.data is not None
@@ -189,7 +190,7 @@ def _assemble(codec: "Codec", cache: KVCache, globals_: dict[str, np.ndarray], t
             p.data = None
         planes.append(p)
     storage = {p.name: {"dtype": p.dtype, "shape": list(p.shape), "crc32": p.crc} for p in planes}
-    manifest = build_manifest(codec, cache, params, storage, tokens_per_chunk)
+    manifest = build_manifest(plan.config, cache, params, storage, tokens_per_chunk)
     try:
         text = canonical_json(manifest)
     except (TypeError, ValueError) as e:
@@ -216,19 +217,13 @@ def _memory_chunks(header: bytes, layout: list[sio.Entry], planes: list[_Plane])
             yield b"\0" * e.nbytes
 
 
-def write_cache(
-    codec: "Codec",
-    cache: KVCache,
-    globals_: dict[str, np.ndarray],
-    path: str | os.PathLike[str] | None = None,
-    tokens_per_chunk: int = 0,
-) -> bytes:
-    """Encode ``cache`` with ``codec`` into KVC bytes; if ``path`` is given, also write them there
-    atomically. Used by :meth:`kvcodec.Codec.encode` (the caller computed ``globals_``).
+def write_cache(plan: "EncodePlan", path: str | os.PathLike[str] | None = None) -> bytes:
+    """Encode a prepared call (:meth:`kvcodec.Codec.plan`) into KVC bytes; if ``path`` is given,
+    also write them there atomically. Used by :meth:`kvcodec.Codec.encode`.
 
     For caches too large to hold their encoding twice in memory, use :func:`write_file`.
     """
-    header, layout, planes = _assemble(codec, cache, globals_, tokens_per_chunk, spool=None)
+    header, layout, planes = _assemble(plan, spool=None)
     data = b"".join(_memory_chunks(header, layout, planes))
     if path is not None:
         atomic_write_chunks(path, [data])
@@ -256,18 +251,18 @@ def write_file(
         >>> write_file(kvcodec.get_codec("raw"), c, p) == os.path.getsize(p)
         True
     """
-    cache.validate()
-    for i, role, t in cache.tensors():
-        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.abs().amax())):
-            raise InputError(f"layers.{i}.{role} holds NaN or Inf values; refusing to encode")
-    globals_ = {k: np.ascontiguousarray(v) for k, v in codec.encode_globals(cache).items()}
+    with codec.plan(cache, tokens_per_chunk) as plan:  # the one preparation step of every encode
+        return _write_plan(plan, dest)
+
+
+def _write_plan(plan: "EncodePlan", dest: str | os.PathLike[str] | BinaryIO) -> int:
     spool_dir = os.path.dirname(os.path.abspath(os.fspath(dest))) if isinstance(dest, (str, os.PathLike)) else None
     try:
         spool_file = tempfile.TemporaryFile(dir=spool_dir, prefix=".kvc-spool-")
     except OSError as e:
         raise InputError(f"cannot write {os.fspath(dest)}: {e.strerror or e}") from None
     with spool_file as spool:
-        header, layout, planes = _assemble(codec, cache, globals_, tokens_per_chunk, spool=spool)
+        header, layout, planes = _assemble(plan, spool=spool)
         spool_size = spool.tell()
 
         def chunks() -> Iterator[bytes]:

@@ -391,10 +391,10 @@ def expand_settings(
 def with_calibration(
     settings: list[tuple[str, Codec]], calibration: str | None, skip_uncalibrated: bool = False
 ) -> tuple[list[tuple[str, Codec]], list[str]]:
-    """Give the kvc presets tuned for a calibration file (names ending in ``-cal``) that file:
+    """Give the presets that require a calibration file (kvc's ``-cal`` presets) that file:
     ``(settings, skipped)``. They are renamed ``<name> +calibration``. Without a file and with
     ``skip_uncalibrated`` they are left out (their steps assume the calibrated encoder: plain,
-    they miss their bars) and their names returned in ``skipped``.
+    they miss their bars) and their names returned in ``skipped``; without either, ConfigError.
 
     Example:
         >>> s, skipped = with_calibration(expand_settings(["kvc-near", "kvc-near-cal"]), None, True)
@@ -404,14 +404,14 @@ def with_calibration(
     out: list[tuple[str, Codec]] = []
     skipped: list[str] = []
     for name, codec in settings:
-        if not name.endswith("-cal") or "calibration" not in codec.params or codec.params["calibration"]:
+        if "calibration" not in codec.requires or codec.params["calibration"]:
             out.append((name, codec))
         elif calibration:
             out.append((name + " +calibration", get_codec({**codec.get_config(), "calibration": calibration})))
         elif skip_uncalibrated:
             skipped.append(name)
         else:
-            out.append((name, codec))
+            codec.check_requirements()  # raises: a named -cal preset without a file
     return out, skipped
 
 
