@@ -264,7 +264,7 @@ KVC_HD bool sink_put(const AnsParams& p, SinkState& ss, uint32_t r, uint32_t sym
   } else {  // SINK_TOKSYM: value = (code - mid) * scale[t] (+ the anchor's value)
     float v = mul_rn((float)((int32_t)sym - p.mid), ans_half(load2(p.scale + ss.t)));
     if (p.base != nullptr) v = add_rn(loadf(p.base + (uint64_t)ss.bq * R + r), v);
-    store_out<OUT>(p.out, ss.o, v);
+    store_out<OUT>(p.out, ss.o, clamp_out_ans<OUT>(v));  // saturate, as the CPU decoders (SPEC.md §11.1)
   }
   sink_advance<SINK>(p, ss);
   return ok;
@@ -341,7 +341,7 @@ KVC_HD bool toksym_row_fast(const AnsParams& p, AnsStream& st, const AnsTable& t
   for (uint32_t j = t0; j < t1; ++j) {
     const uint32_t sym = ans_pop(st, tb);
     ok = ok && sym <= max_code;
-    put_out<OUT>(o, mul_rn((float)((int32_t)sym - p.mid), ans_half(load2(sp))));
+    put_out<OUT>(o, clamp_out_ans<OUT>(mul_rn((float)((int32_t)sym - p.mid), ans_half(load2(sp)))));
     o += R;
     ++sp;
   }

@@ -59,7 +59,26 @@ def _float(s):
     return v
 
 
+def _depth(text: str) -> int:
+    """Deepest nesting of [ and { outside strings (SPEC §3.1 step 3), without recursion."""
+    depth = deepest = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 def _json(text: str, what: str):
+    if text.count("[") + text.count("{") > 64 and _depth(text) > 64:
+        _fail("format", f"{what}: nested deeper than 64")
     dec = json.JSONDecoder(object_pairs_hook=_hook, parse_constant=_const, parse_float=_float)
     try:
         obj, end = dec.raw_decode(text)

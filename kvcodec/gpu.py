@@ -344,17 +344,6 @@ def device_modules(device: str | torch.device = "cuda") -> _DeviceModules:
 
 
 # ---------------------------------------------------------------------------- helpers
-def _plane(enc: "EncodedTensor", ctx: "TensorContext", name: str, dtype: Any, size: int | None = None) -> np.ndarray:
-    a = enc.planes.get(name)
-    if a is None:
-        raise FormatError(f"layers.{ctx.layer}.{ctx.role}: plane {name!r} is missing")
-    if a.dtype != np.dtype(dtype):
-        raise FormatError(f"layers.{ctx.layer}.{ctx.role}: plane {name!r} is {a.dtype}, expected {np.dtype(dtype)}")
-    if size is not None and a.size != size:
-        raise FormatError(f"layers.{ctx.layer}.{ctx.role}: plane {name!r} has {a.size} values, expected {size}")
-    return a
-
-
 def to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
     """Copy a numpy plane to the device (read-only planes are copied first: torch refuses to
     wrap them without a warning)."""
@@ -766,7 +755,7 @@ def _gpu_raw(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: to
 
 @register_gpu_decoder("fp16")
 def _gpu_fp16(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> DecodePlan:
-    a = _plane(enc, ctx, "bits", np.int16, ctx.numel)
+    a = codec.parse_tensor(enc, ctx)  # the CPU decoder's own validation
     h = to_device(a, dev).view(torch.float16).reshape(ctx.shape)
     # the cast fp16 -> source dtype is exact (fp32) or RNE (bf16) on both devices
     return DecodePlan(lambda: h.to(ctx.dtype, copy=True))
@@ -774,23 +763,14 @@ def _gpu_fp16(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: t
 
 @register_gpu_decoder("fp8")
 def _gpu_fp8(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
-    from .quant.fp8 import FP8_FORMATS, GRANULARITIES, scale_shape
-
-    fmt, g, block = enc.params.get("format"), enc.params.get("granularity"), enc.params.get("block")
-    if fmt not in FP8_FORMATS or g not in GRANULARITIES or not isinstance(block, int) or block < 1:
-        raise FormatError(f"{_where(ctx)}: bad fp8 params {enc.params!r}")
-    sshape = scale_shape(ctx.shape, g, block)
-    codes = _plane(enc, ctx, "codes", np.uint8, ctx.numel)
-    scale = _plane(enc, ctx, "scale", np.float32, sshape[0] * sshape[1] * sshape[2])
-    if scale.size and not bool((np.isfinite(scale) & (scale > 0)).all()):
-        raise FormatError(f"{_where(ctx)}: fp8 scales must be positive and finite")
-    c = to_device(codes.reshape(ctx.shape), dev)
-    s = to_device(scale.reshape(sshape), dev)
+    v = codec.parse_tensor(enc, ctx)  # the CPU decoder's own validation (formats/SPEC.md §11.2)
+    c = to_device(v.codes, dev)
+    s = to_device(v.scale, dev)
 
     def run() -> torch.Tensor:
         out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
         if out.numel():
-            _decode_launch(dev, fp8_launch(c, s, out, fmt, d_block=block if g == "block" else None))
+            _decode_launch(dev, fp8_launch(c, s, out, v.format, d_block=v.block if v.granularity == "block" else None))
         return out
 
     return DecodePlan(run)
@@ -798,21 +778,10 @@ def _gpu_fp8(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: to
 
 @register_gpu_decoder("nvfp4")
 def _gpu_nvfp4(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
-    t, h, d = ctx.shape
-    pad = enc.params.get("pad")
-    if not isinstance(pad, int) or isinstance(pad, bool) or pad != (-d) % 16:
-        raise FormatError(f"{_where(ctx)}: nvfp4 pad {pad!r} does not match head_dim {d}")
-    dp = d + pad
-    codes = _plane(enc, ctx, "codes", np.uint8, t * h * dp // 2)
-    bs = _plane(enc, ctx, "block_scale", np.uint8, t * h * dp // 16)
-    ts = _plane(enc, ctx, "tensor_scale", np.float32, 1)
-    if not (bool(np.isfinite(ts).all()) and float(ts.reshape(-1)[0]) > 0):
-        raise FormatError(f"{_where(ctx)}: nvfp4 tensor_scale must be positive")
-    if bs.size and bool((((bs & 0x7F) == 0x7F) | ((bs & 0x80) != 0)).any()):
-        raise FormatError(f"{_where(ctx)}: nvfp4 block scale is NaN or negative")
-    c_dev = to_device(codes.reshape(t, h, dp // 2), dev)
-    bs_dev = to_device(bs.reshape(t, h, dp // 16), dev)
-    ts_dev = to_device(ts.reshape(1), dev)
+    v = codec.parse_tensor(enc, ctx)  # the CPU decoder's own validation (formats/SPEC.md §11.3)
+    c_dev = to_device(v.codes, dev)
+    bs_dev = to_device(v.block_scale, dev)
+    ts_dev = to_device(v.tensor_scale, dev)
 
     def run() -> torch.Tensor:
         out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
@@ -824,45 +793,27 @@ def _gpu_nvfp4(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: 
 
 
 _BITS_VIEW = {torch.float32: np.int32, torch.float16: np.int16, torch.bfloat16: np.int16}
+#: Largest finite value of each source dtype (the saturation bound of formats/SPEC.md §11.1).
+_DTYPE_MAX = {dt: float(torch.finfo(dt).max) for dt in (torch.float16, torch.bfloat16, torch.float32)}
 
 
 @register_gpu_decoder("kivi")
 def _gpu_kivi(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> torch.Tensor:
-    from .quant.intq import AXES, intq_param_shape
-
-    p = enc.params
+    v = codec.parse_tensor(enc, ctx)  # the CPU decoder's own validation (formats/SPEC.md §11.4)
     t, h, d = ctx.shape
-    ok = p.get("axis") in AXES and all(isinstance(p.get(k), int) and not isinstance(p.get(k), bool)
-                                       for k in ("bits", "group", "recent"))
-    if not ok or not 1 <= p["bits"] <= 8 or p["group"] < 1 or not 0 <= p["recent"] <= t:
-        raise FormatError(f"{_where(ctx)}: bad kivi params {p!r}")
-    bits, group, tr, axis = p["bits"], p["group"], p["recent"], p["axis"]
-    tq = t - tr
+    tq = t - v.recent
     n = tq * h * d
-    packed = _plane(enc, ctx, "codes", np.uint8, (n * bits + 7) // 8)
-    ps = intq_param_shape((tq, h, d), axis, group)
-    scale = _plane(enc, ctx, "scale", np.float16, ps[0] * ps[1] * ps[2])
-    zero = _plane(enc, ctx, "zero", np.float16, ps[0] * ps[1] * ps[2])
-    if scale.size and not bool((np.isfinite(scale) & np.isfinite(zero)).all()):
-        raise FormatError(f"{_where(ctx)}: kivi scale/zero must be finite")
-    if n and bits < 8 and (n * bits) % 8:
-        last = int(packed.reshape(-1)[-1])
-        if last >> ((n * bits) % 8):
-            raise FormatError("non-zero padding bits after the last packed code")
-    if tr:
-        recent = _plane(enc, ctx, "recent", _BITS_VIEW[ctx.dtype], tr * h * d)
-        r_dev = to_device(recent.reshape(tr, h, d), dev).view(ctx.dtype)
-    elif "recent" in enc.planes:
-        raise FormatError(f"{_where(ctx)}: unexpected plane 'recent' (params say 0 recent tokens)")
-    pk = to_device(packed.reshape(-1), dev)
-    s_dev = to_device(scale.view(np.int16), dev)
-    z_dev = to_device(zero.view(np.int16), dev)
+    if v.recent:
+        r_dev = to_device(v.recent_bits, dev).view(ctx.dtype)
+    pk = to_device(v.codes, dev)
+    s_dev = to_device(v.scale.view(np.int16), dev)
+    z_dev = to_device(v.zero.view(np.int16), dev)
 
     def run() -> torch.Tensor:
         out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
         if n:
-            _decode_launch(dev, intq_launch(pk, s_dev, z_dev, out[:tq], bits, axis, group))
-        if tr:
+            _decode_launch(dev, intq_launch(pk, s_dev, z_dev, out[:tq], v.bits, v.axis, v.group))
+        if v.recent:
             out[tq:] = r_dev
         return out
 
@@ -1060,18 +1011,6 @@ class DeviceStage:
             raise StreamError(f"{where}: ANS stream {i} {_ANS_STATUS.get(code, f'failed ({code})')}")
 
 
-def _stage_planes(enc: "EncodedTensor", prefix: str, rows: int, n: int, alphabet: int, where: str) -> dict[str, np.ndarray]:
-    """A stage's planes under ``prefix``, with the shape checks the CPU codecs make."""
-    from .entropy.stage import take_prefix
-
-    sub = take_prefix(enc.planes, prefix)
-    m = np.asarray(sub.get("meta", np.zeros(0)))
-    if m.shape == (10,) and (int(m[1]) != rows or int(m[2]) != n or int(m[6]) != alphabet):
-        raise FormatError(f"{where}: {prefix}stage is [{int(m[1])}, {int(m[2])}] over {int(m[6])} symbols, "
-                          f"expected [{rows}, {n}] over {alphabet}")
-    return sub
-
-
 def _run_stage(dev: torch.device, stage: DeviceStage, launch: Launch) -> None:
     if stage.layout.n_streams:
         _decode_launch(dev, launch)
@@ -1079,28 +1018,20 @@ def _run_stage(dev: torch.device, stage: DeviceStage, launch: Launch) -> None:
 
 @register_gpu_decoder("kivi-ans")
 def _gpu_kivi_ans(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> DecodePlan:
-    from .codecs.entropy_variants import check_kivi_ans_params
-    from .quant.intq import intq_param_shape
-
+    v = codec.parse_tensor(enc, ctx)  # the CPU decoder's own validation (formats/SPEC.md §11.5)
     where = _where(ctx)
-    bits, group, axis, dl = check_kivi_ans_params(enc.params, where)
+    bits, group, axis, dl = v.bits, v.group, v.axis, v.delta
     t, h, d = ctx.shape
     c = h * d
     _check_size(ctx.shape)
-    ps = intq_param_shape((t, h, d), axis, group)
-    scale = _plane(enc, ctx, "scale", np.float16, ps[0] * ps[1] * ps[2])
-    zero = _plane(enc, ctx, "zero", np.float16, ps[0] * ps[1] * ps[2])
     if dl:
-        is_anchor = np.arange(t) % dl == 0
-        na = int(is_anchor.sum())
-        anc_st = DeviceStage(_stage_planes(enc, "anc_", c, na, 1 << bits, where), dev)
-        dif_st = DeviceStage(_stage_planes(enc, "ans_", c, t - na, (1 << (bits + 1)) - 1, where), dev)
+        na = v.anc_expected[1]
+        anc_st = DeviceStage(v.anc, dev)
+        dif_st = DeviceStage(v.ans, dev)
     else:
-        st = DeviceStage(_stage_planes(enc, "ans_", c, t, max(2, 1 << bits), where), dev)
-    if scale.size and not bool((np.isfinite(scale) & np.isfinite(zero)).all()):
-        raise FormatError(f"{where}: kivi-ans scale/zero must be finite")
-    s_dev = to_device(scale.view(np.int16).reshape(-1), dev)
-    z_dev = to_device(zero.view(np.int16).reshape(-1), dev)
+        st = DeviceStage(v.ans, dev)
+    s_dev = to_device(v.scale.view(np.int16).reshape(-1), dev)
+    z_dev = to_device(v.zero.view(np.int16).reshape(-1), dev)
     ax = 0 if axis == "channel" else 1
 
     def run() -> torch.Tensor:
@@ -1128,37 +1059,18 @@ def _gpu_kivi_ans(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", de
     return DecodePlan(run, verify)
 
 
-def _cachegen_scale(enc: "EncodedTensor", where: str, t: int) -> np.ndarray:
-    s = enc.planes.get("scale")
-    if s is None or s.dtype != np.float16 or s.shape != (t,):
-        raise FormatError(f"{where}: plane 'scale' must be float16 [{t}]")
-    if not bool(np.isfinite(s).all()) or bool((s < 0).any()):
-        raise FormatError(f"{where}: 'scale' must be finite and >= 0")
-    return s
-
-
-def _recorded(ctx: "TensorContext", name: str, where: str) -> int:
-    from .codecs.cachegen import recorded_value
-
-    return recorded_value(ctx, name, where)
-
-
 @register_gpu_decoder("cachegen-lmcache")
 def _gpu_cachegen_lmcache(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> DecodePlan:
+    v = codec.parse_tensor(enc, ctx)  # the CPU decoder's own validation (formats/SPEC.md §11.7)
     where = _where(ctx)
-    rec = _recorded(ctx, "cachegen_bins", where)
-    if enc.params.get("bins") != rec or rec < 4 or rec % 2:
-        raise FormatError(f"{where}: cachegen-lmcache params {enc.params!r} disagree with recorded bins {rec}")
-    t, h, d = ctx.shape
     _check_size(ctx.shape)
-    scale = _cachegen_scale(enc, where, t)
-    st = DeviceStage(_stage_planes(enc, "ans_", h * d, t, rec, where), dev)
-    s_dev = to_device(scale.view(np.int16), dev)
-    levels = rec - 1
+    st = DeviceStage(v.ans, dev)
+    s_dev = to_device(v.scale.view(np.int16), dev)
+    levels = v.bins - 1
 
     def run() -> torch.Tensor:
         out = torch.empty(ctx.shape, dtype=ctx.dtype, device=dev)
-        launch = st.launch(SINK_TOKSYM, out, scale=s_dev, mid=(levels - 1) // 2, max_code=rec - 2)
+        launch = st.launch(SINK_TOKSYM, out, scale=s_dev, mid=(levels - 1) // 2, max_code=v.bins - 2)
         _run_stage(dev, st, launch)
         return out
 
@@ -1167,20 +1079,17 @@ def _gpu_cachegen_lmcache(codec: "Codec", enc: "EncodedTensor", ctx: "TensorCont
 
 @register_gpu_decoder("cachegen")
 def _gpu_cachegen(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: torch.device) -> DecodePlan:
+    v = codec.parse_tensor(enc, ctx)  # the CPU decoder's own validation (formats/SPEC.md §11.6)
     where = _where(ctx)
-    rec = _recorded(ctx, "cachegen_levels", where)
-    pr = enc.params
-    g, la = pr.get("group"), pr.get("anchor_levels")
-    if pr.get("levels") != rec or not isinstance(g, int) or g < 1 or not isinstance(la, int) or la < 3 or la % 2 == 0:
-        raise FormatError(f"{where}: cachegen params {pr!r} disagree with the recorded levels {rec}")
+    rec, g, la = v.levels, v.group, v.anchor_levels
     t, h, d = ctx.shape
     c = h * d
     _check_size(ctx.shape)
-    scale = _cachegen_scale(enc, where, t)
-    na = (t + g - 1) // g
-    anc_st = DeviceStage(_stage_planes(enc, "anc_", c, na, la, where), dev)
-    dl_st = DeviceStage(_stage_planes(enc, "ans_", c, t - na, rec, where), dev)
-    s_dev = to_device(scale.view(np.int16), dev)
+    na = v.anc_expected[1]
+    anc_st = DeviceStage(v.anc, dev)
+    dl_st = DeviceStage(v.ans, dev)
+    s_dev = to_device(v.scale.view(np.int16), dev)
+    fmax = _DTYPE_MAX[ctx.dtype]
 
     def run() -> torch.Tensor:
         # anchors: fp32 values (code - Ma) * scale[j * g], kept for the deltas
@@ -1188,7 +1097,8 @@ def _gpu_cachegen(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", de
         _run_stage(dev, anc_st, anc_st.launch(SINK_TOKSYM, anc_hat, scale=s_dev, mid=(la - 1) // 2, tmul=g, out_is_t=0))
         out = torch.empty((t, c), dtype=ctx.dtype, device=dev)
         if na:
-            out[0::g] = anc_hat.to(ctx.dtype)  # the same RNE cast as the reference's final .to(dtype)
+            # the same saturating RNE cast as the CPU decoders (formats/SPEC.md §11.1)
+            out[0::g] = anc_hat.clamp(-fmax, fmax).to(ctx.dtype)
         if t - na:
             # delta column j is token j + j // (g-1) + 1; value = anchor + (code - M) * scale[t]
             launch = dl_st.launch(SINK_TOKSYM, out, out_dtype=ctx.dtype, scale=s_dev, base=anc_hat,

@@ -48,11 +48,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from dataclasses import dataclass
+
 from .. import native
 from ..cache import KVCache
 from ..codec import Codec, EncodedTensor, TensorContext, register_codec, register_preset
-from ..entropy.stage import EntropyStage, add_prefix, take_prefix
+from ..entropy.stage import EntropyStage, add_prefix
 from ..errors import ConfigError, FormatError, InputError
+from .parsing import DTYPE_MAX, INT32_MAX, check_plane_names, plane, stage, stage_names, strict_int, where
+
+#: Largest ``levels`` / ``anchor_levels`` of cachegen (its encoder's bound, formats/SPEC.md §11.6).
+MAX_LEVELS = 4095
+#: Largest ``bins`` of cachegen-lmcache: codes ``< bins`` are written as uint16 (§11.7).
+MAX_BINS = 65536
 
 
 # ---------------------------------------------------------------------- shared arithmetic
@@ -118,26 +126,67 @@ def recorded_value(ctx: TensorContext, name: str, where: str) -> int:
     return int(_global_plane(ctx, name, where)[ctx.layer, 1 if ctx.role == "v" else 0])
 
 
-def _scale_plane(enc: EncodedTensor, where: str, t: int) -> torch.Tensor:
-    s = enc.planes.get("scale")
-    if s is None or s.dtype != np.float16 or s.shape != (t,):
-        raise FormatError(f"{where}: plane 'scale' must be float16 [{t}]")
-    st = torch.from_numpy(np.array(s, copy=True))
-    if not bool(torch.isfinite(st).all()) or bool((st < 0).any()):
-        raise FormatError(f"{where}: 'scale' must be finite and >= 0")
-    return st
+def _scale_plane(enc: EncodedTensor, at: str, t: int) -> np.ndarray:
+    """The per-token scales as encode writes them: float16 ``[T]``, finite, sign bit clear."""
+    s = plane(enc.planes, "scale", np.float16, (t,), at)
+    if not bool(np.isfinite(s).all()) or bool((s.view(np.uint16) & 0x8000).any()):
+        raise FormatError(f"{at}: 'scale' must be finite and >= 0 (encode writes absmax / M)")
+    return s
 
 
-def _decode_tokens(planes: dict[str, np.ndarray], prefix: str, rows: int, n: int, alphabet: int, where: str) -> np.ndarray:
+def _recorded_bounded(ctx: TensorContext, name: str, at: str, lo: int, hi: int, even: bool) -> int:
+    """The file's recorded levels (or bins) of this tensor, bounded as its encoder writes them."""
+    rec = recorded_value(ctx, name, at)
+    if not lo <= rec <= hi or rec % 2 != (0 if even else 1):
+        raise FormatError(f"{at}: global plane {name!r} records {rec} for this tensor; "
+                          f"expected {'an even' if even else 'an odd'} value in [{lo}, {hi}]")
+    return rec
+
+
+def _decode_tokens(planes: dict[str, np.ndarray], expected: tuple[int, int, int], prefix: str, at: str) -> np.ndarray:
     """A stage's codes as ``[n, rows]`` (token-major, uint8 or uint16)."""
     try:
-        return EntropyStage().decode(take_prefix(planes, prefix), expected=(rows, n, alphabet), layout="tokens")
+        return EntropyStage().decode(planes, expected=expected, layout="tokens")
     except FormatError as e:
-        raise type(e)(f"{where}: {prefix}stage: {e}") from None
+        raise type(e)(f"{at}: {prefix}stage: {e}") from None
 
 
 def _to_torch(codes: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(codes.astype(np.int16))  # alphabets here are < 2**15
+    return torch.from_numpy(codes.astype(np.int32))  # uint16 codes (alphabets <= 65536) fit
+
+
+def _saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 values clamped to the source dtype's finite range, then cast (RNE): the rounding of
+    the float16 scale can put a coded extreme just past 65504 (formats/SPEC.md §11.1)."""
+    m = DTYPE_MAX[dtype]
+    return x.clamp(-m, m).to(dtype)
+
+
+@dataclass(frozen=True)
+class CacheGenParsed:
+    """One cachegen tensor, validated (:meth:`CacheGenCodec.parse_tensor`): ``levels`` (the
+    recorded levels of the deltas), ``group``, ``anchor_levels``, ``scale float16 [T]`` and the two
+    entropy stages' planes with their geometry ``(R, N, A)``."""
+
+    levels: int
+    group: int
+    anchor_levels: int
+    scale: np.ndarray
+    anc: dict[str, np.ndarray]
+    anc_expected: tuple[int, int, int]
+    ans: dict[str, np.ndarray]
+    ans_expected: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class CacheGenLMCacheParsed:
+    """One cachegen-lmcache tensor, validated (:meth:`CacheGenLMCacheCodec.parse_tensor`): ``bins``
+    (recorded), ``scale float16 [T]`` and the entropy stage's planes with geometry ``(R, N, A)``."""
+
+    bins: int
+    scale: np.ndarray
+    ans: dict[str, np.ndarray]
+    ans_expected: tuple[int, int, int]
 
 
 # ---------------------------------------------------------------------- cachegen (paper)
@@ -221,34 +270,59 @@ class CacheGenCodec(Codec):
         planes.update(add_prefix(st.encode(dl_codes, alphabet=levels, layout="tokens"), "ans_"))
         return EncodedTensor(planes, {"levels": levels, "group": g, "anchor_levels": la})
 
-    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
-        where = f"layers.{ctx.layer}.{ctx.role}"
-        rec = recorded_value(ctx, "cachegen_levels", where)
+    def parse_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> CacheGenParsed:
+        """Validate one coded tensor against formats/SPEC.md §11.6 (shared by every decoder); the
+        streams are checked as they are decoded.
+
+        Raises:
+            FormatError: params that disagree with the recorded levels, of the wrong type or out of
+                bounds, planes missing, of the wrong dtype or shape, unknown planes, bad scales, a
+                stage of another geometry.
+        """
+        at = where(ctx)
+        rec = _recorded_bounded(ctx, "cachegen_levels", at, 3, MAX_LEVELS, even=False)
         pr = enc.params
-        g, la = pr.get("group"), pr.get("anchor_levels")
-        if pr.get("levels") != rec or not isinstance(g, int) or g < 1 or not isinstance(la, int) or la < 3 or la % 2 == 0:
-            raise FormatError(f"{where}: cachegen params {pr!r} disagree with the recorded levels {rec}")
+        if type(pr.get("levels")) is not int or pr["levels"] != rec:
+            raise FormatError(f"{at}: cachegen params {pr!r} disagree with the recorded levels {rec}")
+        g = strict_int(pr, "group", 1, INT32_MAX, at)
+        la = strict_int(pr, "anchor_levels", 3, MAX_LEVELS, at)
+        if la % 2 == 0:
+            raise FormatError(f"{at}: cachegen anchor_levels must be odd, got {la}")
         t, h, d = ctx.shape
-        scale = _scale_plane(enc, where, t)
+        check_plane_names(enc.planes, ["scale", *stage_names("anc_"), *stage_names("ans_")], at, "cachegen")
+        scale = _scale_plane(enc, at, t)
+        na = -(-t // g)
+        anc_x, ans_x = (h * d, na, la), (h * d, t - na, rec)
+        return CacheGenParsed(rec, g, la, scale, stage(enc.planes, "anc_", anc_x, at), anc_x,
+                              stage(enc.planes, "ans_", ans_x, at), ans_x)
+
+    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
+        v = self.parse_tensor(enc, ctx)
+        at = where(ctx)
+        rec, g, la = v.levels, v.group, v.anchor_levels
+        t, h, d = ctx.shape
+        scale = torch.from_numpy(v.scale.copy())
         is_anchor = torch.arange(t) % g == 0
-        na = int(is_anchor.sum())
-        anc = _decode_tokens(enc.planes, "anc_", h * d, na, la, where)
-        dl = _decode_tokens(enc.planes, "ans_", h * d, t - na, rec, where)
+        na = v.anc_expected[1]
+        anc = _decode_tokens(v.anc, v.anc_expected, "anc_", at)
+        dl = _decode_tokens(v.ans, v.ans_expected, "ans_", at)
         if native.available():  # the same float32 arithmetic in one pass per stage, cast in place
-            s32 = scale.numpy().astype(np.float32)
+            s32 = v.scale.astype(np.float32)
             tok = np.arange(t)
             anc_hat = torch.empty((na, h * d), dtype=torch.float32)
             out = torch.empty((t, h * d), dtype=ctx.dtype)
-            native.rows_affine(anc, np.arange(na), s32[tok % g == 0], (la - 1) // 2, anc_hat, max_code=la - 1)
-            native.rows_affine(anc, tok[tok % g == 0], s32[tok % g == 0], (la - 1) // 2, out, max_code=la - 1)
-            native.rows_affine(dl, tok[tok % g != 0], s32[tok % g != 0], (rec - 1) // 2, out, max_code=rec - 1,
-                               base=anc_hat.numpy(), brow=tok[tok % g != 0] // g)
+            ok = native.rows_affine(anc, np.arange(na), s32[tok % g == 0], (la - 1) // 2, anc_hat, max_code=la - 1)
+            ok &= native.rows_affine(anc, tok[tok % g == 0], s32[tok % g == 0], (la - 1) // 2, out, max_code=la - 1)
+            ok &= native.rows_affine(dl, tok[tok % g != 0], s32[tok % g != 0], (rec - 1) // 2, out, max_code=rec - 1,
+                                     base=anc_hat.numpy(), brow=tok[tok % g != 0] // g)
+            if not ok:  # the stages' alphabets are the levels: a code past them is a forged table
+                raise FormatError(f"{at}: cachegen code outside the {la}/{rec} levels")
             return out.reshape(t, h, d)
         anc_hat = symmetric_token_dequantize(_to_torch(anc), scale[is_anchor], la)
         out = torch.empty(t, h * d, dtype=torch.float32)
         out[is_anchor] = anc_hat
         out[~is_anchor] = anc_hat[torch.arange(t)[~is_anchor] // g] + symmetric_token_dequantize(_to_torch(dl), scale[~is_anchor], rec)
-        return out.reshape(t, h, d).to(ctx.dtype)
+        return _saturate(out.reshape(t, h, d), ctx.dtype)
 
 
 # ---------------------------------------------------------------------- cachegen-lmcache
@@ -274,8 +348,9 @@ class CacheGenLMCacheCodec(Codec):
         p = self.params
         _check_stage_params(self)  # first: bounds precision before it is used as a shift
         for k in ("early_bins", "late_bins"):
-            if p[k] < 4 or p[k] % 2 or p[k] > (1 << p["precision"]):
-                raise ConfigError(f"cachegen-lmcache {k} must be even, >= 4 and <= 2**precision, got {p[k]}")
+            if p[k] < 4 or p[k] % 2 or p[k] > min(1 << p["precision"], MAX_BINS):
+                raise ConfigError(f"cachegen-lmcache {k} must be even, >= 4 and <= min(2**precision, {MAX_BINS}) "
+                                  f"(codes are written as uint16), got {p[k]}")
         if p["k_early_layers"] < 0 or p["v_early_layers"] < 0:
             raise ConfigError("cachegen-lmcache early layer counts must be >= 0")
 
@@ -309,23 +384,41 @@ class CacheGenLMCacheCodec(Codec):
         planes.update(add_prefix(self._stage().encode(codes, alphabet=bins, layout="tokens"), "ans_"))
         return EncodedTensor(planes, {"bins": bins})
 
-    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
-        where = f"layers.{ctx.layer}.{ctx.role}"
-        rec = recorded_value(ctx, "cachegen_bins", where)
-        if enc.params.get("bins") != rec or rec < 4 or rec % 2:
-            raise FormatError(f"{where}: cachegen-lmcache params {enc.params!r} disagree with recorded bins {rec}")
+    def parse_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> CacheGenLMCacheParsed:
+        """Validate one coded tensor against formats/SPEC.md §11.7 (shared by every decoder); the
+        streams are checked as they are decoded.
+
+        Raises:
+            FormatError: params that disagree with the recorded bins, bins out of bounds, planes
+                missing, of the wrong dtype or shape, unknown planes, bad scales, a stage of another
+                geometry.
+        """
+        at = where(ctx)
+        rec = _recorded_bounded(ctx, "cachegen_bins", at, 4, MAX_BINS, even=True)
+        pr = enc.params
+        if type(pr.get("bins")) is not int or pr["bins"] != rec:
+            raise FormatError(f"{at}: cachegen-lmcache params {pr!r} disagree with recorded bins {rec}")
         t, h, d = ctx.shape
-        scale = _scale_plane(enc, where, t)
-        codes = _decode_tokens(enc.planes, "ans_", h * d, t, rec, where)
+        check_plane_names(enc.planes, ["scale", *stage_names("ans_")], at, "cachegen-lmcache")
+        scale = _scale_plane(enc, at, t)
+        ans_x = (h * d, t, rec)
+        return CacheGenLMCacheParsed(rec, scale, stage(enc.planes, "ans_", ans_x, at), ans_x)
+
+    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
+        v = self.parse_tensor(enc, ctx)
+        at = where(ctx)
+        rec = v.bins
+        t, h, d = ctx.shape
+        codes = _decode_tokens(v.ans, v.ans_expected, "ans_", at)
         if native.available():
             out = torch.empty((t, h * d), dtype=ctx.dtype)
-            if native.rows_affine(codes, np.arange(t), scale.numpy().astype(np.float32), (rec - 2) // 2, out,
+            if native.rows_affine(codes, np.arange(t), v.scale.astype(np.float32), (rec - 2) // 2, out,
                                   max_code=rec - 2):
                 return out.reshape(t, h, d)
         if codes.size and int(codes.max()) > rec - 2:
-            raise FormatError(f"{where}: code {int(codes.max())} outside the {rec - 1} levels")
-        return symmetric_token_dequantize(_to_torch(codes), scale, rec - 1).reshape(t, h, d).to(ctx.dtype)
-
+            raise FormatError(f"{at}: code {int(codes.max())} outside the {rec - 1} levels")
+        out = symmetric_token_dequantize(_to_torch(codes), torch.from_numpy(v.scale.copy()), rec - 1)
+        return _saturate(out.reshape(t, h, d), ctx.dtype)
 
 register_preset("cachegen", {"id": "cachegen"},
                 "CacheGen (paper): anchor+delta in groups of 10, layer-group bins 31/15/15, per-channel ANS tables")

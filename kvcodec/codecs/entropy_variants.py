@@ -34,36 +34,73 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dataclasses import dataclass
+
 from ..codec import Codec, EncodedTensor, TensorContext, register_codec, register_preset
-from ..entropy.stage import EntropyStage, add_prefix, take_prefix
+from ..entropy.stage import EntropyStage, add_prefix
 from ..errors import ConfigError, FormatError
 from ..quant.fast import intq_dequantize_fast, intq_quantize_fast
 from ..quant.intq import AXES, IntQTensor, check_intq_params, intq_param_shape
-from .fp8 import plane_as_tensor
+from .kivi import check_intq_side
+from .parsing import INT32_MAX, check_plane_names, plane, stage, stage_names, strict_choice, strict_int, where
 
 
 def _stage_params(p):
     return {"precision": p["precision"], "chunk": p["chunk"], "tables": p["tables"], "n_tables": p["n_tables"]}
 
 
-def _decode_stage(planes, prefix, rows, n, alphabet, where) -> np.ndarray:
+def _decode_stage(planes: dict[str, np.ndarray], expected: tuple[int, int, int], prefix: str, at: str) -> np.ndarray:
     """The stage's symbols in token-major order ``[n, rows]`` (uint8 / uint16)."""
     try:
-        return EntropyStage().decode(take_prefix(planes, prefix), expected=(rows, n, alphabet), layout="tokens")
+        return EntropyStage().decode(planes, expected=expected, layout="tokens")
     except FormatError as e:
-        raise type(e)(f"{where}: {prefix}stage: {e}") from None
+        raise type(e)(f"{at}: {prefix}stage: {e}") from None
 
 
-def check_kivi_ans_params(pr: dict, where: str) -> tuple[int, int, str, int]:
-    """Validate a kivi-ans tensor's params from a file; return ``(bits, group, axis, delta)``.
+@dataclass(frozen=True)
+class KiviAnsParsed:
+    """One kivi-ans tensor, validated (:func:`parse_kivi_ans`): ``scale``/``zero`` float16 of
+    :func:`~kvcodec.quant.intq.intq_param_shape`, and the entropy stages' planes with their
+    expected geometry ``(R, N, A)``: ``ans`` (all tokens, or the non-anchor differences with
+    ``delta``) and ``anc`` (the anchors; None without ``delta``)."""
 
-    Shared by the CPU decoder and the GPU decoder so both refuse exactly the same files.
-    """
-    ok = pr.get("axis") in AXES and all(isinstance(pr.get(k), int) and not isinstance(pr.get(k), bool)
-                                        for k in ("bits", "group", "delta"))
-    if not ok or not 1 <= pr["bits"] <= 8 or pr["group"] < 1 or pr["delta"] < 0:
-        raise FormatError(f"{where}: bad kivi-ans params {pr!r}")
-    return pr["bits"], pr["group"], pr["axis"], pr["delta"]
+    axis: str
+    bits: int
+    group: int
+    delta: int
+    scale: np.ndarray
+    zero: np.ndarray
+    ans: dict[str, np.ndarray]
+    ans_expected: tuple[int, int, int]
+    anc: dict[str, np.ndarray] | None
+    anc_expected: tuple[int, int, int] | None
+
+
+def parse_kivi_ans(enc: EncodedTensor, ctx: TensorContext) -> KiviAnsParsed:
+    """:meth:`KIVIANSCodec.parse_tensor` (see there)."""
+    at = where(ctx)
+    pr = enc.params
+    t, h, d = ctx.shape
+    c = h * d
+    axis = strict_choice(pr, "axis", AXES, at)
+    bits = strict_int(pr, "bits", 1, 8, at)
+    group = strict_int(pr, "group", 1, INT32_MAX, at)
+    dl = strict_int(pr, "delta", 0, INT32_MAX, at)
+    check_plane_names(enc.planes, ["scale", "zero", *stage_names("ans_"), *(stage_names("anc_") if dl else [])],
+                      at, "kivi-ans")
+    ps = intq_param_shape((t, h, d), axis, group)
+    scale = plane(enc.planes, "scale", np.float16, ps, at)
+    zero = plane(enc.planes, "zero", np.float16, ps, at)
+    check_intq_side(scale, zero, at, "kivi-ans")
+    if dl:
+        na = -(-t // dl)
+        anc_x = (c, na, 1 << bits)
+        ans_x = (c, t - na, (1 << (bits + 1)) - 1)
+        anc = stage(enc.planes, "anc_", anc_x, at)
+    else:  # the stage's alphabet is exactly the 2**bits codes
+        anc_x, anc = None, None
+        ans_x = (c, t, max(2, 1 << bits))
+    return KiviAnsParsed(axis, bits, group, dl, scale, zero, stage(enc.planes, "ans_", ans_x, at), ans_x, anc, anc_x)
 
 
 @register_codec
@@ -121,32 +158,37 @@ class KIVIANSCodec(Codec):
             planes.update(add_prefix(st.encode(codes, alphabet=max(2, 1 << bits), layout="tokens"), "ans_"))
         return EncodedTensor(planes, {"axis": axis, "bits": bits, "group": group, "delta": dl})
 
+    def parse_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> KiviAnsParsed:
+        """Validate one coded tensor against formats/SPEC.md §11.5 (shared by every decoder); the
+        streams are checked as they are decoded.
+
+        Raises:
+            FormatError: params of the wrong type or out of bounds, planes missing, of the wrong
+                dtype or shape, unknown planes, non-finite scale/zero, a stage of another geometry.
+        """
+        return parse_kivi_ans(enc, ctx)
+
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
-        where = f"layers.{ctx.layer}.{ctx.role}"
-        pr = enc.params
-        bits, group, axis, dl = check_kivi_ans_params(pr, where)
+        v = self.parse_tensor(enc, ctx)
+        at = where(ctx)
+        bits, dl = v.bits, v.delta
         t, h, d = ctx.shape
         c = h * d
-        ps = intq_param_shape((t, h, d), axis, group)
-        scale = plane_as_tensor(enc, ctx, "scale", np.float16, ps)
-        zero = plane_as_tensor(enc, ctx, "zero", np.float16, ps)
-        if scale.numel() and not bool((torch.isfinite(scale) & torch.isfinite(zero)).all()):
-            raise FormatError(f"{where}: kivi-ans scale/zero must be finite")
         if dl:
             is_anchor = np.arange(t) % dl == 0
-            na = int(is_anchor.sum())
-            anc = _decode_stage(enc.planes, "anc_", c, na, 1 << bits, where)
-            diff = _decode_stage(enc.planes, "ans_", c, t - na, (1 << (bits + 1)) - 1, where)
+            anc = _decode_stage(v.anc, v.anc_expected, "anc_", at)
+            diff = _decode_stage(v.ans, v.ans_expected, "ans_", at)
             full = np.zeros((t, c), dtype=np.int16)
             full[is_anchor] = anc
             full[~is_anchor] = diff.astype(np.int16) - ((1 << bits) - 1) + anc[np.arange(t)[~is_anchor] // dl]
             if full.size and (int(full.min()) < 0 or int(full.max()) >= 1 << bits):
-                raise FormatError(f"{where}: decoded codes outside [0, 2**{bits})")
-        else:  # the stage's alphabet is exactly the 2**bits codes
-            full = _decode_stage(enc.planes, "ans_", c, t, max(2, 1 << bits), where)
+                raise FormatError(f"{at}: decoded codes outside [0, 2**{bits})")
+        else:
+            full = _decode_stage(v.ans, v.ans_expected, "ans_", at)
         codes = full.astype(np.uint8, copy=False).reshape(t, h, d)
-        return intq_dequantize_fast(IntQTensor(torch.from_numpy(codes), scale, zero, bits, axis, group), ctx.dtype)
-
+        q = IntQTensor(torch.from_numpy(codes), torch.from_numpy(v.scale.copy()), torch.from_numpy(v.zero.copy()),
+                       bits, v.axis, v.group)
+        return intq_dequantize_fast(q, ctx.dtype)
 
 register_preset("kivi-4-ans", {"id": "kivi-ans", "bits": 4},
                 "KIVI int4 (as kivi-4) with ANS-coded codes, 16 clustered 12-bit tables per tensor")

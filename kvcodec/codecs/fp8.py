@@ -44,27 +44,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dataclasses import dataclass
+
 from ..codec import Codec, EncodedTensor, TensorContext, register_codec, register_preset
 from ..errors import ConfigError, FormatError
 from ..quant.fast import fp8_decode_fast, fp8_encode_fast
-from ..quant.fp8 import FP8_FORMATS, GRANULARITIES, scale_shape
+from ..quant.fp8 import FP32_MIN_NORMAL, FP8_FORMATS, GRANULARITIES, scale_shape
+from .parsing import DTYPE_MAX, INT32_MAX, check_plane_names, f32_bound, plane, strict_choice, strict_int, where
 
 #: Geometry behind ``nominal_bits``: 1024 tokens, 8 KV heads, head_dim 128 (K and V averaged).
 NOMINAL_SHAPE = (1024, 8, 128)
-
-
-def plane_as_tensor(enc: EncodedTensor, ctx: TensorContext, name: str, dtype: np.dtype,
-                    shape: tuple[int, ...]) -> torch.Tensor:
-    """Fetch a plane, check its dtype and shape, and return a writable torch copy."""
-    a = enc.planes.get(name)
-    where = f"layers.{ctx.layer}.{ctx.role}"
-    if a is None:
-        raise FormatError(f"{where}: plane {name!r} is missing")
-    if a.dtype != dtype:
-        raise FormatError(f"{where}.{name}: dtype {a.dtype}, expected {np.dtype(dtype)}")
-    if a.size != int(np.prod(shape, dtype=np.int64)):
-        raise FormatError(f"{where}.{name}: {a.size} elements, expected shape {list(shape)}")
-    return torch.from_numpy(np.array(a, copy=True).reshape(shape))
 
 
 @register_codec
@@ -114,20 +103,63 @@ class FP8Codec(Codec):
             {"format": self.params["format"], "granularity": g, "block": self.params["block"]},
         )
 
-    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
-        fmt = enc.params.get("format")
-        g = enc.params.get("granularity")
-        block = enc.params.get("block")
-        if fmt not in FP8_FORMATS or g not in GRANULARITIES or not isinstance(block, int) or block < 1:
-            raise FormatError(
-                f"layers.{ctx.layer}.{ctx.role}: bad fp8 params {enc.params!r}"
-            )
-        codes = plane_as_tensor(enc, ctx, "codes", np.uint8, ctx.shape)
-        scale = plane_as_tensor(enc, ctx, "scale", np.float32, scale_shape(ctx.shape, g, block))
-        if scale.numel() and not bool((torch.isfinite(scale) & (scale > 0)).all()):
-            raise FormatError(f"layers.{ctx.layer}.{ctx.role}: fp8 scales must be positive and finite")
-        return fp8_decode_fast(codes, scale, fmt, ctx.dtype, block)
+    def parse_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> "Fp8Parsed":
+        """Validate one coded tensor against formats/SPEC.md §11.2 (shared by every decoder).
 
+        Raises:
+            FormatError: params of the wrong type or out of bounds, planes missing, of the wrong
+                dtype or shape, unknown planes, NaN/Inf codes, scales outside what encode writes.
+        """
+        return parse_fp8(enc, ctx)
+
+    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
+        v = self.parse_tensor(enc, ctx)
+        return fp8_decode_fast(torch.from_numpy(v.codes.copy()), torch.from_numpy(v.scale.copy()), v.format,
+                               ctx.dtype, v.block)
+
+
+@dataclass(frozen=True)
+class Fp8Parsed:
+    """One fp8 tensor, validated (:func:`parse_fp8`): ``codes uint8 [T, H, D]``, ``scale float32``
+    of :func:`~kvcodec.quant.fp8.scale_shape`, every code finite, every scale in
+    ``[2^-126, max_scale(format, dtype)]``."""
+
+    format: str
+    granularity: str
+    block: int
+    codes: np.ndarray
+    scale: np.ndarray
+
+
+def max_scale(fmt: str, dtype: torch.dtype) -> float:
+    """The largest scale encode writes for a source dtype: ``f32(dtype_max / FMAX)``; with it every
+    finite code decodes to a finite value of the source dtype (formats/SPEC.md §11.1)."""
+    return f32_bound(np.float32(DTYPE_MAX[dtype]) / np.float32(FP8_FORMATS[fmt].max))
+
+
+def parse_fp8(enc: EncodedTensor, ctx: TensorContext) -> Fp8Parsed:
+    """:meth:`FP8Codec.parse_tensor` (see there)."""
+    at = where(ctx)
+    pr = enc.params
+    fmt = strict_choice(pr, "format", sorted(FP8_FORMATS), at)
+    g = strict_choice(pr, "granularity", GRANULARITIES, at)
+    block = strict_int(pr, "block", 1, INT32_MAX, at)
+    check_plane_names(enc.planes, ("codes", "scale"), at, "fp8")
+    codes = plane(enc.planes, "codes", np.uint8, ctx.shape, at)
+    scale = plane(enc.planes, "scale", np.float32, scale_shape(ctx.shape, g, block), at)
+    f = FP8_FORMATS[fmt]
+    # encode saturates to +-FMAX: the inf code (E5M2 0x7C) and the NaN codes never occur
+    bad = f.nan_codes + ((f.inf_code,) if f.inf_code >= 0 else ())
+    if codes.size and np.isin(codes & 0x7F, np.array(bad, dtype=np.uint8)).any():
+        raise FormatError(f"{at}: fp8-{fmt} codes hold NaN or Inf codes {[hex(c) for c in bad]} "
+                          "(encode never writes them)")
+    hi = max_scale(fmt, ctx.dtype)
+    ok = (scale >= np.float32(FP32_MIN_NORMAL)) & (scale <= np.float32(hi))
+    if not bool(ok.all()):
+        bad_v = float(scale.reshape(-1)[int(np.argmin(ok.reshape(-1)))])
+        raise FormatError(f"{at}: fp8 scale {bad_v!r} outside [2^-126, {hi!r}] (encode writes amax / {f.max:g}, "
+                          f"amax at most the {str(ctx.dtype).removeprefix('torch.')} source's largest value)")
+    return Fp8Parsed(fmt, g, block, codes, scale)
 
 register_preset("fp8-e4m3", {"id": "fp8", "format": "e4m3"},
                 "FP8 E4M3FN, one fp32 scale per head (amax/448), RNE")

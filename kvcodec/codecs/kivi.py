@@ -52,12 +52,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dataclasses import dataclass
+
 from ..codec import Codec, EncodedTensor, TensorContext, register_codec, register_preset
 from ..errors import ConfigError, FormatError
 from ..quant.fast import intq_dequantize_fast, intq_quantize_fast
 from ..quant.intq import AXES, IntQTensor, check_intq_params, intq_param_shape
 from ..quant.packing import pack_bits, packed_nbytes, unpack_bits
-from .fp8 import NOMINAL_SHAPE, plane_as_tensor
+from .fp8 import NOMINAL_SHAPE
+from .parsing import INT32_MAX, check_plane_names, plane, strict_choice, strict_int, where
 
 _BITS_VIEW = {torch.float32: (torch.int32, np.int32), torch.float16: (torch.int16, np.int16),
               torch.bfloat16: (torch.int16, np.int16)}
@@ -113,34 +116,75 @@ class KIVICodec(Codec):
             planes["recent"] = x[t - tr:].contiguous().view(iv).numpy()
         return EncodedTensor(planes, {"axis": axis, "bits": bits, "group": group, "recent": tr})
 
+    def parse_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> "KiviParsed":
+        """Validate one coded tensor against formats/SPEC.md §11.4 (shared by every decoder).
+
+        Raises:
+            FormatError: params of the wrong type or out of bounds, planes missing, of the wrong
+                dtype or shape, unknown planes, non-finite or negative scales, non-finite zeros,
+                non-zero padding bits after the last code.
+        """
+        return parse_kivi(enc, ctx)
+
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
-        where = f"layers.{ctx.layer}.{ctx.role}"
-        p = enc.params
+        v = self.parse_tensor(enc, ctx)
         t, h, d = ctx.shape
-        ok = (p.get("axis") in AXES and all(isinstance(p.get(k), int) and not isinstance(p.get(k), bool)
-                                            for k in ("bits", "group", "recent")))
-        if not ok or not 1 <= p["bits"] <= 8 or p["group"] < 1 or not 0 <= p["recent"] <= t:
-            raise FormatError(f"{where}: bad kivi params {p!r}")
-        bits, group, tr, axis = p["bits"], p["group"], p["recent"], p["axis"]
-        tq = t - tr
-        packed = enc.planes.get("codes")
-        if packed is None:
-            raise FormatError(f"{where}: plane 'codes' is missing")
-        codes = torch.from_numpy(unpack_bits(packed, bits, tq * h * d)).reshape(tq, h, d)
-        ps = intq_param_shape((tq, h, d), axis, group)
-        scale = plane_as_tensor(enc, ctx, "scale", np.float16, ps)
-        zero = plane_as_tensor(enc, ctx, "zero", np.float16, ps)
-        if scale.numel() and not bool((torch.isfinite(scale) & torch.isfinite(zero)).all()):
-            raise FormatError(f"{where}: kivi scale/zero must be finite")
-        out = intq_dequantize_fast(IntQTensor(codes, scale, zero, bits, axis, group), ctx.dtype)
-        if tr:
-            _, nv = _BITS_VIEW[ctx.dtype]
-            recent = plane_as_tensor(enc, ctx, "recent", nv, (tr, h, d)).view(ctx.dtype)
-            out = torch.cat([out, recent], dim=0)
-        elif "recent" in enc.planes:
-            raise FormatError(f"{where}: unexpected plane 'recent' (params say 0 recent tokens)")
+        tq = t - v.recent
+        codes = torch.from_numpy(unpack_bits(v.codes, v.bits, tq * h * d)).reshape(tq, h, d)
+        q = IntQTensor(codes, torch.from_numpy(v.scale.copy()), torch.from_numpy(v.zero.copy()), v.bits, v.axis, v.group)
+        out = intq_dequantize_fast(q, ctx.dtype)
+        if v.recent:
+            out = torch.cat([out, torch.from_numpy(v.recent_bits.copy()).view(ctx.dtype)], dim=0)
         return out
 
+
+@dataclass(frozen=True)
+class KiviParsed:
+    """One kivi tensor, validated (:func:`parse_kivi`): the packed ``codes`` (``uint8``, padding bits
+    zero), ``scale``/``zero`` float16 of :func:`~kvcodec.quant.intq.intq_param_shape` over the
+    ``T - recent`` quantized tokens, and ``recent_bits`` (the last ``recent`` tokens' source-dtype
+    bits as int16/int32 ``[recent, H, D]``, or None)."""
+
+    axis: str
+    bits: int
+    group: int
+    recent: int
+    codes: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray
+    recent_bits: np.ndarray | None
+
+
+def check_intq_side(scale: np.ndarray, zero: np.ndarray, at: str, codec: str) -> None:
+    """Scale and zero as encode writes them: finite, scale ``>= +0`` (sign bit clear)."""
+    if scale.size and not bool((np.isfinite(scale) & np.isfinite(zero)).all()):
+        raise FormatError(f"{at}: {codec} scale/zero must be finite")
+    if scale.size and bool((scale.view(np.uint16) & 0x8000).any()):
+        raise FormatError(f"{at}: {codec} scale must be >= 0 (encode writes (max - min) / levels)")
+
+
+def parse_kivi(enc: EncodedTensor, ctx: TensorContext) -> KiviParsed:
+    """:meth:`KIVICodec.parse_tensor` (see there)."""
+    at = where(ctx)
+    t, h, d = ctx.shape
+    pr = enc.params
+    axis = strict_choice(pr, "axis", AXES, at)
+    bits = strict_int(pr, "bits", 1, 8, at)
+    group = strict_int(pr, "group", 1, INT32_MAX, at)
+    tr = strict_int(pr, "recent", 0, t, at)
+    tq = t - tr
+    names = ("codes", "scale", "zero", "recent") if tr else ("codes", "scale", "zero")
+    check_plane_names(enc.planes, names, at, "kivi")
+    codes = plane(enc.planes, "codes", np.uint8, (packed_nbytes(tq * h * d, bits),), at)
+    used = (tq * h * d * bits) % 8
+    if used and int(codes[-1]) >> used:
+        raise FormatError(f"{at}: kivi codes have non-zero padding bits after the last packed code")
+    ps = intq_param_shape((tq, h, d), axis, group)
+    scale = plane(enc.planes, "scale", np.float16, ps, at)
+    zero = plane(enc.planes, "zero", np.float16, ps, at)
+    check_intq_side(scale, zero, at, "kivi")
+    recent = plane(enc.planes, "recent", _BITS_VIEW[ctx.dtype][1], (tr, h, d), at) if tr else None
+    return KiviParsed(axis, bits, group, tr, codes, scale, zero, recent)
 
 register_preset("kivi-4", {"id": "kivi", "bits": 4},
                 "KIVI int4: K per channel, V per token, groups of 32, fp16 scale+zero (5 bits)")

@@ -581,11 +581,17 @@ class KVCCodec(Codec):
             enc = EncodedTensor(unpack_planes(enc.planes["pack"], pr["pk"], PACK_PIECES, f"{where}.pack"),
                                 {k: v for k, v in pr.items() if k != "pk"})
             pr = enc.params
-        try:
-            n, s, r, lv = (int(pr[k]) for k in ("n", "sinks", "recent", "L"))
+        try:  # JSON integers only: "32", 32.9 and true are not counts (formats/SPEC.md §11)
+            n, s, r, lv = (pr[k] for k in ("n", "sinks", "recent", "L"))
             tr = pr["transform"]
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError):
             raise FormatError(f"{where}: kvc params incomplete: {pr!r}") from None
+        if not all(type(x) is int for x in (n, s, r, lv)) or type(tr) is not str:
+            raise FormatError(f"{where}: kvc params n, sinks, recent, L must be integers and transform a string, "
+                              f"got {pr!r}")
+        extra = sorted(set(enc.planes) - set(PACK_PIECES))
+        if extra:
+            raise FormatError(f"{where}: unknown kvc plane(s) {extra}")
         if min(n, s, r) < 0 or s + r > t or not 1 <= lv <= 1024 or tr not in ("none", "hadamard"):
             raise FormatError(f"{where}: kvc params {pr!r} disagree with shape {list(ctx.shape)}")
         mask = self._mask(ctx, s, r, where)
@@ -608,7 +614,7 @@ class KVCCodec(Codec):
         if n == 0:
             return v
         k_tok = pr.get("k_tok", 0)
-        if k_tok not in (0, 1) or (k_tok and not per_channel):
+        if type(k_tok) is not int or k_tok not in (0, 1) or (k_tok and not per_channel):
             raise FormatError(f"{where}: kvc k_tok must be 0 or 1 (per-channel tensors only), got {k_tok!r}")
         rows = h * d + (0 if per_channel and not k_tok else h)
         stage_planes = {k: enc.planes[_STAGE_PREFIX + k] for k in _STAGE_PLANES if _STAGE_PREFIX + k in enc.planes}
@@ -629,7 +635,7 @@ class KVCCodec(Codec):
             sc_ch = _checked_codes(sc_raw, where)
         else:
             base = pr.get("step_base")
-            if not isinstance(base, list) or len(base) != h or not all(isinstance(b, int) for b in base):
+            if not isinstance(base, list) or len(base) != h or not all(type(b) is int for b in base):
                 raise FormatError(f"{where}: kvc step_base must list {h} integers")
         mean = side[0].astype(np.float32)
         if not np.all(np.isfinite(mean)):

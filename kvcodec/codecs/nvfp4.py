@@ -35,11 +35,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dataclasses import dataclass
+
 from ..codec import Codec, EncodedTensor, TensorContext, register_codec, register_preset
 from ..errors import FormatError
 from ..quant.fast import nvfp4_dequantize_fast, nvfp4_quantize_fast
+from ..quant.fp8 import F4E2M1, F8E4M3, FP32_MIN_NORMAL
 from ..quant.nvfp4 import NVFP4_BLOCK, NVFP4Tensor
-from .fp8 import NOMINAL_SHAPE, plane_as_tensor
+from .fp8 import NOMINAL_SHAPE
+from .parsing import DTYPE_MAX, check_plane_names, f32_bound, plane, strict_int, where
 
 
 @register_codec
@@ -75,24 +79,60 @@ class NVFP4Codec(Codec):
             {"pad": q.pad},
         )
 
-    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
-        t, h, d = ctx.shape
-        pad = enc.params.get("pad")
-        if not isinstance(pad, int) or isinstance(pad, bool) or pad != (-d) % NVFP4_BLOCK:
-            raise FormatError(
-                f"layers.{ctx.layer}.{ctx.role}: nvfp4 pad {pad!r} does not match head_dim {d}"
-            )
-        dp = d + pad
-        codes = plane_as_tensor(enc, ctx, "codes", np.uint8, (t, h, dp // 2))
-        bs = plane_as_tensor(enc, ctx, "block_scale", np.uint8, (t, h, dp // NVFP4_BLOCK))
-        ts = plane_as_tensor(enc, ctx, "tensor_scale", np.float32, (1,))
-        if not (bool(torch.isfinite(ts).all()) and float(ts[0]) > 0):
-            raise FormatError(f"layers.{ctx.layer}.{ctx.role}: nvfp4 tensor_scale must be positive")
-        # E4M3 code 0x7F/0xFF is NaN; encode never writes it (and never a negative scale).
-        if bs.numel() and bool(((bs & 0x7F) == 0x7F).any() | ((bs & 0x80) != 0).any()):
-            raise FormatError(f"layers.{ctx.layer}.{ctx.role}: nvfp4 block scale is NaN or negative")
-        return nvfp4_dequantize_fast(NVFP4Tensor(codes, bs, ts, pad), ctx.dtype)
+    def parse_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> "Nvfp4Parsed":
+        """Validate one coded tensor against formats/SPEC.md §11.3 (shared by every decoder).
 
+        Raises:
+            FormatError: a pad that does not match head_dim, planes missing, of the wrong dtype or
+                shape, unknown planes, NaN or negative block scales, a tensor scale outside what
+                encode writes.
+        """
+        return parse_nvfp4(enc, ctx)
+
+    def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
+        v = self.parse_tensor(enc, ctx)
+        q = NVFP4Tensor(torch.from_numpy(v.codes.copy()), torch.from_numpy(v.block_scale.copy()),
+                        torch.from_numpy(v.tensor_scale.copy()), v.pad)
+        return nvfp4_dequantize_fast(q, ctx.dtype)
+
+
+@dataclass(frozen=True)
+class Nvfp4Parsed:
+    """One nvfp4 tensor, validated (:func:`parse_nvfp4`): ``codes uint8 [T, H, Dp/2]``,
+    ``block_scale uint8 [T, H, Dp/16]`` (E4M3 codes, no sign, no NaN), ``tensor_scale float32 [1]``
+    in ``[2^-126, max_tensor_scale(dtype)]``."""
+
+    pad: int
+    codes: np.ndarray
+    block_scale: np.ndarray
+    tensor_scale: np.ndarray
+
+
+def max_tensor_scale(dtype: torch.dtype) -> float:
+    """The largest tensor scale encode writes: ``f32(dtype_max / (448 * 6))``; with it every block
+    decodes to finite values of the source dtype (formats/SPEC.md §11.1)."""
+    return f32_bound(np.float32(DTYPE_MAX[dtype]) / np.float32(F8E4M3.max * F4E2M1.max))
+
+
+def parse_nvfp4(enc: EncodedTensor, ctx: TensorContext) -> Nvfp4Parsed:
+    """:meth:`NVFP4Codec.parse_tensor` (see there)."""
+    at = where(ctx)
+    t, h, d = ctx.shape
+    pad = (-d) % NVFP4_BLOCK
+    strict_int(enc.params, "pad", pad, pad, at)
+    dp = d + pad
+    check_plane_names(enc.planes, ("codes", "block_scale", "tensor_scale"), at, "nvfp4")
+    codes = plane(enc.planes, "codes", np.uint8, (t, h, dp // 2), at)
+    bs = plane(enc.planes, "block_scale", np.uint8, (t, h, dp // NVFP4_BLOCK), at)
+    ts = plane(enc.planes, "tensor_scale", np.float32, (1,), at)
+    hi = max_tensor_scale(ctx.dtype)
+    if not FP32_MIN_NORMAL <= float(ts[0]) <= hi:
+        raise FormatError(f"{at}: nvfp4 tensor_scale {float(ts[0])!r} outside [2^-126, {hi!r}] (encode writes "
+                          f"amax / 2688, amax at most the {str(ctx.dtype).removeprefix('torch.')} source's largest value)")
+    # E4M3 code 0x7F/0xFF is NaN; encode never writes it (and never a negative scale).
+    if bs.size and bool((((bs & 0x7F) == 0x7F) | ((bs & 0x80) != 0)).any()):
+        raise FormatError(f"{at}: nvfp4 block scale is NaN or negative")
+    return Nvfp4Parsed(pad, codes, bs, ts)
 
 register_preset("nvfp4", {"id": "nvfp4"},
                 "NVFP4: E2M1 + E4M3 scale per 16 values + fp32 tensor scale (4.5 bits)")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
 from ..codec import Codec, EncodedTensor, TensorContext, register_codec, register_preset
 from ..errors import FormatError
+from .parsing import check_plane_names, plane, where
 
 _INT_VIEW = {torch.float32: (torch.int32, np.int32), torch.float16: (torch.int16, np.int16),
              torch.bfloat16: (torch.int16, np.int16)}
@@ -34,12 +37,26 @@ class RawCodec(Codec):
         iv, _ = _INT_VIEW[x.dtype]
         return EncodedTensor({"bits": x.contiguous().view(iv).numpy()})
 
+    def parse_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> np.ndarray:
+        """The ``bits`` plane (source dtype viewed as integers, ``[T, H, D]``), validated
+        (formats/SPEC.md §11): exact dtype and shape, no other plane, no NaN/Inf value."""
+        return _parse_bits(enc, ctx, _INT_VIEW[ctx.dtype][1], ctx.dtype, "raw")
+
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
-        iv, nv = _INT_VIEW[ctx.dtype]
-        a = enc.planes.get("bits")
-        if a is None or a.dtype != nv or a.size != ctx.numel:
-            raise FormatError(f"layers.{ctx.layer}.{ctx.role}: 'bits' plane missing or wrong size")
-        return torch.from_numpy(a.copy()).view(ctx.dtype).reshape(ctx.shape)
+        return torch.from_numpy(self.parse_tensor(enc, ctx).copy()).view(ctx.dtype)
+
+
+_EXP_MASK = {torch.float16: np.int16(0x7C00), torch.bfloat16: np.int16(0x7F80), torch.float32: np.int32(0x7F800000)}
+
+
+def _parse_bits(enc: EncodedTensor, ctx: TensorContext, nv: Any, dtype: torch.dtype, codec: str) -> np.ndarray:
+    at = where(ctx)
+    check_plane_names(enc.planes, ("bits",), at, codec)
+    a = plane(enc.planes, "bits", nv, ctx.shape, at)
+    exp = _EXP_MASK[dtype]  # all exponent bits set: Inf or NaN
+    if a.size and bool(((a & exp) == exp).any()):
+        raise FormatError(f"{at}: {codec} values are NaN or Inf (encode refuses them)")
+    return a
 
 
 @register_codec
@@ -61,11 +78,13 @@ class FP16Codec(Codec):
             raise InputError(f"layers.{ctx.layer}.{ctx.role} has values beyond fp16 range ±65504")
         return EncodedTensor({"bits": x.to(torch.float16).contiguous().view(torch.int16).numpy()})
 
+    def parse_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> np.ndarray:
+        """The ``bits`` plane (fp16 viewed as int16, ``[T, H, D]``), validated (formats/SPEC.md
+        §11): exact dtype and shape, no other plane, no NaN/Inf value."""
+        return _parse_bits(enc, ctx, np.int16, torch.float16, "fp16")
+
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
-        a = enc.planes.get("bits")
-        if a is None or a.dtype != np.int16 or a.size != ctx.numel:
-            raise FormatError(f"layers.{ctx.layer}.{ctx.role}: 'bits' plane missing or wrong size")
-        return torch.from_numpy(a.copy()).view(torch.float16).reshape(ctx.shape).to(ctx.dtype)
+        return torch.from_numpy(self.parse_tensor(enc, ctx).copy()).view(torch.float16).to(ctx.dtype)
 
 
 register_preset("raw", {"id": "raw"}, "source dtype, bit for bit (lossless baseline)")

@@ -530,6 +530,12 @@ def parse_planes(
                 raise FormatError(f"ANS row_table of a scope-2 stage must be uint8[{packed_nbytes(lay.Q * lay.R, b)}] "
                                   f"(bit-packed), got {rt.dtype}{list(rt.shape)}")
             rt = unpack_bits(rt, b, lay.Q * lay.R).reshape(lay.Q, lay.R)
+        elif not lay.flags & FLAG_EXTERNAL_TABLES:
+            # formats/ANS.md §3: the stored plane is uint8 when K <= 256, else uint16, [n_sets, R]
+            want = np.uint8 if lay.K <= 256 else np.uint16
+            if rt.dtype != want or rt.shape != (lay.n_sets, lay.R):
+                raise FormatError(f"ANS row_table must be {np.dtype(want)}[{lay.n_sets}, {lay.R}] (K = {lay.K}), "
+                                  f"got {rt.dtype}{list(rt.shape)}")
         if rt.ndim == 1:
             rt = rt[None]
         if rt.dtype.kind not in "ui" or rt.shape != (lay.n_row_sets, lay.R):

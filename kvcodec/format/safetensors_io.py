@@ -54,6 +54,10 @@ MAX_HEADER_BYTES = 100_000_000
 #: beyond any real file but keeps every sum of offsets inside a signed 64-bit integer).
 MAX_RANK = 8
 MAX_TENSOR_BYTES = 1 << 62
+#: Deepest nesting of arrays and objects in the header and the manifest (formats/SPEC.md §3.1 step 3):
+#: checked on the text before parsing, so acceptance does not depend on the caller's stack depth
+#: (a KVC manifest nests 9 deep).
+MAX_JSON_DEPTH = 64
 PAD_PREFIX = "pad."
 
 
@@ -211,10 +215,38 @@ _DECODER = json.JSONDecoder(
 )
 
 
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def json_depth(text: str) -> int:
+    """Deepest nesting of ``[``/``{`` in JSON text, strings skipped; iterative (numpy over the bytes),
+    so it needs no stack however deep the text nests.
+
+    Example:
+        >>> json_depth('{"a": [1, {"b": "[[["}]}')
+        3
+    """
+    if text.count("[") + text.count("{") <= 1:
+        return text.count("[") + text.count("{")
+    a = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "replace"), dtype=np.uint8)
+    step = np.zeros(256, dtype=np.int8)
+    step[[ord("["), ord("{")]] = 1
+    step[[ord("]"), ord("}")]] = -1
+    depth, deepest = 0, 0
+    for i in range(0, a.size, 1 << 22):  # bounded temporaries for a 100 MB header
+        run = np.cumsum(step[a[i:i + (1 << 22)]], dtype=np.int64) + depth
+        if run.size:
+            deepest, depth = max(deepest, int(run.max())), int(run[-1])
+    return deepest
+
+
 def strict_json_loads(text: str, what: str) -> Any:
     """Parse one JSON document strictly: no duplicate keys, no NaN/Infinity, no trailing data
-    except spaces; any failure (including absurd nesting) is a :class:`FormatError` naming ``what``.
+    except spaces, no nesting deeper than :data:`MAX_JSON_DEPTH`; any failure is a
+    :class:`FormatError` naming ``what``.
     """
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and json_depth(text) > MAX_JSON_DEPTH:
+        raise FormatError(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels of arrays/objects")
     try:
         obj, end = _DECODER.raw_decode(text)
     except _Reject as e:

@@ -893,11 +893,13 @@ int kvn_intq_dequant(const uint8_t* codes, int64_t T, int64_t H, int64_t D, int 
 
 /* Per-token symmetric codes (CacheGen): for code row j (codes [n, C], kind OUT_U8_NR / OUT_U16_NR),
  * v = f32(code - mid) * scale[j]; with base, v = base[brow[j], :] + v; written to output row
- * orow[j] (out kind F_*, no clamp: the reference casts with .to(dtype)). Codes above max_code
+ * orow[j] (out kind F_*; fp16/bf16 outputs clamped to +-their largest finite value, formats/SPEC.md
+ * §11.1, then cast RNE). Codes above max_code
  * make it return KVN_BAD_SYMBOL (after finishing). */
 int kvn_rows_affine(const void* codes, int ckind, int64_t n, int64_t C, const int64_t* orow, const float* scale,
                     int32_t mid, int32_t max_code, const float* base, const int64_t* brow, int out_kind, void* out) {
   int32_t hi = 0;
+  const float m = out_kind == F_F16 ? 65504.0f : bits_f32(0x7F7F0000u); /* fp16 / bf16 largest finite */
   float* row = (float*)malloc(sizeof(float) * (size_t)(C > 0 ? C : 1));
   if (!row) return KVN_NOMEM;
   for (int64_t j = 0; j < n; ++j) {
@@ -914,6 +916,8 @@ int kvn_rows_affine(const void* codes, int ckind, int64_t n, int64_t C, const in
     }
     if (b)
       for (int64_t i = 0; i < C; ++i) row[i] = b[i] + row[i];
+    if (out_kind != F_F32) /* saturate, not inf: a coded extreme can pass 65504 by the fp16 scale's rounding */
+      for (int64_t i = 0; i < C; ++i) row[i] = clampf(row[i], m);
     store_row(out, out_kind, orow[j] * C, row, C);
   }
   free(row);
