@@ -111,7 +111,8 @@ def _digest(cache: kvcodec.KVCache) -> str:
 
 
 def _verify(blob: bytes) -> str:
-    with kvcodec.format.open(blob) as r:
+    opener = getattr(kvcodec, "open", None) or kvcodec.format.open  # kvcodec.open after the api move
+    with opener(blob) as r:
         r.verify()
     return "verified"
 

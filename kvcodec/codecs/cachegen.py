@@ -288,6 +288,9 @@ class CacheGenCodec(Codec):
         la = strict_int(pr, "anchor_levels", 3, MAX_LEVELS, at)
         if la % 2 == 0:
             raise FormatError(f"{at}: cachegen anchor_levels must be odd, got {la}")
+        if (g, la) != (self.params["group"], self.params["anchor_levels"]):  # encode writes the config's
+            raise FormatError(f"{at}: cachegen params {pr!r} disagree with the codec config (group "
+                              f"{self.params['group']}, anchor_levels {self.params['anchor_levels']})")
         t, h, d = ctx.shape
         check_plane_names(enc.planes, ["scale", *stage_names("anc_"), *stage_names("ans_")], at, "cachegen")
         scale = _scale_plane(enc, at, t)

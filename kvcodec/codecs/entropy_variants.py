@@ -166,7 +166,13 @@ class KIVIANSCodec(Codec):
             FormatError: params of the wrong type or out of bounds, planes missing, of the wrong
                 dtype or shape, unknown planes, non-finite scale/zero, a stage of another geometry.
         """
-        return parse_kivi_ans(enc, ctx)
+        v = parse_kivi_ans(enc, ctx)
+        p = self.params
+        want = (self.axis(ctx.role), p["bits"], p["group"], p["delta"])
+        if (v.axis, v.bits, v.group, v.delta) != want:  # encode writes exactly the config's choices
+            raise FormatError(f"{where(ctx)}: kivi-ans params {enc.params!r} disagree with the codec config "
+                              f"(axis, bits, group, delta) = {want}")
+        return v
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
         v = self.parse_tensor(enc, ctx)

@@ -110,7 +110,12 @@ class FP8Codec(Codec):
             FormatError: params of the wrong type or out of bounds, planes missing, of the wrong
                 dtype or shape, unknown planes, NaN/Inf codes, scales outside what encode writes.
         """
-        return parse_fp8(enc, ctx)
+        v = parse_fp8(enc, ctx)
+        want = (self.params["format"], self.granularity(ctx.role), self.params["block"])
+        if (v.format, v.granularity, v.block) != want:  # encode writes exactly the config's choices
+            raise FormatError(f"{where(ctx)}: fp8 params {enc.params!r} disagree with the codec config "
+                              f"(format, granularity, block) = {want}")
+        return v
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
         v = self.parse_tensor(enc, ctx)

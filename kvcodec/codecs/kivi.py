@@ -124,7 +124,13 @@ class KIVICodec(Codec):
                 dtype or shape, unknown planes, non-finite or negative scales, non-finite zeros,
                 non-zero padding bits after the last code.
         """
-        return parse_kivi(enc, ctx)
+        v = parse_kivi(enc, ctx)
+        p = self.params
+        want = (self.axis(ctx.role), p["bits"], p["group"], min(p["residual"], ctx.shape[0]))
+        if (v.axis, v.bits, v.group, v.recent) != want:  # encode writes exactly the config's choices
+            raise FormatError(f"{where(ctx)}: kivi params {enc.params!r} disagree with the codec config "
+                              f"(axis, bits, group, recent) = {want}")
+        return v
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
         v = self.parse_tensor(enc, ctx)

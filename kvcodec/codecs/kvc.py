@@ -598,12 +598,17 @@ class KVCCodec(Codec):
         npro = int(mask.sum())
         if n + npro != t:
             raise FormatError(f"{where}: kvc params {pr!r} disagree with shape {list(ctx.shape)}")
-        if tr == "hadamard" and not is_power_of_two(d):
-            raise FormatError(f"{where}: Hadamard transform recorded for width {d}")
+        if tr != ("hadamard" if p["transform"] == "hadamard" and is_power_of_two(d) else "none"):
+            # encode writes the config's transform where the width allows it, else "none"
+            raise FormatError(f"{where}: transform {tr!r} recorded, but the codec config ({p['transform']!r}) "
+                              f"and width {d} give {'hadamard' if tr == 'none' else 'none'!r}")
         prot = enc.planes.get("protect")
         nv = _NP_INT[ctx.dtype]
         if prot is None or prot.dtype != nv or prot.shape != (npro, h, d):
             raise FormatError(f"{where}: 'protect' plane missing or not {np.dtype(nv)}[{npro}, {h}, {d}]")
+        exp = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000}[ctx.dtype]
+        if prot.size and bool(((prot & nv(exp)) == nv(exp)).any()):  # encode refuses NaN/Inf input
+            raise FormatError(f"{where}: kvc 'protect' plane holds NaN or Inf values")
         side = enc.planes.get("side")
         per_channel = ctx.role in ("k", "kv") or p["v_scale"] == "head"
         if side is None and not per_channel and not p["v_center"]:
@@ -619,8 +624,8 @@ class KVCCodec(Codec):
         rows = h * d + (0 if per_channel and not k_tok else h)
         stage_planes = {k: enc.planes[_STAGE_PREFIX + k] for k in _STAGE_PLANES if _STAGE_PREFIX + k in enc.planes}
         esc = enc.planes.get("esc", np.zeros(0, np.int32))
-        if esc.dtype not in (np.int8, np.int16, np.int32):
-            raise FormatError(f"{where}: kvc 'esc' plane must be int8, int16 or int32, got {esc.dtype}")
+        if esc.dtype not in (np.int8, np.int16, np.int32) or esc.ndim != 1:
+            raise FormatError(f"{where}: kvc 'esc' plane must be 1-D int8, int16 or int32, got {esc.dtype}{list(esc.shape)}")
         pred = pr.get("pred", 0)
         if not isinstance(pred, int) or isinstance(pred, bool) or pred not in (0, 1):
             raise FormatError(f"{where}: kvc pred must be 0 or 1, got {pred!r}")
