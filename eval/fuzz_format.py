@@ -183,7 +183,7 @@ def run_case(data: bytes, timeout: float, max_alloc: int) -> tuple[str, float, i
     signal.setitimer(signal.ITIMER_PROF, timeout)
     t0 = time.perf_counter()
     try:
-        with kvf.open(data) as r:
+        with kvcodec.open(data) as r:
             r.read_cache()
             r.verify()
         outcome = "decoded"

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvcodec import gpu
     from kvcodec.codec import EncodedTensor, TensorContext
     from kvcodec.entropy.stage import StageLayout
-    from kvcodec.format.container import open_kvc
+    from kvcodec import open as open_kvc
     from kvc_rd import held_out_calibration
     from kvcodec.harness.capture import default_cache
 

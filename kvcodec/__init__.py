@@ -11,10 +11,10 @@ Example:
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from .cache import KVCache, LayerInfo, ModelIdentity  # noqa: E402
-from .codec import (  # noqa: E402
+from ._version import __version__
+from .api import KVCReader, decode, open  # noqa: A004  (kvcodec.open: lazy, validated decoding)
+from .cache import KVCache, LayerInfo, ModelIdentity
+from .codec import (
     Codec,
     EncodedTensor,
     TensorContext,
@@ -24,26 +24,15 @@ from .codec import (  # noqa: E402
     register_codec,
     register_preset,
 )
-from .errors import KVCodecError  # noqa: E402
-from . import format  # noqa: E402,A004  (kvcodec.format.open: lazy, validated reading)
-
-
-def decode(data, device: str = "cpu") -> KVCache:
-    """Decode KVC bytes, a path or a binary file with whatever codec the file names.
-
-    Raises:
-        FormatError: the file is damaged or foreign; the subclass (TruncatedError, VersionError,
-            ChecksumError) names the problem. UnknownCodecError: the codec is not installed.
-    """
-    from .format.container import read_cache
-
-    return read_cache(data, device=device)
+from .errors import KVCodecError
+from . import format  # noqa: A004  (kvcodec.format: the container, planes without codecs)
 
 
 __all__ = [
     "Codec",
     "EncodedTensor",
     "KVCache",
+    "KVCReader",
     "KVCodecError",
     "LayerInfo",
     "ModelIdentity",
@@ -53,6 +42,7 @@ __all__ = [
     "decode",
     "get_codec",
     "list_codecs",
+    "open",
     "register_codec",
     "register_preset",
 ]

@@ -30,51 +30,8 @@ import numpy as np
 import torch
 
 from .cache import KVCache
+from .planes import EncodedTensor, TensorContext
 from .errors import ConfigError, InputError, UnknownCodecError
-
-
-@dataclass
-class TensorContext:
-    """What a codec knows about the tensor it is coding.
-
-    Attributes:
-        layer: layer index.
-        role: ``"k"``, ``"v"`` or ``"kv"`` (MLA latent).
-        shape: ``(tokens, heads, head_dim)``.
-        dtype: the source dtype, which ``decode_tensor`` must return.
-        layer_kind: ``"full"``, ``"sliding"`` or ``"mla"``.
-        globals: file-level planes from :meth:`Codec.encode_globals` (read-only).
-    """
-
-    layer: int
-    role: str
-    shape: tuple[int, int, int]
-    dtype: torch.dtype
-    layer_kind: str = "full"
-    globals: dict[str, np.ndarray] = field(default_factory=dict)
-    #: the codec's per-call state from :meth:`Codec.prepare` (None for codecs that keep none)
-    state: Any = None
-
-    @property
-    def numel(self) -> int:
-        t, h, d = self.shape
-        return t * h * d
-
-
-@dataclass
-class EncodedTensor:
-    """One tensor's coded form: named numpy planes plus small JSON parameters.
-
-    Every plane is stored in the container as ``layers.{i}.{role}.{plane}``; ``params`` goes into
-    the manifest. Both must hold every parameter needed to decode.
-    """
-
-    planes: dict[str, np.ndarray]
-    params: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(p.nbytes) for p in self.planes.values())
 
 
 @dataclass(frozen=True)
@@ -297,9 +254,9 @@ class Codec(ABC):
             FormatError: the file is damaged or foreign (subclasses name the problem), or it was
                 written by another codec.
         """
-        from .format import container
+        from .decoding import read_with
 
-        return container.read_cache(data, codec=self, device=device)
+        return read_with(data, self, device=device)
 
     def bits_per_element(self, cache: KVCache) -> float:
         """Exact all-in size of ``encode(cache)`` in bits per cached value (headers included)."""
@@ -338,10 +295,6 @@ def register_preset(name: str, config: dict[str, Any], description: str = "",
     _REQUIRES[name] = tuple(requires)
 
 
-def _ensure_loaded() -> None:
-    from . import codecs  # noqa: F401  (registers the built-in codecs)
-
-
 def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
     """Return a codec from a preset name, a codec id, a JSON string, or a config dict.
 
@@ -352,7 +305,6 @@ def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
         UnknownCodecError: the name or id is not registered (the message lists known names).
         ConfigError: the config has unknown or invalid parameters.
     """
-    _ensure_loaded()
     if isinstance(name_or_config, Codec):
         return name_or_config
     if isinstance(name_or_config, str):
@@ -394,18 +346,15 @@ def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
 
 def list_codecs() -> list[str]:
     """Names of every registered preset, in registration order."""
-    _ensure_loaded()
     return list(_PRESETS)
 
 
 def preset_description(name: str) -> str:
-    _ensure_loaded()
     return _PRESETS[name][1] if name in _PRESETS else ""
 
 
 def codec_ids() -> list[str]:
     """Every registered codec id."""
-    _ensure_loaded()
     return sorted(_CODECS)
 
 

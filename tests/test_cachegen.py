@@ -41,7 +41,7 @@ def test_lmcache_bins_rule_and_recorded_in_file():
     assert bins[:, 0].tolist() == [32] * 10 + [16] * 20
     assert bins[:, 1].tolist() == [32] * 2 + [16] * 28
     cache = make_cache(layers=12, tokens=20, dim=16)
-    info = kvcodec.format.open(c.encode(cache)) if hasattr(kvcodec.format, "open") else None
+    info = kvcodec.open(c.encode(cache)) if hasattr(kvcodec, "open") else None
     g = c.encode_globals(cache)["cachegen_bins"]
     assert g.dtype == np.int32 and g.shape == (12, 2)
     if info is not None:

@@ -111,7 +111,7 @@ def test_info_works_without_the_codec_and_verify_fails(tmp_path, capsys):
     from kvcodec import format as kvf
     from kvcodec.errors import UnknownCodecError
 
-    with kvf.open(p, require_codec=False) as r:
+    with kvcodec.open(p, require_codec=False) as r:
         assert r.read_plane("layers.1.v.bits").shape == (4, 2, 24)
         with _pytest.raises(UnknownCodecError):
             r.read_layer(0)

@@ -11,7 +11,7 @@ import pytest
 
 import kvcodec
 from kvcodec.cache import KVCache, LayerInfo
-from kvcodec.format import vectors
+from kvcodec import vectors
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "data" / "corpus_pre19"
@@ -33,7 +33,7 @@ def test_pre19_file_decodes_and_reencodes_byte_for_byte(row, monkeypatch):
     blob = (CORPUS / row["file"]).read_bytes()
     assert hashlib.sha256(blob).hexdigest() == row["kvc_sha256"], "corpus file changed on disk"
     assert vectors.decoded_sha256(kvcodec.decode(blob)) == row["decoded_sha256"]
-    with kvcodec.format.open(blob) as r:
+    with kvcodec.open(blob) as r:
         stored = r.manifest["codec"]
     again = kvcodec.get_codec(stored).encode(_input(row), tokens_per_chunk=row["tokens_per_chunk"])
     assert again == blob, f"{row['file']}: the encoder no longer writes the same bytes"

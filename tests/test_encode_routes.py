@@ -16,7 +16,8 @@ import kvcodec
 from kvcodec.cli import main
 from kvcodec.codecs.kvc_calibration import QueryStats, save_query_statistics
 from kvcodec.errors import ConfigError, FormatError, InputError
-from kvcodec.format import open_kvc, write_file
+from kvcodec import open as open_kvc
+from kvcodec.format import write_file
 from kvcodec.testing import spelled_out
 
 

@@ -62,7 +62,7 @@ def test_every_preset_is_deterministic_aligned_and_opens_in_safetensors(name, tm
             assert (8 + n + e["data_offsets"][0]) % 64 == 0, tname
     p = tmp_path / "c.kvc"
     p.write_bytes(blob)
-    reader = kvf.open(p)
+    reader = kvcodec.open(p)
     with safe_open(str(p), "np") as f:
         assert f.metadata()["format"] == "kvc" and f.metadata()["format_version"] == "1.0"
         names = [k for k in f.keys() if not k.startswith("pad.")]
@@ -124,7 +124,7 @@ def test_chunked_files_roundtrip_and_read_chunk_ranges(tokens_per_chunk):
     cache = rich_cache(tokens=21, dtype=torch.float32)
     blob = kvcodec.get_codec("raw").encode(cache, tokens_per_chunk=tokens_per_chunk)
     assert kvcodec.decode(blob).equal(cache)
-    with kvf.open(blob) as r:
+    with kvcodec.open(blob) as r:
         nc = -(-21 // tokens_per_chunk)
         assert r.tokens_per_chunk == tokens_per_chunk and r.num_chunks == nc
         sel = range(nc // 2, nc)
@@ -246,7 +246,7 @@ def test_reading_one_layer_of_30_reads_only_that_layers_bytes(tmp_path):
     kvcodec.get_codec("fp16").encode(cache, path=p)
     size = p.stat().st_size
     f = _CountingFile(p)
-    r = kvf.open(f)
+    r = kvcodec.open(f)
     header_bytes, n_open = f.bytes_read, len(f.reads)
     assert header_bytes == 8 + r.header_len  # opening reads the header only
     layer = r.read_layer(17)
@@ -264,7 +264,7 @@ def test_reading_a_chunk_reads_only_that_chunk(tmp_path):
     p = tmp_path / "chunked.kvc"
     kvcodec.get_codec("fp16").encode(cache, path=p, tokens_per_chunk=32)
     f = _CountingFile(p)
-    r = kvf.open(f)
+    r = kvcodec.open(f)
     before = f.bytes_read
     part = r.read_layer(2, chunks=[3])
     assert torch.equal(part["v"], cache.layers[2]["v"][96:128])
@@ -275,7 +275,7 @@ def test_reading_a_chunk_reads_only_that_chunk(tmp_path):
 
 def test_reader_properties_and_bad_layer_index():
     blob = kvcodec.get_codec("raw").encode(rich_cache())
-    r = kvf.open(blob)
+    r = kvcodec.open(blob)
     assert (r.num_layers, r.num_tokens, r.version, r.dtype) == (3, 21, (1, 0), torch.float16)
     assert r.num_elements == rich_cache().num_elements
     assert r.layer_info(1) == LayerInfo("sliding", 4096)
@@ -300,7 +300,7 @@ def test_safe_open_reads_edge_case_files(tmp_path, cache_fn, chunk):
     cache = cache_fn()
     p = tmp_path / "e.kvc"
     kvcodec.get_codec("raw").encode(cache, path=p, tokens_per_chunk=chunk)
-    with safe_open(str(p), "pt") as f, kvf.open(p) as r:
+    with safe_open(str(p), "pt") as f, kvcodec.open(p) as r:
         assert sorted(k for k in f.keys() if not k.startswith("pad.")) == sorted(r.tensor_names())
         for k in r.tensor_names():
             assert np.array_equal(f.get_tensor(k).numpy(), r.read_plane(k))
@@ -311,11 +311,11 @@ def test_text_mode_file_objects_are_refused_clearly(tmp_path):
     p = tmp_path / "c.kvc"
     kvcodec.get_codec("raw").encode(make_cache(), path=p)
     with open(p, "r", encoding="latin-1") as f, pytest.raises(FormatError, match="binary mode"):
-        kvf.open(f)
+        kvcodec.open(f)
     with pytest.raises(FormatError, match="cannot read"):
-        kvf.open(tmp_path)  # a directory
+        kvcodec.open(tmp_path)  # a directory
     with pytest.raises(FormatError, match="expected a path, bytes or a binary file"):
-        kvf.open(12)
+        kvcodec.open(12)
 
 
 def test_unwritable_destinations_raise_input_error(tmp_path):

@@ -42,7 +42,7 @@ def reject(data, exc, match):
     with pytest.raises(exc, match=match):
         kvcodec.decode(data)
     with pytest.raises(exc, match=match):
-        kvf.open(bytes(data)).read_cache()
+        kvcodec.open(bytes(data)).read_cache()
 
 
 # ------------------------------------------------------------------ the byte level
@@ -169,7 +169,7 @@ def test_newer_minor_version_is_read_and_unknown_optional_keys_ignored():
     newer = rewrite(BLOB, manifest=add_keys,
                     metadata=lambda meta: meta.update(format_version="1.7", future_meta="x"))
     assert kvcodec.decode(newer).equal(GOOD)
-    assert kvf.open(newer).version == (1, 7)
+    assert kvcodec.open(newer).version == (1, 7)
 
 
 def test_unknown_codec_id_and_bad_codec_params():
@@ -234,7 +234,7 @@ def test_declared_sizes_beyond_the_payload_are_refused_before_allocating():
     h, data = split(BLOB)
     blob = rewrite(BLOB, manifest=inflate)
     with pytest.raises(FormatError, match="declares 40000000 elements but stores only 16 bytes"):
-        kvf.open(blob)
+        kvcodec.open(blob)
 
 
 def test_codec_decode_errors_are_wrapped():
@@ -271,7 +271,7 @@ def test_nonzero_padding_is_rejected():
     bad = join(h, data[:a] + b"\x01" + data[a + 1 :])
     reject(bad, FormatError, "non-zero bytes")
     with pytest.raises(FormatError, match="non-zero"):
-        kvf.open(bad).verify()
+        kvcodec.open(bad).verify()
 
 
 # ------------------------------------------------------------------ exhaustive damage
@@ -279,13 +279,13 @@ def test_truncation_at_every_byte_offset_is_a_truncated_error():
     assert len(BLOB) < 2048
     for n in range(len(BLOB)):
         with pytest.raises(TruncatedError):
-            kvf.open(BLOB[:n])
+            kvcodec.open(BLOB[:n])
 
 
 def _outcome(data):
     """None if the file decodes to exactly the original cache; else the KVCodecError raised."""
     try:
-        with kvf.open(data) as r:
+        with kvcodec.open(data) as r:
             out = r.read_cache()
     except KVCodecError as e:
         return e
@@ -356,7 +356,7 @@ def test_fuzz_mutated_files_raise_only_our_errors(data):
     base = data.draw(st.sampled_from([BLOB, _CHUNKED]))
     mutated = _mutate(base, data)
     try:
-        with kvf.open(mutated) as r:
+        with kvcodec.open(mutated) as r:
             r.read_cache()
             r.verify()
     except KVCodecError:
@@ -410,7 +410,7 @@ def test_fuzz_resigned_codec_params_reach_every_codec_and_raise_only_our_errors(
             c["params"][data.draw(st.sampled_from(keys))] = data.draw(_WEIRD)
 
     try:
-        with kvf.open(rewrite(blob, manifest=change)) as r:
+        with kvcodec.open(rewrite(blob, manifest=change)) as r:
             r.read_cache()
     except KVCodecError:
         pass
@@ -425,7 +425,7 @@ def test_read_layer_checks_exactly_the_padding_inside_its_span():
     checked_inside = 0
     for off, name in pads:
         bad = join(h, data[:off] + b"\x80" + data[off + 1 :])
-        r = kvf.open(bad)
+        r = kvcodec.open(bad)
         for i in range(3):
             start, end = r.layer_span(i)
             if start <= 8 + r.header_len + off < end:

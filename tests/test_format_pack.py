@@ -127,7 +127,7 @@ def test_kvc_packed_file_is_smaller_and_decodes_like_the_unpacked_one():
         assert len(b1) < len(b0) - 3 * 2 * 4 * 150, (len(b1), len(b0))  # ~200 bytes per plane saved
         assert len(b2) < len(b1), (len(b2), len(b1))  # the tables compress
         assert kvcodec.decode(b2).equal(kvcodec.decode(b0)) and kvcodec.decode(b1).equal(kvcodec.decode(b0))
-        with kvcodec.format.open(b2) as r:
+        with kvcodec.open(b2) as r:
             names = {n.rsplit(".", 1)[1] for n in r.manifest["storage"]["tensors"] if n.startswith("layers.")}
             dirs = [c["params"]["pk"] for layer in r.manifest["layers"] for t in layer["tensors"].values()
                     for c in t["chunks"]]

@@ -97,7 +97,7 @@ def test_schema_rejects_what_the_reader_rejects():
         del bad[key]
         assert errors(bad, SCHEMA), key
         with pytest.raises(FormatError, match=key):
-            kvf.open(rewrite(blob, manifest=lambda mm: mm.pop(key)))
+            kvcodec.open(rewrite(blob, manifest=lambda mm: mm.pop(key)))
     for mutate in (
         lambda mm: mm["layers"][0].update(kind="global"),
         lambda mm: mm["layers"][2].pop("latent_dim"),
@@ -110,5 +110,5 @@ def test_schema_rejects_what_the_reader_rejects():
         mutate(bad)
         assert errors(bad, SCHEMA)
         with pytest.raises(FormatError):
-            kvf.open(rewrite(blob, manifest=mutate))
-    assert torch.equal(kvf.open(blob).read_layer(0)["k"], rich_cache().layers[0]["k"])
+            kvcodec.open(rewrite(blob, manifest=mutate))
+    assert torch.equal(kvcodec.open(blob).read_layer(0)["k"], rich_cache().layers[0]["k"])

@@ -30,7 +30,7 @@ CATEGORY = [(TruncatedError, "truncated"), (VersionError, "version"), (ChecksumE
 
 def kvcodec_outcome(data):
     try:
-        with kvf.open(data) as r:
+        with kvcodec.open(data) as r:
             r.verify(decode=False)
             return {n: r.read_plane(n) for n in r.tensor_names()}
     except ConfigError as e:

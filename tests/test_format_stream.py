@@ -38,7 +38,7 @@ def test_streaming_write_and_read_peak_memory_is_about_one_layer(tmp_path):
     assert streamed < 3 * LAYER_BYTES, (streamed, LAYER_BYTES)
 
     def read_all_layers():
-        with kvf.open(p) as r:
+        with kvcodec.open(p) as r:
             for i, layer in enumerate(r.read_layers()):
                 assert layer["k"].shape == (T, H, D)
                 del layer
@@ -47,7 +47,7 @@ def test_streaming_write_and_read_peak_memory_is_about_one_layer(tmp_path):
     assert read_peak < 4 * LAYER_BYTES, (read_peak, LAYER_BYTES)
 
     def verify():
-        with kvf.open(p) as r:
+        with kvcodec.open(p) as r:
             r.verify()
 
     assert _peak(verify) < 4 * LAYER_BYTES

@@ -151,7 +151,7 @@ def test_calibrated_k_error_within_half_of_its_per_token_step(tmp_path):
 def test_calibrated_file_names_its_statistics_by_hash(tmp_path):
     import hashlib
 
-    from kvcodec.format import open_kvc
+    from kvcodec import open as open_kvc
 
     cache = _cache()
     p = tmp_path / "q.safetensors"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvcodec.errors import FormatError
-from kvcodec.format import vectors
+from kvcodec import vectors
 
 V1 = Path(__file__).resolve().parents[1] / "formats" / "vectors" / "v1"
 

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvcodec.format import vectors
+from kvcodec import vectors
 
 HERE = Path(__file__).resolve().parent / "v1"
 

@@ -54,8 +54,10 @@ def _parse_bits(enc: EncodedTensor, ctx: TensorContext, nv: Any, dtype: torch.dt
     check_plane_names(enc.planes, ("bits",), at, codec)
     a = plane(enc.planes, "bits", nv, ctx.shape, at)
     exp = _EXP_MASK[dtype]  # all exponent bits set: Inf or NaN
-    if a.size and bool(((a & exp) == exp).any()):
-        raise FormatError(f"{at}: {codec} values are NaN or Inf (encode refuses them)")
+    flat = a.reshape(-1)
+    for i in range(0, flat.size, 1 << 13):  # in blocks: the temporaries stay small beside the tensor
+        if bool(((flat[i:i + (1 << 13)] & exp) == exp).any()):
+            raise FormatError(f"{at}: {codec} values are NaN or Inf (encode refuses them)")
     return a
 
 

@@ -32,7 +32,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         >>> d["codec"], d["layers"][0]["bits_per_element"], d["layers"][0]["k"]
         ({'id': 'fp16'}, 16.0, [4, 2, 8])
     """
-    from ..format import open_kvc
+    from ..api import open as open_kvc
 
     with open_kvc(path, require_codec=False) as r:  # inspect files of codecs not installed here
         m = r.manifest

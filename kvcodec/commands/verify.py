@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import KVCodecError
-    from ..format import open_kvc
+    from ..api import open as open_kvc
 
     path = os.fspath(args.file)
     try:

@@ -1,20 +1,22 @@
-"""KVC container: encode a cache into a KVC file and read it back, strictly and lazily.
+"""KVC container: write a prepared encode call into a KVC file and read its planes back, strictly
+and lazily.
 
 A KVC file is a valid safetensors file whose ``__metadata__`` holds a format key, a
 ``MAJOR.MINOR`` version, a canonical JSON manifest and the CRC-32 of that manifest
 (formats/SPEC.md). The writer is deterministic (same input and config -> same bytes), aligns every
 tensor to 64 bytes and writes files atomically. The reader validates the whole header and manifest
-before it reads any tensor data, checks the CRC-32 of every tensor it reads, and decodes one layer
-at a time.
+before it reads any tensor data and checks the CRC-32 of every tensor it reads. The container
+knows nothing of codecs or devices: it stores and returns planes (:mod:`kvcodec.planes`); the
+decoding reader (:mod:`kvcodec.decoding`, ``kvcodec.open``) turns them into values.
 
 Example:
     >>> import torch, kvcodec
     >>> from kvcodec import format as kvf
     >>> cache = kvcodec.KVCache.from_tensors([(torch.ones(4, 2, 8), torch.zeros(4, 2, 8))] * 3)
     >>> blob = kvcodec.get_codec("raw").encode(cache)
-    >>> with kvf.open(blob) as r:
-    ...     r.num_layers, r.read_layer(1)["k"].shape
-    (3, torch.Size([4, 2, 8]))
+    >>> with kvf.open_container(blob) as r:
+    ...     r.num_layers, r.read_layer_planes(1)["k"][0][1].planes["bits"].shape
+    (3, (4, 2, 8))
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .. import __version__
-from ..cache import DTYPE_NAMES, SOURCE_DTYPES, KVCache, LayerInfo, ModelIdentity
+from .._version import __version__
+from ..cache import DTYPE_NAMES, SOURCE_DTYPES, KVCache, LayerInfo
+from ..planes import EncodedTensor, TensorContext
 from ..errors import ConfigError, FormatError, InputError, KVCodecError, TruncatedError
 from . import manifest as mf
 from . import safetensors_io as sio
@@ -43,10 +46,9 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT_KEY",
     "FORMAT_VERSION",
-    "KVCReader",
+    "ContainerReader",
     "crc32_hex",
-    "open_kvc",
-    "read_cache",
+    "open_container",
     "tensor_name",
     "write_cache",
     "write_file",
@@ -92,8 +94,6 @@ def _json_params(params: Any, where: str) -> dict[str, Any]:
 def _encode_planes(plan: "EncodePlan",
                    params_out: dict[tuple[int, str], list[dict[str, Any]]]) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(stored name, array)`` in canonical order, encoding one tensor chunk at a time."""
-    from ..codec import TensorContext
-
     codec, cache, globals_, tokens_per_chunk = plan.codec, plan.cache, plan.globals, plan.tokens_per_chunk
     chunked = tokens_per_chunk > 0
     for g in sorted(globals_):
@@ -286,32 +286,29 @@ def _write_plan(plan: "EncodePlan", dest: str | os.PathLike[str] | BinaryIO) -> 
 
 
 # ====================================================================== reader
-class KVCReader:
-    """A validated KVC file opened for lazy reading. Create it with :func:`open_kvc`
-    (``kvcodec.format.open``).
+class ContainerReader:
+    """A validated KVC file opened for lazy reading of its planes. Create it with
+    :func:`open_container`; :func:`kvcodec.open` returns the decoding reader built on it.
 
     Opening reads only the header; it validates the header, the manifest (and its checksum), the
     tensor naming, the canonical layout and the decoded-size limits. Each ``read_*`` call then reads
-    only the bytes it needs, checks their CRC-32 and decodes them.
+    only the bytes it needs and checks their CRC-32. It knows nothing of codecs or devices: it
+    returns :class:`~kvcodec.planes.EncodedTensor` planes and their params.
 
     Attributes:
         manifest: the manifest as a dict (validated).
-        codec: the codec that decodes this file.
         file_size: total bytes.
         version: ``(major, minor)`` of the file.
 
     Example:
         >>> import torch, kvcodec
         >>> c = kvcodec.KVCache.from_tensors([(torch.ones(3, 1, 4), torch.ones(3, 1, 4))] * 4)
-        >>> r = kvcodec.format.open(kvcodec.get_codec("fp16").encode(c))
-        >>> [t["v"].shape[0] for t in r.read_layers(range(1, 3))]
-        [3, 3]
+        >>> r = kvcodec.format.open_container(kvcodec.get_codec("fp16").encode(c))
+        >>> r.manifest["codec"]["id"], r.read_plane("layers.1.k.bits").shape
+        ('fp16', (3, 1, 4))
     """
 
-    def __init__(self, source: sio.Source, require_codec: bool = True) -> None:
-        from ..codec import get_codec
-        from ..errors import UnknownCodecError
-
+    def __init__(self, source: sio.Source) -> None:
         self._src = source
         try:
             h = sio.read_raw_header(source)
@@ -325,18 +322,6 @@ class KVCReader:
                 raise _checksum_error(f"manifest CRC-32 mismatch (stored {crc[:16]!r})")
             raw = sio.strict_json_loads(text, "manifest")
             self._m = mf.validate(raw)
-            self.codec: Codec | None = None
-            self.codec_error: KVCodecError | None = None
-            try:
-                self.codec = get_codec(raw["codec"])
-            except UnknownCodecError as e:
-                if require_codec:
-                    raise
-                self.codec_error = e  # inspection (kvcodec info) still works; decoding raises this
-            except KVCodecError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a codec constructor choking on hostile params
-                raise FormatError(f"codec config {str(raw['codec'])[:80]} is unusable: {type(e).__name__}: {e}") from None
             self._check_layout(entries, h.data_start)
         except BaseException:
             source.close()
@@ -490,43 +475,24 @@ class KVCReader:
             return None
         return torch.from_numpy(self.read_plane("meta.positions").copy())
 
-    # ------------------------------------------------------------------ decoding
-    def _decode_chunk(self, lm: mf.LayerManifest, ti: mf.TensorInfo, c: mf.ChunkInfo,
-                      planes: dict[str, np.ndarray], device: str) -> torch.Tensor:
-        from ..codec import EncodedTensor, TensorContext
+    # ------------------------------------------------------------------ encoded tensors
+    def chunk_context(self, i: int, role: str, j: int) -> TensorContext:
+        """The :class:`~kvcodec.planes.TensorContext` of chunk ``j`` of tensor ``role`` of layer ``i``."""
+        lm = self._layer(i)
+        ti = lm.tensors[role]
+        c = ti.chunks[j]
+        return TensorContext(layer=lm.index, role=ti.role, shape=(c.tokens, ti.shape[1], ti.shape[2]),
+                             dtype=self.dtype, layer_kind=lm.kind, globals=self.globals())
 
-        if self.codec is None:
-            assert self.codec_error is not None
-            raise self.codec_error
-        shape = (c.tokens, ti.shape[1], ti.shape[2])
-        ctx = TensorContext(layer=lm.index, role=ti.role, shape=shape, dtype=self.dtype,
-                            layer_kind=lm.kind, globals=self.globals())
-        enc = EncodedTensor(planes=planes, params=c.params)
-        where = f"layers.{lm.index}.{ti.role}" + (f" chunk {c.start // self._m.tokens_per_chunk}" if self._m.chunked else "")
-        try:
-            if device == "cpu":
-                t = self.codec.decode_tensor(enc, ctx)
-            else:
-                from ..gpu import decode_tensor_device
+    def chunk_label(self, i: int, role: str, j: int) -> str:
+        """``layers.<i>.<role>`` (and `` chunk <j>`` in a chunked file), for messages."""
+        return f"layers.{i}.{role}" + (f" chunk {j}" if self._m.chunked else "")
 
-                t = decode_tensor_device(self.codec, enc, ctx, device)
-        except KVCodecError:
-            raise
-        except Exception as e:  # noqa: BLE001 - hostile input must only ever raise our errors
-            raise FormatError(
-                f"{where}: codec {self.codec.codec_id!r} failed to decode: {type(e).__name__}: {str(e)[:200]}"
-            ) from None
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != self.dtype:
-            got = f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise FormatError(f"{where}: codec returned {got}, expected {list(shape)} {self.dtype}")
-        return t
-
-    def read_layer(self, i: int, chunks: Sequence[int] | range | None = None, device: str = "cpu") -> dict[str, torch.Tensor]:
-        """Decode layer ``i`` (optionally only some chunks, concatenated along tokens).
-
-        Reads only that layer's bytes (plus the file-level planes once), verifying every CRC-32
-        before decoding.
-        """
+    def read_layer_planes(self, i: int, chunks: Sequence[int] | range | None = None
+                          ) -> dict[str, list[tuple[int, EncodedTensor]]]:
+        """The encoded chunks of layer ``i`` (optionally only some): ``{role: [(chunk index,
+        EncodedTensor), ...]}``. Reads only that layer's bytes (one read when every chunk is
+        wanted, whose padding is checked too) and verifies every CRC-32."""
         lm = self._layer(i)
         roles = list(lm.tensors.values())
         n_chunks = len(roles[0].chunks)
@@ -539,78 +505,34 @@ class KVCReader:
             start, end = self.layer_span(i)
             buf = self._read_span(start, end)
             self._check_pads(buf, start, start, end)
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, list[tuple[int, EncodedTensor]]] = {}
         for ti in roles:
-            parts = []
+            out[ti.role] = []
             for j in sel:
                 c = ti.chunks[j]
                 if whole:
                     planes = {p: self._plane_from(buf, start, n) for p, n in c.planes.items()}
                 else:
                     planes = {p: self.read_plane(n) for p, n in c.planes.items()}
-                parts.append(self._decode_chunk(lm, ti, c, planes, device))
-            if len(parts) == 1:
-                out[ti.role] = parts[0]
-            elif parts:
-                if device != "cpu":  # the parts may still be decoding on other CUDA streams
-                    from ..gpu import sync_batch_streams
-
-                    sync_batch_streams()
-                out[ti.role] = torch.cat(parts, dim=0)
-            else:
-                out[ti.role] = torch.empty((0, ti.shape[1], ti.shape[2]), dtype=self.dtype,
-                                           device=device if device != "cpu" else None)
+                out[ti.role].append((j, EncodedTensor(planes=planes, params=c.params)))
         return out
 
-    def read_layers(self, layers: Iterable[int] | None = None, device: str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
-        """Decode layers one at a time (default: all), yielding each layer's tensor dict."""
-        for i in range(self.num_layers) if layers is None else layers:
-            yield self.read_layer(i, device=device)
+    def tensor_shape(self, i: int, role: str) -> tuple[int, int, int]:
+        """The decoded shape ``[T, H, D]`` of tensor ``role`` of layer ``i``."""
+        t = self._layer(i).tensors[role].shape
+        return (int(t[0]), int(t[1]), int(t[2]))
 
-    def read_cache(self, device: str = "cpu") -> KVCache:
-        """Decode the whole file into a :class:`KVCache`, one layer at a time."""
-        m = self.manifest
-        self.check_padding()
-        if device == "cpu":
-            layers = list(self.read_layers(device=device))
-        else:  # every tensor's kernels launched without waiting, on several CUDA streams; checked at the end
-            from ..gpu import batched_decode
-
-            with batched_decode(device):
-                layers = list(self.read_layers(device=device))
-        rope = m["rope"]
-        return KVCache(
-            layers=layers,
-            layer_info=[self.layer_info(i) for i in range(self.num_layers)],
-            token_ids=self.token_ids(),
-            positions=self.positions(),
-            model=ModelIdentity.from_dict(m["model"]),
-            rope_applied=bool(rope["applied"]),
-            rope=dict(rope["params"]),
-        )
-
-    def verify(self, decode: bool = True) -> dict[str, Any]:
-        """Check every CRC-32 and the padding; with ``decode``, also decode every layer and check
-        that the values are finite. Returns a summary; raises a :class:`KVCodecError` on failure."""
+    def verify(self) -> dict[str, Any]:
+        """Check every CRC-32 and the padding (nothing is decoded). Returns a summary; raises a
+        :class:`FormatError` subclass on failure."""
         self.check_padding()
         for n in self.tensor_names():
             if not self._is_layer_plane(n):
                 self.read_plane(n)
         for i in range(self.num_layers):
-            if decode:
-                for role, t in self.read_layer(i).items():
-                    if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.abs().amax())):
-                        raise FormatError(f"layers.{i}.{role} decodes to NaN or Inf values")
-            else:
-                start, end = self.layer_span(i)
-                buf = self._read_span(start, end)
-                self._check_pads(buf, start, start, end)
-                for ti in self._layer(i).tensors.values():
-                    for c in ti.chunks:
-                        for n in c.planes.values():
-                            self._plane_from(buf, start, n)
+            self.read_layer_planes(i)
         return {"ok": True, "tensors": len(self.tensor_names()), "layers": self.num_layers,
-                "bytes": self.file_size, "decoded": decode}
+                "bytes": self.file_size, "decoded": False}
 
     def _is_layer_plane(self, n: str) -> bool:
         return n.startswith("layers.")
@@ -619,7 +541,7 @@ class KVCReader:
     def close(self) -> None:
         self._src.close()
 
-    def __enter__(self) -> "KVCReader":
+    def __enter__(self) -> "ContainerReader":
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -632,26 +554,12 @@ def _checksum_error(msg: str) -> Exception:
     return ChecksumError(msg)
 
 
-def open_kvc(src: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO,
-             require_codec: bool = True) -> KVCReader:
-    """Open a KVC file (path, bytes, or seekable binary file object) for lazy, validated reading.
-
-    With ``require_codec=False`` a file whose codec is not installed still opens for inspection
-    (manifest, sizes, raw planes); decoding it raises the :class:`UnknownCodecError`.
+def open_container(src: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO) -> ContainerReader:
+    """Open a KVC file (path, bytes, or seekable binary file object) for lazy, validated reading of
+    its planes. To decode values, use :func:`kvcodec.open`.
 
     Raises:
-        TruncatedError, FormatError, VersionError, ChecksumError, UnknownCodecError: the file is
-        damaged, foreign, too new, or names a codec this installation lacks.
+        TruncatedError, FormatError, VersionError, ChecksumError: the file is damaged, foreign or
+        too new.
     """
-    return KVCReader(sio.as_source(src), require_codec=require_codec)
-
-
-def read_cache(
-    data: bytes | str | os.PathLike[str] | BinaryIO, codec: "Codec | None" = None, device: str = "cpu"
-) -> KVCache:
-    """Decode a whole KVC file. If ``codec`` is given, the file must have been written by it."""
-    with open_kvc(data) as r:
-        if codec is not None and codec.codec_id != r.codec.codec_id:
-            raise FormatError(f"file was written by codec {r.codec.codec_id!r}, not {codec.codec_id!r}")
-        return r.read_cache(device=device)
-
+    return ContainerReader(sio.as_source(src))

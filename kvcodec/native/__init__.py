@@ -386,13 +386,13 @@ def intq_quantize(x, bits: int, axis: str, group: int):
     import torch
 
     from ..errors import InputError
-    from ..quant.intq import intq_param_shape
 
     lb = _required()
     xc = x.detach().cpu().contiguous()
     t, h, d = xc.shape
     codes = torch.empty((t, h, d), dtype=torch.uint8)
-    ps = intq_param_shape((t, h, d), axis, group)
+    # the scale/zero shape (kvcodec.quant.intq.intq_param_shape; native does not import quant)
+    ps = (-(-t // group), h, d) if axis == "channel" else (t, h, -(-d // group))
     group = min(int(group), max(t, d, 1))  # as in intq_dequantize
     scale = torch.empty(ps, dtype=torch.float16)
     zero = torch.empty(ps, dtype=torch.float16)
@@ -701,11 +701,13 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
     strides = [x // 4 for x in st.strides] if st.size else [0, 0, 0]
     rtab, rm = None, 0
     if recon:
-        from ..quant.deadzone import recon_values
-
+        # what each code in [-rm-1, rm+1] loses to its reconstruction value: sign(c) * recon[|c|-1] / 256,
+        # zero at 0 and at both ends (exact in float32; kvcodec.quant.deadzone.recon_values is the reference)
         rm = len(recon)
-        span = np.arange(-rm - 1, rm + 2)  # what each code loses: exact, zero at 0 and at both ends
-        rtab = np.ascontiguousarray(span.astype(np.float32) - recon_values(span, list(recon)), dtype=np.float32)
+        span = np.arange(-rm - 1, rm + 2)
+        lost = np.zeros(rm + 2, dtype=np.float64)
+        lost[1:rm + 1] = np.asarray(list(recon), dtype=np.float64) / 256.0
+        rtab = np.ascontiguousarray(np.sign(span) * lost[np.abs(span)], dtype=np.float32)
     if lb.kvn_kvc_dequant(c.ctypes.data, _ckind(c), crow, n, h, d, st.ctypes.data, *strides,
                           _ptr(mu), fmax, float_kind(dtype),
                           out.data_ptr(), None if rtab is None else rtab.ctypes.data, rm) == _NOMEM:

@@ -23,7 +23,7 @@ import torch
 
 import kvcodec
 from kvcodec.cache import KVCache, LayerInfo, ModelIdentity
-from kvcodec.format import vectors
+from kvcodec import vectors
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]

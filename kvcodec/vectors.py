@@ -6,7 +6,7 @@ A vector is written only when it is missing *and* the environment variable
 missing ones with ``KVCODEC_WRITE_VECTORS=1 python formats/vectors/make_vectors.py``.
 
 Example:
-    >>> from kvcodec.format.vectors import vector_input, decoded_sha256
+    >>> from kvcodec.vectors import vector_input, decoded_sha256
     >>> c = vector_input()
     >>> c.num_layers, c.num_tokens, str(c.dtype)
     (2, 45, 'torch.float16')
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ..cache import KVCache, LayerInfo, ModelIdentity
-from ..errors import FormatError
+from .cache import KVCache, LayerInfo, ModelIdentity
+from .errors import FormatError
 
 ENV = "KVCODEC_WRITE_VECTORS"
 INPUT_NAME = "input.safetensors"
@@ -77,7 +77,7 @@ def _sha(b: bytes) -> str:
 
 def vector_names() -> list[str]:
     """Every vector the tests expect: one per registered preset plus :data:`EXTRA_VECTORS`."""
-    from ..codec import list_codecs
+    from .codec import list_codecs
 
     return list(list_codecs()) + [n for n in EXTRA_VECTORS]
 
@@ -96,7 +96,7 @@ def write_missing(directory: str | os.PathLike[str], names: list[str] | None = N
 
     Requires ``KVCODEC_WRITE_VECTORS=1``. Returns the names written.
     """
-    from ..codec import get_codec
+    from .codec import get_codec
 
     if os.environ.get(ENV) != "1":
         raise FormatError(f"refusing to write golden vectors: set {ENV}=1 to write missing ones")
@@ -135,7 +135,7 @@ def write_missing(directory: str | os.PathLike[str], names: list[str] | None = N
 def check(directory: str | os.PathLike[str], name: str) -> dict[str, Any]:
     """Decode one stored vector and compare everything with its record; raise ``AssertionError``
     naming the difference. Returns the record."""
-    from ..format import open_kvc
+    from .api import open as open_kvc
 
     d = Path(directory)
     kvc, meta = d / f"{name}.kvc", d / f"{name}.json"

@@ -1,0 +1,177 @@
+"""The decoding reader: a validated container plus the codec that turns its planes into values.
+
+This is the one place that chooses between the CPU decoders (each codec's ``decode_tensor``:
+native C where built, else the reference) and the GPU kernels (:mod:`kvcodec.gpu`). It takes the
+codec as an object, so it depends on no registry: :func:`kvcodec.open` resolves the codec a file
+names, :meth:`kvcodec.Codec.decode` passes itself.
+
+Example:
+    >>> import torch, kvcodec
+    >>> c = kvcodec.KVCache.from_tensors([(torch.ones(3, 1, 4), torch.ones(3, 1, 4))] * 4)
+    >>> r = kvcodec.open(kvcodec.get_codec("fp16").encode(c))
+    >>> [t["v"].shape[0] for t in r.read_layers(range(1, 3))]
+    [3, 3]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from .cache import KVCache, ModelIdentity
+from .errors import FormatError, KVCodecError
+from .format import safetensors_io as sio
+from .format.container import ContainerReader
+from .planes import EncodedTensor, TensorContext
+
+#: resolves a file's codec config to a codec object (the registry's get_codec, or a fixed codec)
+Resolver = Callable[[dict[str, Any]], Any]
+
+
+class KVCReader(ContainerReader):
+    """A validated KVC file opened for lazy decoding. Create it with :func:`kvcodec.open`.
+
+    Everything of :class:`~kvcodec.format.container.ContainerReader` (manifest, sizes, planes),
+    plus ``codec`` and the ``read_*`` methods that decode: each reads only the bytes it needs,
+    checks their CRC-32 and decodes one layer at a time.
+
+    Attributes:
+        codec: the codec that decodes this file (None when it is not installed and the reader
+            was opened for inspection only; decoding then raises ``codec_error``).
+    """
+
+    def __init__(self, source: sio.Source, resolve: Resolver, require_codec: bool = True) -> None:
+        from .errors import UnknownCodecError
+
+        super().__init__(source)
+        self.codec: Any = None
+        self.codec_error: KVCodecError | None = None
+        try:
+            self.codec = resolve(self.manifest["codec"])
+        except UnknownCodecError as e:
+            if require_codec:
+                self.close()
+                raise
+            self.codec_error = e  # inspection (kvcodec info) still works; decoding raises this
+        except KVCodecError:
+            self.close()
+            raise
+        except Exception as e:  # noqa: BLE001 - a codec constructor choking on hostile params
+            self.close()
+            raise FormatError(f"codec config {str(self.manifest['codec'])[:80]} is unusable: "
+                              f"{type(e).__name__}: {e}") from None
+
+    # ------------------------------------------------------------------ decoding
+    def _decode_chunk(self, i: int, role: str, j: int, enc: EncodedTensor, device: str) -> torch.Tensor:
+        if self.codec is None:
+            assert self.codec_error is not None
+            raise self.codec_error
+        ctx = self.chunk_context(i, role, j)
+        where = self.chunk_label(i, role, j)
+        try:
+            if device == "cpu":
+                t = self.codec.decode_tensor(enc, ctx)
+            else:
+                from .gpu import decode_tensor_device
+
+                t = decode_tensor_device(self.codec, enc, ctx, device)
+        except KVCodecError:
+            raise
+        except Exception as e:  # noqa: BLE001 - hostile input must only ever raise our errors
+            raise FormatError(
+                f"{where}: codec {self.codec.codec_id!r} failed to decode: {type(e).__name__}: {str(e)[:200]}"
+            ) from None
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != ctx.shape or t.dtype != self.dtype:
+            got = f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise FormatError(f"{where}: codec returned {got}, expected {list(ctx.shape)} {self.dtype}")
+        return t
+
+    def read_layer(self, i: int, chunks: Sequence[int] | range | None = None, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """Decode layer ``i`` (optionally only some chunks, concatenated along tokens).
+
+        Reads only that layer's bytes (plus the file-level planes once), verifying every CRC-32
+        before decoding.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for role, encs in self.read_layer_planes(i, chunks).items():
+            parts = [self._decode_chunk(i, role, j, enc, device) for j, enc in encs]
+            if len(parts) == 1:
+                out[role] = parts[0]
+            elif parts:
+                if device != "cpu":  # the parts may still be decoding on other CUDA streams
+                    from .gpu import sync_batch_streams
+
+                    sync_batch_streams()
+                out[role] = torch.cat(parts, dim=0)
+            else:
+                _, h, d = self.tensor_shape(i, role)
+                out[role] = torch.empty((0, h, d), dtype=self.dtype, device=device if device != "cpu" else None)
+        return out
+
+    def read_layers(self, layers: Iterable[int] | None = None, device: str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
+        """Decode layers one at a time (default: all), yielding each layer's tensor dict."""
+        for i in range(self.num_layers) if layers is None else layers:
+            yield self.read_layer(i, device=device)
+
+    def read_cache(self, device: str = "cpu") -> KVCache:
+        """Decode the whole file into a :class:`KVCache`, one layer at a time."""
+        m = self.manifest
+        self.check_padding()
+        if device == "cpu":
+            layers = list(self.read_layers(device=device))
+        else:  # every tensor's kernels launched without waiting, on several CUDA streams; checked at the end
+            from .gpu import batched_decode
+
+            with batched_decode(device):
+                layers = list(self.read_layers(device=device))
+        rope = m["rope"]
+        return KVCache(
+            layers=layers,
+            layer_info=[self.layer_info(i) for i in range(self.num_layers)],
+            token_ids=self.token_ids(),
+            positions=self.positions(),
+            model=ModelIdentity.from_dict(m["model"]),
+            rope_applied=bool(rope["applied"]),
+            rope=dict(rope["params"]),
+        )
+
+    def verify(self, decode: bool = True) -> dict[str, Any]:
+        """Check every CRC-32 and the padding; with ``decode``, also decode every layer and check
+        that the values are finite. Returns a summary; raises a :class:`KVCodecError` on failure."""
+        if not decode:
+            return super().verify()
+        self.check_padding()
+        for n in self.tensor_names():
+            if not self._is_layer_plane(n):
+                self.read_plane(n)
+        for i in range(self.num_layers):
+            for role, t in self.read_layer(i).items():
+                if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.abs().amax())):
+                    raise FormatError(f"layers.{i}.{role} decodes to NaN or Inf values")
+        return {"ok": True, "tensors": len(self.tensor_names()), "layers": self.num_layers,
+                "bytes": self.file_size, "decoded": True}
+
+    def __enter__(self) -> "KVCReader":
+        return self
+
+
+def open_with(src: Any, resolve: Resolver, require_codec: bool = True) -> KVCReader:
+    """Open ``src`` (path, bytes, or seekable binary file object) with ``resolve`` choosing the codec."""
+    return KVCReader(sio.as_source(src), resolve, require_codec=require_codec)
+
+
+def read_with(data: Any, codec: Any, device: str = "cpu") -> KVCache:
+    """Decode a whole file that ``codec`` wrote (FormatError if the file names another codec id)."""
+
+    def resolve(config: dict[str, Any]) -> Any:
+        cid = config.get("id") if isinstance(config, dict) else None
+        if cid != codec.codec_id:
+            raise FormatError(f"file was written by codec {cid!r}, not {codec.codec_id!r}")
+        return type(codec).from_config(config)  # the file's own parameters decode it
+
+    with open_with(data, resolve) as r:
+        return r.read_cache(device=device)
+
+
+__all__ = ["KVCReader", "open_with", "read_with"]
