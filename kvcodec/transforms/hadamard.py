@@ -2,7 +2,7 @@
 
 A fixed rotation needs no calibration and spreads outlier channels over all coordinates. With an
 entropy coder behind the quantizer that is *not* automatically a gain: coding gain comes from
-unequal variances, which a rotation evens out. It is here to be measured (eval/kvc_rd.py).
+unequal variances, which a rotation evens out. It is here to be measured (eval/studies/kvc_rd.py).
 
 Normative arithmetic (so a GPU kernel can match it bit for bit): float32 throughout; stages
 ``h = 1, 2, 4, ...``; in each stage, for every pair ``(i, i + h)`` inside blocks of ``2h``:

@@ -14,26 +14,25 @@ encode and decode time of each preset against ``cachegen``'s, single-threaded, t
 interleaved and the best of ``--repeat`` kept (timings on a shared machine are noisy: read the
 ratios, measured in one run).
 
-The calibration file is the one ``eval/kvc_rd.py`` writes for the same context (built on tokens
+The calibration file is the one ``eval/studies/kvc_rd.py`` writes for the same context (built on tokens
 8192.. of the text, held out from these), or ``--calibration PATH``.
 
 Writes ``<out>.json`` and ``<out>.md`` (default ``eval/results/kvc_ctx``).
 
 Usage:
-    python eval/kvc_rd.py --quick --context 1536 --out /tmp/rd   # once: writes the calibration file
-    python eval/kvc_ctx.py --context 1536 --repeat 5
+    python eval/studies/kvc_rd.py --quick --context 1536 --out /tmp/rd   # once: writes the calibration file
+    python eval/studies/kvc_ctx.py --context 1536 --repeat 5
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+from kvcodec.harness.results import provenance, write_result
 
 PRESETS = ["kvc-transparent-cal", "kvc-near-cal", "kvc-aggressive-cal"]
 ALT_ROWS = 48
@@ -42,20 +41,19 @@ ALT_ROWS = 48
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--context", type=int, default=1536)
-    ap.add_argument("--calibration", default=None, help="calibration file (default: eval/kvc_rd.py's for --context)")
+    ap.add_argument("--calibration", default=None, help="calibration file (default: eval/studies/kvc_rd.py's for --context)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out", default="eval/results/kvc_ctx")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).parent))
+    prov = provenance(argv)
     import kvcodec
-    from kvc_rd import machine
     from kvcodec.codec import get_codec
     from kvcodec.harness.capture import default_cache
-    from kvcodec.harness.models import cache_dir
+    from kvcodec.harness.studies import calibration_path
 
-    cal = Path(args.calibration or cache_dir() / "calibration" / f"smollm2-eval-text-skip8192-ctx{args.context}.qstats.safetensors")
+    cal = Path(args.calibration or calibration_path(args.context))
     if not cal.is_file():
-        ap.error(f"no calibration file {cal}: run `python eval/kvc_rd.py --quick --context {args.context}` "
+        ap.error(f"no calibration file {cal}: run `python eval/studies/kvc_rd.py --quick --context {args.context}` "
                  "first or pass --calibration")
     torch.set_num_threads(1)
     cache = default_cache(args.context)
@@ -105,22 +103,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s['codec']:22s} enc {s['encode_s'] * 1e3:7.1f} ms ({s['encode_ratio']:.2f}x)  "
               f"dec {s['decode_s'] * 1e3:7.1f} ms ({s['decode_ratio']:.2f}x)", flush=True)
 
-    res = {"command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": machine(), "threads": 1, "context": args.context, "tokens": cache.num_tokens,
+    res = {"threads": 1, "context": args.context, "tokens": cache.num_tokens,
            "calibration": cal.name, "sizes": sizes, "speed": speed}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(res))
-    print(f"wrote {out.with_suffix('.md')}")
+    js, md = write_result(args.out, res, markdown(res), prov=prov)
+    print(f"wrote {js} and {md}")
     return 0
 
 
 def markdown(res: dict) -> str:
     lines = [f"# kvc magnitude contexts: size and speed ({res['context']} tokens)", "",
-             f"`{res['command']}` — {res['date']}, {res['machine']}, {res['threads']} thread; "
-             f"calibration `{res['calibration']}` (held-out text).", "",
+             f"{res['threads']} torch thread; calibration `{res['calibration']}` (held-out text).", "",
              "Bits per element, all-in (decoded caches equal in all three: contexts are lossless):", "",
              f"| preset | contexts off | as shipped | saving | streams of {ALT_ROWS} rows |",
              "|---|---:|---:|---:|---:|"]

@@ -15,17 +15,16 @@ For the built-in SmolLM2 cache (``--context`` tokens, 30 layers, K and V) coded 
   streams of the whole file (decoded side by side, ``gpu.batched_decode``) bound how many
   threads are busy.
 
-    python eval/kvc_gpu_host.py --out eval/results/kvc_gpu_host
+    python eval/studies/kvc_gpu_host.py --out eval/results/kvc_gpu_host
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import time
-from pathlib import Path
+
+from kvcodec.harness.results import provenance, write_result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="token chunks to try on kvc-near-cal besides the shipped 2048")
     ap.add_argument("--out", default="eval/results/kvc_gpu_host")
     args = ap.parse_args(argv)
+    prov = provenance(argv)
     import numpy as np
     import torch
 
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvcodec.codec import EncodedTensor, TensorContext
     from kvcodec.entropy.stage import StageLayout
     from kvcodec import open as open_kvc
-    from kvc_rd import held_out_calibration
     from kvcodec.harness.capture import default_cache
+    from kvcodec.harness.studies import held_out_calibration
 
     cache = default_cache(context=args.context)
     cal = held_out_calibration(1536)
@@ -96,16 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                      "streams_per_tensor": sorted(set(streams)), "streams_in_file": int(np.sum(streams)),
                      "longest_stream_symbols": longest})
         print(json.dumps(rows[-1]), flush=True)
-    res = {"command": f"python eval/kvc_gpu_host.py --context {args.context} --repeat {args.repeat} "
-                      f"--chunks {','.join(map(str, args.chunks))} --out {args.out}",
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, python {platform.python_version()}, "
-                      f"torch {torch.__version__}", "context": args.context, "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+    res = {"context": args.context, "torch_threads": torch.get_num_threads(), "rows": rows}
     lines = [f"# kvc's GPU decode path on the host (SmolLM2-135M, {args.context} tokens)", "",
-             f"Command: `{res['command']}`  ", f"Date: {res['date']}  ", f"Machine: {res['machine']} (no GPU)", "",
+             f"Run on the CPU ({res['torch_threads']} torch threads; no GPU).", "",
              "CPU decode = `kvcodec.decode(blob)`; host prep = `gpu.prepare_decode` of every tensor (validation, tables, "
              "upload arguments; uploads to CPU memory here), fastest of the repeats. Streams: ANS streams per tensor and "
              "in the whole file; one GPU thread decodes one stream, so the longest stream's symbol count is the "
@@ -117,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {x['preset']} | {x['bits_per_element']} | {x['tensors']} | {x['cpu_decode_ms']} | "
                      f"{x['host_prep_ms']} | {x['host_prep_ms_per_tensor']} | {', '.join(map(str, x['streams_per_tensor']))} | "
                      f"{x['streams_in_file']} | {x['longest_stream_symbols']} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, res, "\n".join(lines), prov=prov, echo=True)
     return 0
 
 

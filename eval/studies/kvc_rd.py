@@ -18,30 +18,31 @@ continuation + 1`` tokens (or those from ``--text-offset``; the two ranges must 
 and written to a file outside the repository (the encoder reads it, the decoder never needs it).
 Rows whose config names ``"calibration": "CAL"`` get that file.
 
-Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default ``eval/results/kvc_rd``).
+Writes ``<out>.json``, ``<out>.md`` (:func:`kvcodec.harness.results.write_result`) and
+``<out>.png`` (default ``eval/results/kvc_rd``).
 
 Usage:
-    python eval/kvc_rd.py                       # full run (~30 min on 2 busy cores)
-    python eval/kvc_rd.py --context 512 --continuation 128 --quick --out /tmp/kvc_rd
+    python eval/studies/kvc_rd.py                       # full run (~30 min on 2 busy cores)
+    python eval/studies/kvc_rd.py --context 512 --continuation 128 --quick --out /tmp/kvc_rd
     # another evaluation window of the same text (tokens 4096.. ; calibration stays at 8192..):
-    python eval/kvc_rd.py --quick --text-offset 4096 --out /tmp/kvc_rd_off4096
+    python eval/studies/kvc_rd.py --quick --text-offset 4096 --out /tmp/kvc_rd_off4096
     # preset rows only, plus extra kvc configurations (a JSON list) for a targeted search:
-    python eval/kvc_rd.py --quick --no-baselines --configs '[{"id": "kvc", "k_step": 0.22, "v_step": 0.66}]'
+    python eval/studies/kvc_rd.py --quick --no-baselines --configs '[{"id": "kvc", "k_step": 0.22, "v_step": 0.66}]'
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from kvcodec.harness.results import provenance, with_provenance_block, write_result
+from kvcodec.harness.studies import text_window
 
 BASELINES = ["fp8-e4m3", "nvfp4", "kivi-4", "kivi-2", "cachegen", "cachegen-lmcache"]
 
@@ -98,35 +99,6 @@ def pca_gain(cache) -> dict:
     return out
 
 
-def held_out_calibration(context: int) -> Path:
-    """The calibration file the eval scripts share: SmolLM2 on the built-in text from token 8192
-    (after the evaluated windows), ``context`` tokens, 4 sensitivity draws over 512 tokens — the
-    file ``kvc_rd.py`` writes with its defaults. Made (about a minute) when missing."""
-    from kvcodec.harness import default_text, load_model
-    from kvcodec.harness.calibration import query_statistics, save_query_statistics
-    from kvcodec.harness.models import cache_dir
-
-    cal = cache_dir() / "calibration" / f"smollm2-eval-text-skip8192-ctx{context}.qstats.safetensors"
-    if not cal.exists():
-        model, tok = load_model()
-        cal.parent.mkdir(parents=True, exist_ok=True)
-        save_query_statistics(query_statistics(model, tok, default_text(), context=context, skip_tokens=8192,
-                                               sensitivity_samples=4, continuation=512), cal)
-    return cal
-
-
-def write_markdown(out: str | Path, lines: list[str]) -> int:
-    """Write a report's lines as ``<out>.md`` and print them; returns the scripts' exit code 0."""
-    text = "\n".join(lines) + "\n"
-    Path(out).with_suffix(".md").write_text(text)
-    print(text)
-    return 0
-
-
-def machine() -> str:
-    return f"{platform.machine()} {os.cpu_count()}-core CPU, {platform.system()} {platform.release()}, torch {torch.__version__}"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--context", type=int, default=1536)
@@ -152,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="eval/results/kvc_rd")
     ap.add_argument("--rerender", action="store_true", help="only rewrite <out>.md/.png from <out>.json")
     args = ap.parse_args(argv)
+    prov = provenance(argv)
     if args.rerender:
         rerender(Path(args.out).with_suffix(".json"))
         return 0
@@ -226,9 +199,6 @@ def main(argv: list[str] | None = None) -> int:
               f"({time.perf_counter() - t0:.0f} s) {rec.get('error') or ''}", flush=True)
 
     result = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
         "setup": ev.describe(),
         "missing_baselines": missing,
         "calibration": calib,
@@ -236,21 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         "records": records,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
+    write_result(out, result, markdown(result), prov=prov)
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out}.json/.md/.png")
     return 0
-
-
-def text_window(tokenizer, text: str, offset: int) -> str:
-    """The text from token ``offset`` on (tokenized without special tokens, decoded back), so a
-    second evaluation window of the same text can be scored; the evaluator prepends BOS again."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if offset >= len(ids):
-        raise SystemExit(f"--text-offset {offset}: the text has only {len(ids)} tokens")
-    return tokenizer.decode(ids[offset:])
 
 
 def _resolve(cfg: dict, calib_file: str) -> dict:
@@ -285,7 +244,7 @@ def rerender(json_path: Path) -> None:
         if r["kind"] == "kvc-sweep":
             r["name"] = _short(r["config"])
     json_path.write_text(json.dumps(res, indent=1, default=str) + "\n")
-    json_path.with_suffix(".md").write_text(markdown(res))
+    json_path.with_suffix(".md").write_text(with_provenance_block(markdown(res), res["provenance"]))
     plot(res, json_path.with_suffix(".png"))
 
 
@@ -318,8 +277,7 @@ def markdown(res: dict) -> str:
     lines = [
         "# kvc rate–distortion on SmolLM2 (next-token KL vs bits per element, all-in)",
         "",
-        f"- command: `{res['command']}`",
-        f"- date: {res['date']}; machine: {res['machine']} (shared with other jobs: timings are noisy, compare ratios)",
+        f"- timings: {res.get('timing_note', 'this machine is shared with other jobs: timings are noisy, compare ratios')}",
         f"- model: {s['model'].get('model_id')}; context {s['context']} tokens, {s['continuation']} scored "
         f"continuation tokens; reference cache {s['cache_dtype']}; text {s['text']['name']} "
         f"(sha256 {s['text']['sha256'][:16]}…); reference PPL {s['reference']['ppl']}",

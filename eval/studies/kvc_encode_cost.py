@@ -6,15 +6,15 @@ shipped and with one setting switched back (``k_recon`` 0; ``pack`` 1; zstd leve
 the shipped level), fastest of ``--repeat`` interleaved rounds on one thread (compare the
 columns of one run only: this machine's timings drift between runs).
 
-    python eval/kvc_encode_cost.py --out eval/results/kvc_encode_cost
+    python eval/studies/kvc_encode_cost.py --out eval/results/kvc_encode_cost
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import time
+
+from kvcodec.harness.results import provenance, write_result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,12 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out", default="eval/results/kvc_encode_cost")
     args = ap.parse_args(argv)
+    prov = provenance(argv)
     import torch
 
     import kvcodec
     import kvcodec.codecs.kvc as kvc
-    from kvc_rd import held_out_calibration, write_markdown
     from kvcodec.harness.capture import default_cache
+    from kvcodec.harness.studies import held_out_calibration
 
     torch.set_num_threads(1)
     cache = default_cache(context=1536)
@@ -53,17 +54,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         kvc.PACK_ZSTD_LEVEL = shipped_level
     lines = ["# What k_recon and the zstd pieces cost a calibrated kvc encode (SmolLM2, 1536 tokens)", "",
-             f"- command: `python eval/kvc_encode_cost.py --repeat {args.repeat} --out {args.out}`",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; machine: "
-             f"{platform.machine()}, {platform.system()} {platform.release()}, one torch thread; fastest of "
-             f"{args.repeat} interleaved rounds (compare within this run only)",
+             f"- timing: one torch thread; fastest of {args.repeat} interleaved rounds (compare within this "
+             "run only)",
              f"- shipped zstd level: {shipped_level}", "",
              "| preset | variant | bits/elem | encode s | Δ s vs shipped |", "|---|---|---|---|---|"]
+    out_rows = []
     for i, (p, v, _, _) in enumerate(rows):
         ref = next(j for j, r in enumerate(rows) if r[0] == p and r[1] == "as shipped")
+        out_rows.append({"preset": p, "variant": v, "bits_per_element": 8 * sizes[i] / cache.num_elements,
+                         "encode_s": best[i], "delta_s_vs_shipped": best[i] - best[ref]})
         lines.append(f"| {p} | {v} | {8 * sizes[i] / cache.num_elements:.4f} | {best[i]:.3f} | "
                      f"{best[i] - best[ref]:+.3f} |")
-    return write_markdown(args.out, lines)
+    doc = {"context": 1536, "threads": 1, "repeat": args.repeat, "shipped_zstd_level": shipped_level,
+           "rows": out_rows}
+    write_result(args.out, doc, "\n".join(lines), prov=prov, echo=True)
+    return 0
 
 
 if __name__ == "__main__":

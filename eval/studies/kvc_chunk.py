@@ -7,15 +7,15 @@ at several ``chunk`` sizes (tokens per ANS stream; formats/ANS.md) and CacheGen,
 The encoder reads each stream's symbols in place, row after row over all of the chunk's tokens,
 so a long chunk streams through more memory than the caches hold (compare within one run only).
 
-    python eval/kvc_chunk.py --out eval/results/kvc_chunk
+    python eval/studies/kvc_chunk.py --out eval/results/kvc_chunk
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import time
+
+from kvcodec.harness.results import provenance, write_result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,20 +24,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", default="4096,2048,1024,512")
     ap.add_argument("--out", default="eval/results/kvc_chunk")
     args = ap.parse_args(argv)
+    prov = provenance(argv)
     import torch
 
     import kvcodec
-    from kvc_rd import held_out_calibration, write_markdown
     from kvcodec.harness.capture import default_cache
+    from kvcodec.harness.studies import held_out_calibration
 
     torch.set_num_threads(1)
     chunks = [int(c) for c in args.chunks.split(",")]
     lines = ["# kvc-transparent-cal: the entropy stage's token chunk against encode and decode time", "",
-             f"- command: `python eval/kvc_chunk.py --repeat {args.repeat} --chunks {args.chunks} --out {args.out}`",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; machine: "
-             f"{platform.machine()}, {platform.system()} {platform.release()}, one torch thread; fastest of "
-             f"{args.repeat} interleaved rounds, times over CacheGen's in the same run", "",
+             f"- timing: one torch thread; fastest of {args.repeat} interleaved rounds, times over CacheGen's "
+             "in the same run", "",
              "| tokens | chunk | bits/elem | encode × cachegen | decode × cachegen |", "|---|---|---|---|---|"]
+    rows = []
     for ctx in (4096, 1536):
         cache = default_cache(context=ctx)
         cal = held_out_calibration(ctx)
@@ -57,9 +57,14 @@ def main(argv: list[str] | None = None) -> int:
                 size[k] = len(blob)
         ref = best["cachegen"]
         for ch in chunks:
-            lines.append(f"| {ctx} | {ch} | {8 * size[ch] / cache.num_elements:.4f} | {best[ch][0] / ref[0]:.2f} | "
-                         f"{best[ch][1] / ref[1]:.2f} |")
-    return write_markdown(args.out, lines)
+            rows.append({"tokens": ctx, "chunk": ch, "bits_per_element": 8 * size[ch] / cache.num_elements,
+                         "encode_x_cachegen": best[ch][0] / ref[0], "decode_x_cachegen": best[ch][1] / ref[1]})
+            r = rows[-1]
+            lines.append(f"| {ctx} | {ch} | {r['bits_per_element']:.4f} | {r['encode_x_cachegen']:.2f} | "
+                         f"{r['decode_x_cachegen']:.2f} |")
+    doc = {"preset": "kvc-transparent-cal", "threads": 1, "repeat": args.repeat, "rows": rows}
+    write_result(args.out, doc, "\n".join(lines), prov=prov, echo=True)
+    return 0
 
 
 if __name__ == "__main__":

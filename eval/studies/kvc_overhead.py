@@ -1,25 +1,24 @@
 """Where the bits of a kvc file go: the coded symbols against everything else, per plane kind.
 
 Encodes the built-in SmolLM2 cache with each kvc preset (the -cal presets with a calibration
-file, recorded on held-out tokens 8192– of the built-in text as in eval/kvc_rd.py) and splits the
+file, recorded on held-out tokens 8192– of the built-in text as in eval/studies/kvc_rd.py) and splits the
 file's size into the safetensors header (index and manifest), the ANS words (the coded symbols)
 and every other plane kind, in bits per cached element (a packed tensor's plane is split into its
 pieces by its directory, a zstd-compressed piece by its stored bytes; the gaps between them
 count as ``pad``).
 
-    python eval/kvc_overhead.py --context 1536 --out eval/results/kvc_overhead
+    python eval/studies/kvc_overhead.py --context 1536 --out eval/results/kvc_overhead
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
-import platform
 import struct
 import sys
-from pathlib import Path
+
+from kvcodec.harness.results import provenance, write_result
 
 PRESETS = ["kvc-transparent", "kvc-near", "kvc-aggressive", "kvc-transparent-cal", "kvc-near-cal", "kvc-aggressive-cal"]
 
@@ -61,9 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1536)
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.md")
     args = ap.parse_args(argv)
+    prov = provenance(argv)
     import kvcodec
-    from kvc_rd import held_out_calibration
     from kvcodec.harness.capture import default_cache
+    from kvcodec.harness.studies import held_out_calibration
 
     cache = default_cache(context=args.context)
     cal = held_out_calibration(args.context)
@@ -77,13 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     kinds = sorted({k for r in rows.values() for k in r} - {"total", "ans_words"},
                    key=lambda k: -max(r.get(k, 0.0) for r in rows.values()))
     res = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {platform.system()} {platform.release()}",
         "context": args.context, "calibration": str(cal), "rows": rows,
     }
     lines = [f"# Where the bits of a kvc file go (SmolLM2-135M, built-in cache, {args.context} tokens)", "",
-             f"- command: `{res['command']}`", f"- date: {res['date']}; machine: {res['machine']}",
              "- bits per cached element; `ans_words` are the coded symbols, everything else is side "
              "information: `header` (safetensors index + manifest), `ans_tables` / `ans_row_table` / "
              "`ans_offsets` / `ans_meta` (the entropy stage's tables and index), `esc` (escaped codes, raw, "
@@ -99,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     md = "\n".join(lines) + "\n"
     print(md)
     if args.out:
-        Path(args.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
-        Path(args.out + ".md").write_text(md)
+        write_result(args.out, res, md, prov=prov)
     return 0
 
 

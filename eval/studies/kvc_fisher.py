@@ -13,7 +13,7 @@ On SmolLM2, for window A (calibration: tokens 8192–) and window B (evaluation:
    and fitted on B itself ("oracle"), per (layer, role), (layer, role, head) and (…, channel);
 4. prints how much of the sensitivity (F in kvc's step units) sits in the latest 10 % of tokens.
 
-    python eval/kvc_fisher.py --out eval/results/kvc_fisher
+    python eval/studies/kvc_fisher.py --out eval/results/kvc_fisher
 
 Theory overstates real gains (dead zones: coarsening saves less than refining costs); the
 measured gains are in eval/results/kvc_rd.md and kvc_presets*.md.
@@ -22,14 +22,12 @@ measured gains are in eval/results/kvc_rd.md and kvc_presets*.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
-import sys
 from pathlib import Path
 
 import numpy as np
-import torch
+
+from kvcodec.harness.results import provenance, write_result
+from kvcodec.harness.studies import text_window
 
 
 def _gain(a_fit: np.ndarray, a_true: np.ndarray, n: np.ndarray) -> float:
@@ -60,9 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.md")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).parent))
+    prov = provenance(argv)
     import kvcodec
-    from kvc_rd import text_window
     from kvcodec.harness import default_text, load_model
     from kvcodec.harness.calibration import fisher_diagonal, query_statistics, save_query_statistics
     from kvcodec.harness.evaluate import Evaluator
@@ -107,9 +104,6 @@ def main(argv: list[str] | None = None) -> int:
         tail[f"{i}.{r}"] = [round(float(v), 2) for v in s[-len(s) // 10:].sum(0) / np.maximum(s.sum(0), 1e-30)]
     shares = np.array([v for vals in tail.values() for v in vals])
     res = {
-        "command": "python eval/kvc_fisher.py" + (f" --out {args.out}" if args.out else ""),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, torch {torch.__version__}",
         "codec": "kvc-near-cal as before this analysis (k 0.32, v 1.15, no Fisher weights, no recency ramp), calibration file from window A",
         "predicted_kl_B": round(float(sum(x.sum() for x in weighted["B"].values())), 5),
         "measured_kl_B": round(measured["B"], 5),
@@ -120,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
                                "p75": round(float(np.percentile(shares, 75)), 2), "per_layer_role_head": tail},
     }
     md = [f"# kvc: Fisher analysis on SmolLM2 (ctx 1536, 512 scored tokens; A = tokens 8192–, B = tokens 0–)", "",
-          f"- command: `{res['command']}`", f"- date: {res['date']}; machine: {res['machine']}",
           f"- codec: {res['codec']}",
           f"- predicted mean KL (0.5·Σ F·d²) vs measured: A {res['predicted_kl_A']} vs {res['measured_kl_A']}, "
           f"B {res['predicted_kl_B']} vs {res['measured_kl_B']}",
@@ -132,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     md += [f"| {r['roles']} | {r['groups']} | {r['transfer_bits']} | {r['oracle_bits']} |" for r in rows]
     print("\n".join(md))
     if args.out:
-        Path(args.out).with_suffix(".json").write_text(json.dumps(res, indent=1))
-        Path(args.out).with_suffix(".md").write_text("\n".join(md) + "\n")
+        write_result(args.out, res, "\n".join(md), prov=prov)
     return 0
 
 

@@ -1,0 +1,61 @@
+"""What the one-question studies under ``eval/studies/`` share: the held-out calibration file and
+a second evaluation window of the built-in text.
+
+Example:
+    >>> from kvcodec.harness.studies import calibration_path
+    >>> calibration_path(1536).name
+    'smollm2-eval-text-skip8192-ctx1536.qstats.safetensors'
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: The calibration text starts at this token of the built-in text, after every evaluated window
+#: (eval/studies/kvc_rd.py's ``--calib-skip`` default).
+CALIB_SKIP = 8192
+
+
+def calibration_path(context: int) -> Path:
+    """Where :func:`held_out_calibration` keeps its file for ``context`` (under the kvcodec cache
+    dir; eval/studies/kvc_rd.py writes the same file with its defaults)."""
+    from .models import cache_dir
+
+    return cache_dir() / "calibration" / f"smollm2-eval-text-skip{CALIB_SKIP}-ctx{context}.qstats.safetensors"
+
+
+def held_out_calibration(context: int) -> Path:
+    """The calibration file the studies share: SmolLM2 on the built-in text from token 8192
+    (after the evaluated windows), ``context`` tokens, 4 sensitivity draws over 512 tokens — the
+    file ``eval/studies/kvc_rd.py`` writes with its defaults. Made (about a minute, loading the
+    model) when missing.
+
+    Args:
+        context: tokens of calibration text (the studies use their evaluation context).
+
+    Returns:
+        The path of the ``.qstats.safetensors`` file.
+    """
+    from . import default_text, load_model
+    from .calibration import query_statistics, save_query_statistics
+
+    cal = calibration_path(context)
+    if not cal.exists():
+        model, tok = load_model()
+        cal.parent.mkdir(parents=True, exist_ok=True)
+        save_query_statistics(query_statistics(model, tok, default_text(), context=context, skip_tokens=CALIB_SKIP,
+                                               sensitivity_samples=4, continuation=512), cal)
+    return cal
+
+
+def text_window(tokenizer, text: str, offset: int) -> str:
+    """The text from token ``offset`` on (tokenized without special tokens, decoded back), so a
+    second evaluation window of the same text can be scored; the evaluator prepends BOS again.
+
+    Raises:
+        SystemExit: the text has no more than ``offset`` tokens.
+    """
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if offset >= len(ids):
+        raise SystemExit(f"--text-offset {offset}: the text has only {len(ids)} tokens")
+    return tokenizer.decode(ids[offset:])
