@@ -16,7 +16,8 @@ Measures, on the same cache:
 4. bit-exactness on the real cache: native decoder == numpy decoder == constriction on every
    stream; the pure-integer reference on a subset (pure Python is slow).
 
-Writes ``eval/results/entropy_bench.json`` and ``.md`` with the command, machine and date.
+Writes ``eval/results/entropy_bench.json`` and ``.md`` (:func:`kvcodec.harness.results.write_result`:
+one provenance header; ``host`` keeps the CPU, thread count and load average of the run).
 
 Usage:
     python eval/bench_entropy.py [--context 4096] [--out eval/results] [--quick]
@@ -25,12 +26,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import math
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -43,6 +41,7 @@ from kvcodec import native
 from kvcodec.codec import TensorContext
 from kvcodec.entropy import EntropyStage, StageLayout, entropy_bits, ideal_bits, side_info_bits
 from kvcodec.entropy.stage import take_prefix
+from kvcodec.harness.results import provenance, write_result
 
 CODECS = ["cachegen", "cachegen-lmcache", "kivi-4-ans", "kivi-2-ans", "kivi-4-delta-ans", "kivi-2-delta-ans"]
 FIXED = ["kivi-4", "kivi-2"]
@@ -321,11 +320,10 @@ def stage_speed(codes, a, log):
     return out
 
 
-def write_md(path, res):
+def markdown(res) -> str:
     L = [f"# Entropy coding benchmark (SmolLM2-135M real KV cache)", "",
-         f"- command: `{res['command']}`", f"- date (UTC): {res['date']}",
-         f"- machine: {res['machine']['cpu']} ({res['machine']['cores']} cores, shared with other jobs), "
-         f"torch threads = {res['machine']['torch_threads']}",
+         f"- host: {res['host']['cpu']} ({res['host']['cores']} cores, shared with other jobs), "
+         f"torch threads = {res['host']['torch_threads']}",
          f"- cache: {res['cache']['layers']} layers, {res['cache']['tokens']} tokens, "
          f"{res['cache']['elements']} elements, source {res['cache']['dtype']}", "",
          "## 1. Bits per element (all-in = whole .kvc file incl. header; other columns are parts)", "",
@@ -378,7 +376,7 @@ def write_md(path, res):
                  f"on {e['numpy_eq_constriction_streams']} streams; "
                  f"pure-integer reference on {e['reference_checked_streams']} streams; mismatches: {e['mismatches']}")
     L += ["", res.get("notes", ""), ""]
-    Path(path).write_text("\n".join(L))
+    return "\n".join(L)
 
 
 def main(argv=None) -> int:
@@ -388,14 +386,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer codecs, no side-info study (smoke run)")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per codec and path; the fastest is kept")
     args = ap.parse_args(argv)
+    prov = provenance(argv)
     torch.set_num_threads(1)
     from kvcodec.harness import default_cache
 
     cache = default_cache(context=args.context, dtype=torch.float16)
     log = lambda s: print(s, flush=True)  # noqa: E731
-    res = {"command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-           "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-           "machine": machine(),
+    res = {"host": machine(),
            "cache": {"model": cache.model.model_id, "layers": cache.num_layers, "tokens": cache.num_tokens,
                      "elements": cache.num_elements, "dtype": str(cache.dtype)}}
     zc, zd = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
@@ -427,7 +424,7 @@ def main(argv=None) -> int:
         load = os.getloadavg()
     except OSError:
         load = (float("nan"),) * 3
-    res["machine"]["load_average"] = [round(v, 2) for v in load]
+    res["host"]["load_average"] = [round(v, 2) for v in load]
     res["notes"] = (
         f"Timings are on a 2-core machine shared with other jobs (load average {load[0]:.1f} at the end of the "
         "run), so absolute MB/s are pessimistic: compare ratios within this run. Native path: "
@@ -435,11 +432,8 @@ def main(argv=None) -> int:
         "Without it the ANS speed is capped by constriction's per-symbol rate (the 'constriction alone' row); the "
         "vectorised numpy decoder is bit-exact but slower on one core (it is the shape of a GPU decoder)."
     )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "entropy_bench.json").write_text(json.dumps(res, indent=1) + "\n")
-    write_md(out / "entropy_bench.md", res)
-    log(f"wrote {out / 'entropy_bench.json'} and {out / 'entropy_bench.md'}")
+    js, md = write_result(Path(args.out) / "entropy_bench", res, markdown(res), prov=prov)
+    log(f"wrote {js} and {md}")
     return 0
 
 

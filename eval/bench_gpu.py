@@ -20,14 +20,15 @@ An end-to-end row decodes a whole multi-layer cache with ``kvcodec.decode(..., d
 (uploads and Python included) against ``device="cpu"``.
 
 Usage:
-    python eval/bench_gpu.py [--out DIR] [--size-mb 1024] [--repeats 10] [--budget-s 200]
-Writes ``gpu_bench.json`` and ``gpu_bench.md`` to ``--out`` (default ``$OUT`` or eval/results/).
+    python eval/bench_gpu.py [--out DIR] [--stem gpu_bench] [--size-mb 1024] [--repeats 10] [--budget-s 200]
+Writes ``<stem>.json`` and ``<stem>.md`` to ``--out`` (default ``$OUT`` or eval/results/) with
+:func:`kvcodec.harness.results.write_result`; ``device`` keeps the GPU, SM count and CUDA/NVRTC versions.
+Run with the repository on ``PYTHONPATH`` (eval/gpu_check.sh sets it).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -39,11 +40,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import kvcodec  # noqa: E402
-from kvcodec import gpu  # noqa: E402
-from kvcodec.codec import EncodedTensor, TensorContext  # noqa: E402
+import kvcodec
+from kvcodec import gpu
+from kvcodec.codec import EncodedTensor, TensorContext
+from kvcodec.harness.results import provenance, write_result
 
 H, D = 8, 128
 
@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip remaining codecs past this")
     ap.add_argument("--codecs", default="", help="comma-separated labels (default: all)")
+    ap.add_argument("--stem", default="gpu_bench", help="file name of the result, without suffix")
     args = ap.parse_args(argv)
+    prov = provenance(argv)
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device; nothing measured", file=sys.stderr)
         return 2
@@ -255,10 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         nvrtc = f"{major}.{minor}"
     except Exception:  # noqa: BLE001
         nvrtc = "?"
+    prov["machine"] += f", GPU {dev.name}" if "GPU" not in prov["machine"] else ""
     result = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"gpu": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
+        "device": {"gpu": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
                     "cuda": torch.version.cuda, "nvrtc": nvrtc, "cpu_threads": torch.get_num_threads(),
                     "python": platform.python_version(), "host": platform.machine()},
         "copy": {"bytes": nbytes, "ms": round(copy_s * 1e3, 3), "GBps_written": round(copy_gbs, 1),
@@ -266,21 +267,15 @@ def main(argv: list[str] | None = None) -> int:
         "codecs": rows, "end_to_end": e2e, "skipped_for_time": skipped,
         "elapsed_s": round(time.perf_counter() - start, 1),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    md = to_markdown(result)
-    (out / "gpu_bench.md").write_text(md)
-    print(md)
+    write_result(Path(args.out) / args.stem, result, to_markdown(result, prov["date"]), prov=prov, echo=True)
     return 0 if all(r.get("bit_exact") for r in rows) else 1
 
 
-def to_markdown(r: dict) -> str:
-    m = r["machine"]
+def to_markdown(r: dict, date: str) -> str:
+    m = r["device"]
     lines = [
-        f"# GPU decode throughput ({m['gpu']}, {r['date']})", "",
-        f"Command: `{r['command']}`  ",
-        f"Machine: {m['gpu']} ({m['sms']} SMs), torch {m['torch']} (CUDA {m['cuda']}), NVRTC {m['nvrtc']}, "
+        f"# GPU decode throughput ({m['gpu']}, {date})", "",
+        f"Device: {m['gpu']} ({m['sms']} SMs), torch {m['torch']} (CUDA {m['cuda']}), NVRTC {m['nvrtc']}, "
         f"{m['cpu_threads']} CPU threads for the reference.  ",
         f"Copy baseline (`dst.copy_(src)`, {r['copy']['bytes'] / 1e9:.2f} GB fp16): {r['copy']['GBps_written']} GB/s written "
         f"({r['copy']['GBps_read_plus_written']} GB/s read+written).", "",

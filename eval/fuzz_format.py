@@ -17,15 +17,13 @@ process starved on a shared machine is not mistaken for a hang; a failing case i
 check that it reproduces) and its Python allocations
 are capped by checking tracemalloc's peak (--max-alloc-mb, default 512). Results (counts by outcome
 and by mutation, slowest cases, every failure with its seed) are printed as a table and written to
-eval/results/fuzz_format.json and .md with the exact command, machine and date.
+eval/results/fuzz_format.json and .md (kvcodec.harness.results.write_result: one provenance header).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import signal
 import struct
@@ -34,7 +32,6 @@ import time
 import tracemalloc
 import zlib
 from collections import Counter, defaultdict
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -42,6 +39,7 @@ import torch
 import kvcodec
 from kvcodec import format as kvf
 from kvcodec.errors import KVCodecError
+from kvcodec.harness.results import provenance, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "eval" / "results"
@@ -213,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-save", action="store_true", help="do not write eval/results")
     p.add_argument("--replay", type=int, default=None, metavar="CASE_SEED", help="run one recorded case and exit")
     args = p.parse_args(argv)
+    prov = provenance(argv)
     # CPU time, not wall time: on a shared machine a starved process is not a hung decoder
     signal.signal(signal.SIGPROF, _alarm)
 
@@ -268,22 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if not args.no_save:
-        RESULTS.mkdir(parents=True, exist_ok=True)
         record = {
-            "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
-            "machine": f"{platform.machine()} {os.cpu_count()}-core CPU ({platform.platform()}), Python {platform.python_version()}, torch {torch.__version__}",
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "kvcodec": kvcodec.__version__,
             "cases": n, "base_files": names, "seed": args.seed,
             "outcomes": dict(by_outcome), "by_mutation": {k: dict(v) for k, v in by_kind.items()},
             "by_codec": {k: dict(v) for k, v in by_codec.items()},
             "failures": failures,
             "slowest": [{"seconds": round(d, 3), "base": b, "mutation": k, "case_seed": s} for d, b, k, s in slowest],
         }
-        (RESULTS / "fuzz_format.json").write_text(json.dumps(record, indent=2) + "\n")
-        (RESULTS / "fuzz_format.md").write_text(
-            f"# KVC reader fuzz\n\nCommand: `{record['command']}`  \nMachine: {record['machine']}  \n"
-            f"Date: {record['date']}\n\n{text}\n")
+        write_result(RESULTS / "fuzz_format", record, f"# KVC reader fuzz\n\n{text}\n", prov=prov)
     return 1 if failures else 0
 
 

@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from typing import Any
@@ -153,8 +154,14 @@ def run(args: argparse.Namespace) -> int:
     rows = bench_interleaved(settings, cache, args.repeat, args.reference,
                              progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     has_ref = any("encode_x_ref" in r for r in rows)
+    from ..harness.results import SCHEMA, provenance, with_provenance_block
+
+    command = "kvcodec " + shlex.join(getattr(args, "argv", ["bench"]))
     result = {
-        "command": "kvcodec " + " ".join(getattr(args, "argv", ["bench"])),
+        # the header every eval/results file carries; command, date and machine stay below as well
+        "schema": SCHEMA,
+        "provenance": provenance(command=command),
+        "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.system()}",
         "threads": 1,
@@ -173,17 +180,16 @@ def run(args: argparse.Namespace) -> int:
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump(result, f, indent=2)
         with open(os.path.join(args.out, "bench.md"), "w") as f:
-            f.write(
-                f"# kvcodec bench\n\nCommand: `{result['command']}`  \nDate: {result['date']}  \n"
-                f"Machine: {result['machine']}, torch threads: 1  \nEntropy coding: {native_status}  \nCache: {source}, "
+            f.write(with_provenance_block(
+                f"# kvcodec bench\n\nTorch threads: 1  \nEntropy coding: {native_status}  \nCache: {source}, "
                 f"{cache.num_layers} layers, {result['source_dtype']}, {result['fp16_MB']} MB as fp16\n\n"
                 "MB/s are of fp16-equivalent input (2 bytes per element), fastest of "
                 f"{args.repeat} interleaved rounds (each round runs every codec once); the decode "
                 "column includes container parsing and validation."
                 + (f" `*_x_ref`: time over `{args.reference}`'s in the same run." if has_ref else "")
                 + "\n\n"
-                "```\n" + table + "\n```\n"
-            )
+                "```\n" + table + "\n```\n", result["provenance"]
+            ))
     if args.json:
         print_json(result)
     else:

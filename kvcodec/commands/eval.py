@@ -127,10 +127,16 @@ def run(args: argparse.Namespace) -> int:
                    attn_queries=aq,
                    text_name="jargon-4.4.7-excerpt" if text_arg is None else Path(text_arg).name)
     results = run_suite(ev, settings, progress=not args.quiet)
+    from ..harness.results import provenance
+
+    command = ("kvcodec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+               if Path(sys.argv[0]).name in ("kvcodec", "__main__.py", "cli.py") else _command_from_args(args))
     doc = {
         "schema": SCHEMA,
-        "command": "kvcodec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        if Path(sys.argv[0]).name in ("kvcodec", "__main__.py") else _command_from_args(args),
+        # the header every eval/results file carries (kvcodec.harness.results); command, date and
+        # machine stay below as well, where kvcodec.eval/1 readers find them
+        "provenance": provenance(command=command),
+        "command": command,
         "date": date,
         "wall_seconds": time.perf_counter() - t0,
         # CPU time of all our threads: on a shared machine wall time also counts other jobs.

@@ -4,6 +4,7 @@ The results JSON (``schema = "kvcodec.eval/1"``)::
 
     {
       "schema": "kvcodec.eval/1",
+      "provenance": {"command", "commit", "dirty", "machine", "python", "torch", "kvcodec", "date"},
       "command": "kvcodec eval ...", "date": "2026-...Z", "wall_seconds": 812.4,
       "cpu_seconds": 530.2,
       "machine": {"platform": ..., "processor": ..., "cpus": 2, "torch_threads": 2},
@@ -130,13 +131,20 @@ def markdown_report(doc: dict[str, Any]) -> str:
     """The full Markdown report: how the run was made, then the table."""
     run = doc.get("run", {})
     model = run.get("model", {})
-    lines = [
-        f"# kvcodec eval — {model.get('model_id', '?')}",
-        "",
-        f"- command: `{doc.get('command', '')}`",
-        f"- date: {doc.get('date', '')}; wall time {doc.get('wall_seconds', 0):.0f} s, "
-        f"CPU time {doc.get('cpu_seconds', 0):.0f} s (all threads)",
-        f"- machine: {doc.get('machine', {}).get('cpus')} CPUs, {doc.get('machine', {}).get('platform')}",
+    times = (f"wall time {doc.get('wall_seconds', 0):.0f} s, CPU time {doc.get('cpu_seconds', 0):.0f} s "
+             "(all threads)")
+    lines = [f"# kvcodec eval — {model.get('model_id', '?')}", ""]
+    if doc.get("provenance"):  # the uniform header (kvcodec.harness.results) replaces the three lines
+        from .results import provenance_markdown
+
+        lines += [provenance_markdown(doc["provenance"]).rstrip("\n"), f"- {times}"]
+    else:
+        lines += [
+            f"- command: `{doc.get('command', '')}`",
+            f"- date: {doc.get('date', '')}; {times}",
+            f"- machine: {doc.get('machine', {}).get('cpus')} CPUs, {doc.get('machine', {}).get('platform')}",
+        ]
+    lines += [
         f"- model: {model.get('model_id')} ({model.get('revision')}), config {model.get('config_hash')}",
         f"- text: {run.get('text', {}).get('name')}; context {run.get('context')} tokens, "
         f"{run.get('continuation')} scored continuation tokens; cache dtype {run.get('cache_dtype')}",
