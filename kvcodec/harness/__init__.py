@@ -16,6 +16,9 @@ Pieces:
 * :mod:`~kvcodec.harness.report` — one results JSON schema (``kvcodec.eval/1``), a Markdown
   table and a rate–distortion PNG. The CLI front ends are ``kvcodec capture`` and
   ``kvcodec eval``; ``eval/run_published.sh`` regenerates ``eval/results/``.
+* :mod:`~kvcodec.harness.results` — the provenance header and file pair (``kvcodec.result/1``)
+  of every result in ``eval/results/``; :mod:`~kvcodec.harness.studies` — what the studies in
+  ``eval/studies/`` share (the held-out calibration file, text windows).
 
 Everything here needs the ``[eval]`` extra (``pip install 'kvcodec[eval]'``); without it the
 functions raise :class:`~kvcodec.errors.DependencyError`.
