@@ -23,6 +23,9 @@ Usage:
     python eval/fuzz_diff.py --seconds 1200 --seed 1    # the published run (eval/results/fuzz_diff.md)
     python eval/fuzz_diff.py --iterations 200 --seed 3 --no-write
     python eval/fuzz_diff.py --replay SEED               # re-run one case a report listed
+
+Results: eval/results/fuzz_diff.json and .md (kvcodec.harness.results.write_result: one provenance
+header), unless --no-write.
 """
 
 from __future__ import annotations
@@ -30,19 +33,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import platform
 import random
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "eval" / "results"
@@ -62,6 +60,7 @@ paths = _load("_decode_paths", ROOT / "tests" / "_decode_paths.py")
 fuzz_format = _load("fuzz_format", ROOT / "eval" / "fuzz_format.py")
 
 from kvcodec.format.resign import join_file, split_file  # noqa: E402
+from kvcodec.harness.results import provenance, write_result  # noqa: E402
 
 #: Mutation kinds whose silent changes are allowed (coded data, within what the spec permits).
 VALUE_KINDS = {"plane-bits", "plane-special", "stage-data"}
@@ -315,12 +314,33 @@ def table(counts: dict[str, Counter], head: str) -> list[str]:
     return lines
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+def report(out: dict[str, Any]) -> str:
+    """The Markdown report of a run (:func:`run`'s result), without the provenance block."""
+    lines = ["# Differential decoder fuzz", "",
+             f"{out['cases']} cases in {out['seconds']} s over {out['files']} base files, seed {out['seed']}; "
+             f"paths: native, fallback (KVCODEC_NATIVE=0), verify, "
+             f"{'GPU host build, ' if out['gpu_host'] else ''}formats/kvc_min_reader.py.", "",
+             "Verdicts: *rejected* every path rejects; *same* every path decodes the original bits; *changed* "
+             "every path decodes the same other bits after a value mutation of coded data (allowed); *noop* the "
+             "mutation left the file unchanged (most: stage edits on files without loose stage planes, param "
+             "edits on codecs without params); *silent* (failure) every path decodes other values after a "
+             "mutation of params, dtypes, shapes, planes, globals, stage geometry or the manifest; *disagree* "
+             "(failure) the paths differ, or one crashes or warns.", ""]
+    lines += table(out["by_kind"], "mutation") + [""] + table(out["by_codec"], "codec") + [""]
+    if out["failures"]:
+        lines += ["## Failures", "", "| seed | file | mutation | verdict | detail |", "|---|---|---|---|---|"]
+        lines += [f"| {f['seed']} | {f['file']} | {f['mutation']} | {f['verdict']} | {f['detail'][:160]} |"
+                  for f in out["failures"][:200]]
+    else:
+        lines += ["No failures."]
+    return "\n".join(lines) + "\n"
+
+
+def result_doc(out: dict[str, Any]) -> dict[str, Any]:
+    """The JSON document of a run (counts as plain dicts)."""
+    return {**{k: v for k, v in out.items() if k not in ("by_kind", "by_codec")},
+            "by_kind": {k: dict(v) for k, v in out["by_kind"].items()},
+            "by_codec": {k: dict(v) for k, v in out["by_codec"].items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,39 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.seconds is None and args.iterations is None:
         args.seconds = 60.0
+    prov = provenance(argv)
     out = run(args.seconds, args.iterations, args.seed, gpu_host)
-    cmd = "python eval/fuzz_diff.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = ["# Differential decoder fuzz", "",
-             f"Command: `{cmd.strip()}`  ",
-             f"Commit: {_commit()} (with the working tree's changes, if any)  ",
-             f"Machine: {platform.machine()} {os.cpu_count()}-core CPU ({platform.platform()}), Python "
-             f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}  ",
-             f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}", "",
-             f"{out['cases']} cases in {out['seconds']} s over {out['files']} base files, seed {out['seed']}; "
-             f"paths: native, fallback (KVCODEC_NATIVE=0), verify, "
-             f"{'GPU host build, ' if out['gpu_host'] else ''}formats/kvc_min_reader.py.", "",
-             "Verdicts: *rejected* every path rejects; *same* every path decodes the original bits; *changed* "
-             "every path decodes the same other bits after a value mutation of coded data (allowed); *noop* the "
-             "mutation left the file unchanged; *silent* (failure) every path decodes other values after a "
-             "mutation of params, dtypes, shapes, planes, globals, stage geometry or the manifest; *disagree* "
-             "(failure) the paths differ, or one crashes or warns.", ""]
-    lines += table(out["by_kind"], "mutation") + [""] + table(out["by_codec"], "codec") + [""]
-    if out["failures"]:
-        lines += ["## Failures", "", "| seed | file | mutation | verdict | detail |", "|---|---|---|---|---|"]
-        lines += [f"| {f['seed']} | {f['file']} | {f['mutation']} | {f['verdict']} | {f['detail'][:160]} |"
-                  for f in out["failures"][:200]]
+    if args.no_write:
+        print(report(out))
     else:
-        lines += ["No failures."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "fuzz_diff.md").write_text(text)
-        (RESULTS / "fuzz_diff.json").write_text(json.dumps(
-            {**{k: v for k, v in out.items() if k not in ("by_kind", "by_codec")},
-             "by_kind": {k: dict(v) for k, v in out["by_kind"].items()},
-             "by_codec": {k: dict(v) for k, v in out["by_codec"].items()}, "command": cmd.strip(),
-             "commit": _commit()}, indent=1, sort_keys=True) + "\n")
+        write_result(RESULTS / "fuzz_diff", result_doc(out), report(out), prov=prov, echo=True)
     return 1 if out["failures"] else 0
 
 
