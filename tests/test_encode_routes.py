@@ -14,7 +14,7 @@ import torch
 
 import kvcodec
 from kvcodec.cli import main
-from kvcodec.codecs.kvc_calibration import QueryStats, save_query_statistics
+from kvcodec.codecs.kvc.calibration import QueryStats, save_query_statistics
 from kvcodec.errors import ConfigError, FormatError, InputError
 from kvcodec import open as open_kvc
 from kvcodec.format import write_file

@@ -181,7 +181,7 @@ def test_calibrated_file_names_its_statistics_by_hash(tmp_path):
 def test_background_attention_estimates_give_the_same_file(tmp_path, monkeypatch):
     """The encoder computes the attention estimates on a second thread; the bytes are those of
     the plan computed up front, and an error in the estimate reaches the caller."""
-    from kvcodec.codecs import kvc as kvc_mod
+    from kvcodec.codecs.kvc import codec as kvc_mod
 
     cache = _cache(layers=3)
     p = tmp_path / "q.safetensors"

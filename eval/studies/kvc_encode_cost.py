@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import kvcodec
-    import kvcodec.codecs.kvc as kvc
+    import kvcodec.codecs.kvc.codec as kvc  # PACK_ZSTD_LEVEL is read there
     from kvcodec.harness.capture import default_cache
     from kvcodec.harness.studies import held_out_calibration
 

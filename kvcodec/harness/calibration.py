@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from ..cache import KVCache
-from ..codecs.kvc_calibration import (  # noqa: F401  (the file format lives with the codec that reads it)
+from ..codecs.kvc.calibration import (  # noqa: F401  (the file format lives with the codec that reads it)
     QSTATS_FORMAT,
     QSTATS_FORMATS,
     Calibration,

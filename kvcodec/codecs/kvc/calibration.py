@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError, FormatError, InputError
+from ...errors import FormatError, InputError
 
 QSTATS_FORMAT = "kvcodec.qstats/2"
 QSTATS_FORMATS = ("kvcodec.qstats/1", QSTATS_FORMAT)  # /1: no sensitivities

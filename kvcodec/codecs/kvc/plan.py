@@ -1,0 +1,23 @@
+"""kvc's per-call calibration state: the plan :meth:`KVCCodec.prepare` builds, read layer by layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def _layer_calib(state: dict[int, dict[str, Any]] | None, layer: int) -> dict[str, Any]:
+    """The calibration plan of ``layer`` (empty without a file), its attention estimate waited
+    for if it is still being computed. ``state`` is the encode call's (:meth:`KVCCodec.prepare`);
+    only the thread coding that call reads and resolves it."""
+    entry = (state or {}).get(layer, {})
+    a = entry.get("attn")
+    if a is not None and not isinstance(a, np.ndarray):
+        a = a.result()  # a future; re-raises the estimate's own error
+        if a is None:
+            del entry["attn"]
+        else:
+            entry["attn"] = a
+    return entry
