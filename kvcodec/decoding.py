@@ -23,6 +23,7 @@ from .cache import KVCache, ModelIdentity
 from .errors import FormatError, KVCodecError
 from .format import safetensors_io as sio
 from .format.container import ContainerReader
+from .format.manifest import MAX_ELEMENTS_PER_BYTE
 from .planes import EncodedTensor, TensorContext
 
 #: resolves a file's codec config to a codec object (the registry's get_codec, or a fixed codec)
@@ -41,10 +42,11 @@ class KVCReader(ContainerReader):
             was opened for inspection only; decoding then raises ``codec_error``).
     """
 
-    def __init__(self, source: sio.Source, resolve: Resolver, require_codec: bool = True) -> None:
+    def __init__(self, source: sio.Source, resolve: Resolver, require_codec: bool = True,
+                 max_elements_per_byte: int = MAX_ELEMENTS_PER_BYTE) -> None:
         from .errors import UnknownCodecError
 
-        super().__init__(source)
+        super().__init__(source, max_elements_per_byte)
         self.codec: Any = None
         self.codec_error: KVCodecError | None = None
         try:
@@ -156,9 +158,11 @@ class KVCReader(ContainerReader):
         return self
 
 
-def open_with(src: Any, resolve: Resolver, require_codec: bool = True) -> KVCReader:
+def open_with(src: Any, resolve: Resolver, require_codec: bool = True,
+              max_elements_per_byte: int = MAX_ELEMENTS_PER_BYTE) -> KVCReader:
     """Open ``src`` (path, bytes, or seekable binary file object) with ``resolve`` choosing the codec."""
-    return KVCReader(sio.as_source(src), resolve, require_codec=require_codec)
+    return KVCReader(sio.as_source(src), resolve, require_codec=require_codec,
+                     max_elements_per_byte=max_elements_per_byte)
 
 
 def read_with(data: Any, codec: Any, device: str = "cpu") -> KVCache:

@@ -70,7 +70,7 @@ def test_ctx_round_trip_every_path(r, n, a, g, chunk):
         assert all(np.array_equal(nat_t[k], ref[k]) for k in ref)
         assert np.array_equal(st.decode(ref, method="native"), x)
         assert np.array_equal(st.decode(ref, method="native", layout="tokens").T, x)
-    for m in ("numpy", "constriction"):  # the other methods fall back to the reference for scope 2
+    for m in ("numpy", "constriction"):  # scope 2 without native: lockstep (numpy) or the scalar decoder
         assert np.array_equal(st.decode(ref, method=m), x)
     if n:  # the words are within ~1% (plus each stream's flush) of the tables' ideal code length
         s = StageLayout(ref["meta"]).n_streams
@@ -210,3 +210,36 @@ def test_native_encoder_takes_the_histogram_pass_classes_and_refuses_bad_ones():
     bad[5, 3] = 3  # Q = 3 classes: 0..2
     with pytest.raises(StreamError, match="classes"):
         native.encode_stage(lay, x, tsets, rts, layout="tokens", classes=bad)
+
+
+@pytest.mark.parametrize("r,n,a,g,chunk", [(37, 301, 20, 5, 0), (37, 301, 20, 2, 64), (9, 40, 2, 4, 7),
+                                          (12, 33, 300, 5, 0), (3, 0, 8, 2, 0)])
+def test_ctx_fallback_decoders_agree_with_the_reference_on_good_and_damaged_streams(r, n, a, g, chunk):
+    """The two decoders kvcodec uses without the native coder (scalar; lockstep over streams)
+    give the reference's symbols, and on damaged words the reference's outcome: the same symbols
+    or the same StreamError."""
+    from kvcodec.entropy import ans_vec
+    from kvcodec.entropy.stage import _decode_ctx_reference, parse_planes
+
+    x = scale_mixture(r, n, a, seed=7 * r + n)
+    st = EntropyStage(precision=12, chunk=chunk, rows_per_stream=g, tables="cluster", n_tables=6, scope="ctx",
+                      thresholds=[3, 8, 20])
+    planes = st.encode(x, alphabet=a, method="constriction")
+    rng = np.random.default_rng(r * n + 1)
+    decoders = (_decode_ctx_reference, ans_vec.decode_ctx_scalar, ans_vec.decode_stage_numpy)
+    for trial in range(12):
+        words = planes["words"].copy()
+        if trial and words.size:
+            words[rng.integers(words.size)] ^= np.uint32(1 << int(rng.integers(32)))
+        lay, w, off, ts, rt = parse_planes({**planes, "words": words})
+        got = []
+        for dec in decoders:
+            try:
+                got.append(("ok", dec(lay, w, off, ts, rt).tolist()))
+            except StreamError as e:
+                got.append(("error", str(e)))
+        assert got[1] == got[0] and got[2][0] == got[0][0], (trial, [g_[0] for g_ in got])
+        if got[0][0] == "ok":
+            assert got[2] == got[0]
+        if not trial:
+            assert got[0] == ("ok", x.tolist())

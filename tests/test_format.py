@@ -326,3 +326,27 @@ def test_unwritable_destinations_raise_input_error(tmp_path):
         with pytest.raises(InputError, match="cannot write"):
             write(tmp_path)  # a directory cannot be replaced by a file
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_reader_may_lower_the_elements_per_byte_bound(tmp_path):
+    """Decoding work is linear in the declared elements (formats/SPEC.md §7): a reader of untrusted
+    files lowers the bound; a constant cache (all elements in almost no bytes) is then refused
+    before anything is decoded, and a file within the bound still decodes."""
+    import pytest as _pytest
+
+    from kvcodec.errors import ConfigError, FormatError
+
+    flat = kvcodec.KVCache.from_tensors([(torch.zeros(2048, 2, 64).half(), torch.zeros(2048, 2, 64).half())])
+    blob = kvcodec.get_codec("kvc-near").encode(flat)
+    per_byte = flat.num_elements / len(blob)
+    assert per_byte > 64
+    assert kvcodec.decode(blob).equal(flat)
+    with _pytest.raises(FormatError, match="more than 16 elements per byte"):
+        kvcodec.decode(blob, max_elements_per_byte=16)
+    with _pytest.raises(FormatError, match="elements per byte"):
+        kvcodec.format.open_container(blob, max_elements_per_byte=16)
+    noisy = kvcodec.KVCache.from_tensors([(torch.randn(2048, 2, 64).half(), torch.randn(2048, 2, 64).half())])
+    assert kvcodec.decode(kvcodec.get_codec("kvc-near").encode(noisy), max_elements_per_byte=16).num_tokens == 2048
+    for bad in (0, 4097, 1.5, True):
+        with _pytest.raises(ConfigError, match="max_elements_per_byte"):
+            kvcodec.open(blob, max_elements_per_byte=bad)

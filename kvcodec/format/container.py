@@ -308,7 +308,7 @@ class ContainerReader:
         ('fp16', (3, 1, 4))
     """
 
-    def __init__(self, source: sio.Source) -> None:
+    def __init__(self, source: sio.Source, max_elements_per_byte: int = mf.MAX_ELEMENTS_PER_BYTE) -> None:
         self._src = source
         try:
             h = sio.read_raw_header(source)
@@ -321,7 +321,7 @@ class ContainerReader:
             if crc32_hex(text.encode("utf-8", "surrogatepass")) != crc:
                 raise _checksum_error(f"manifest CRC-32 mismatch (stored {crc[:16]!r})")
             raw = sio.strict_json_loads(text, "manifest")
-            self._m = mf.validate(raw)
+            self._m = mf.validate(raw, max_elements_per_byte)
             self._check_layout(entries, h.data_start)
         except BaseException:
             source.close()
@@ -554,12 +554,14 @@ def _checksum_error(msg: str) -> Exception:
     return ChecksumError(msg)
 
 
-def open_container(src: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO) -> ContainerReader:
+def open_container(src: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO,
+                   max_elements_per_byte: int = mf.MAX_ELEMENTS_PER_BYTE) -> ContainerReader:
     """Open a KVC file (path, bytes, or seekable binary file object) for lazy, validated reading of
-    its planes. To decode values, use :func:`kvcodec.open`.
+    its planes. To decode values, use :func:`kvcodec.open`. ``max_elements_per_byte`` lowers the
+    decoded-size bound (formats/SPEC.md §7), which bounds the decoding work per input byte.
 
     Raises:
         TruncatedError, FormatError, VersionError, ChecksumError: the file is damaged, foreign or
         too new.
     """
-    return ContainerReader(sio.as_source(src))
+    return ContainerReader(sio.as_source(src), max_elements_per_byte)

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import FormatError, VersionError
+from ..errors import ConfigError, FormatError, VersionError
 from . import safetensors_io as sio
 
 FORMAT_KEY = "kvc"
@@ -163,13 +163,20 @@ def check_version(metadata: dict[str, str]) -> tuple[int, int]:
     return major, minor
 
 
-def validate(m: Any) -> Manifest:
+def validate(m: Any, max_elements_per_byte: int = MAX_ELEMENTS_PER_BYTE) -> Manifest:
     """Validate a parsed manifest (SPEC §4) and return the indexed view.
+
+    ``max_elements_per_byte`` may lower the decoded-size bound (SPEC §7) below the format's
+    4096 elements per stored byte: decoding work is linear in the declared elements, so a reader
+    of untrusted files bounds its work per input byte with it.
 
     Raises:
         VersionError: ``required_features`` names a feature this reader does not implement.
         FormatError: anything else is missing, mistyped, inconsistent or over a limit.
     """
+    if type(max_elements_per_byte) is not int or not 1 <= max_elements_per_byte <= MAX_ELEMENTS_PER_BYTE:
+        raise ConfigError(f"max_elements_per_byte must be an integer in [1, {MAX_ELEMENTS_PER_BYTE}], "
+                          f"got {max_elements_per_byte!r}")
     if not isinstance(m, dict):
         raise FormatError("manifest is not a JSON object")
     feats = _need(m, "required_features", list, "manifest")
@@ -299,10 +306,10 @@ def validate(m: Any) -> Manifest:
                     for s in storage[n]["shape"]:
                         sz *= s
                     payload += sz
-                if numel > MAX_ELEMENTS_PER_BYTE * payload + ELEMENT_ALLOWANCE:
+                if numel > max_elements_per_byte * payload + ELEMENT_ALLOWANCE:
                     raise FormatError(
                         f"layers.{lm.index}.{ti.role} chunk {j} declares {numel} elements but stores only "
-                        f"{payload} bytes (more than {MAX_ELEMENTS_PER_BYTE} elements per byte): refusing to allocate"
+                        f"{payload} bytes (more than {max_elements_per_byte} elements per byte): refusing to allocate"
                     )
     return Manifest(raw=m, num_tokens=T, tokens_per_chunk=C, source_dtype=src, layers=layers,
                     storage=storage, globals=globals_)
