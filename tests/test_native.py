@@ -16,7 +16,7 @@ from kvcodec.errors import DependencyError, InputError, StreamError
 from kvcodec.quant.fast import intq_dequantize_fast
 from kvcodec.quant.intq import IntQTensor, intq_param_shape
 
-pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(native.build._compiler() is None, reason="no C compiler on this machine")
 
 
 def _random_stage(rng, big_alphabet=False):
@@ -217,8 +217,9 @@ def test_codecs_same_bytes_and_values_without_native(name, dtype, monkeypatch):
 
 
 def test_require_mode_raises_without_compiler(monkeypatch):
-    monkeypatch.setattr(native, "_state", {"lib": None, "error": None, "tried": False, "path": None})
-    monkeypatch.setattr(native, "_compiler", lambda: None)
+    # the loader's state lives in kvcodec.native.build
+    monkeypatch.setattr(native.build, "_state", {"lib": None, "error": None, "tried": False, "path": None})
+    monkeypatch.setattr(native.build, "_compiler", lambda: None)
     monkeypatch.setenv("KVCODEC_NATIVE", "1")
     with pytest.raises(DependencyError, match="no C compiler"):
         native.lib()

@@ -1,0 +1,200 @@
+"""kvc's symbol passes in C (:mod:`kvcodec.codecs.kvc.symbols`): the escape split and join of
+token-major code matrices (with token-delta columns and the magnitude-context statistics in the
+same pass), the normative dequantization, and the token-delta statistics. C side: csrc/kvc.c.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import FormatError
+from .abi import NOMEM, OK, code_kind, float_kind, ptr
+from .build import required
+
+
+def _code_matrix(codes: np.ndarray) -> tuple[np.ndarray, int]:
+    """Token-major codes as the C functions read them: int32 kept, anything else int64,
+    contiguous; and their element kind (:func:`_ckind`)."""
+    c = np.ascontiguousarray(codes, dtype=np.int32 if np.asarray(codes).dtype == np.int32 else np.int64)
+    return c, code_kind(c)
+
+
+def _delta_flags(delta: np.ndarray | None, r: int) -> np.ndarray | None:
+    """kvc's token-delta column flags as uint8 ``[r]`` (or None)."""
+    if delta is None:
+        return None
+    dl = np.ascontiguousarray(delta, dtype=np.uint8)
+    if dl.shape != (r,):
+        raise ValueError(f"delta must be [{r}], got {list(dl.shape)}")
+    return dl
+
+
+def _split_operands(codes: np.ndarray, delta: np.ndarray | None):
+    """The codes (:func:`_code_matrix`), their kind and shape and the delta column flags as the
+    escape-split C functions read them."""
+    c, ck = _code_matrix(codes)
+    n, r = c.shape
+    return c, ck, n, r, _delta_flags(delta, r)
+
+
+def escape_split_tokens(codes: np.ndarray, max_level: int,
+                        delta: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """kvc's escape split of a token-major ``int64 codes [n, R]`` (or int32): returns ``(symbols uint16
+    [n, R], escapes int32, L)``, the symbols being the transpose of what
+    :func:`kvcodec.codecs.kvc.escape_split` returns for ``codes.T`` and the escapes identical
+    (row-major order of ``[R, n]``). With ``delta`` (bool ``[R]``) those columns are split as
+    their token deltas ``c[t] - c[t-1]`` (``t > 0``), without a copy of the matrix."""
+    lb = required()
+    c, ck, n, r, dl = _split_operands(codes, delta)
+    dp = None if dl is None else ptr(dl)
+    sym = np.empty((n, r), dtype=np.uint16)
+    cnt, lv = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    # one pass while the escapes fit a scratch of 1/16 of the codes (kvc's presets escape well
+    # under 1 %); else the two passes (count, then split)
+    cap = (n * r) // 16 + 64
+    esc, etok, erow = (np.empty(cap, dtype=np.int32) for _ in range(3))
+    rc = lb.kvn_escape_split1(ptr(c), ck, n, r, int(max_level), dp, ptr(sym),
+                              ptr(esc), ptr(etok), ptr(erow), cap, ptr(cnt), ptr(lv))
+    del etok, erow
+    if rc == NOMEM:
+        raise MemoryError("native escape split: out of memory")
+    if rc == OK:
+        return sym, esc[: int(cnt[0])].copy(), int(lv[0])
+    c = c.astype(np.int64, copy=False)  # the two passes read int64
+    rowcnt = np.zeros(max(r, 1), np.int64)
+    lb.kvn_escape_split(ptr(c), n, r, int(max_level), dp, None, None, ptr(rowcnt), ptr(cnt), ptr(lv))
+    esc = np.empty(int(cnt[0]), dtype=np.int32)
+    if lb.kvn_escape_split(ptr(c), n, r, int(max_level), dp, ptr(sym), ptr(esc), ptr(rowcnt), ptr(cnt),
+                           ptr(lv)) == NOMEM:
+        raise MemoryError("native escape split: out of memory")
+    return sym, esc, int(lv[0])
+
+
+def escape_split_ctx_tokens(codes: np.ndarray, max_level: int, delta: np.ndarray | None, g: int,
+                            thresholds: list[int]):
+    """:func:`escape_split_tokens` and, in the same pass, the scope-2 statistics of the symbols
+    it writes — what :func:`ctx_histograms` (``classes=True``) returns for them with streams of
+    ``g`` rows and these thresholds: ``(symbols, escapes, L, counts int64 [Q * R, 2 L], classes
+    uint8 [n, R])``; ``None`` when the one pass does not apply (more escapes than its scratch
+    holds, 2**31 tokens or more): the caller then takes the two calls."""
+    lb = required()
+    c, ck, n, r, dl = _split_operands(codes, delta)
+    th = list(thresholds)
+    q = len(th) + 1
+    if not 0 <= len(th) < 16 or g < 1 or n >= 2**31:
+        return None
+    ml = max(1, int(max_level))
+    sym = np.empty((n, r), dtype=np.uint16)
+    cls = np.empty((n, r), dtype=np.uint8)
+    cnt, lv = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    cap = (n * r) // 16 + 64
+    esc, etok, erow = (np.empty(cap, dtype=np.int32) for _ in range(3))
+    hist = np.empty(q * r * 2 * ml, dtype=np.int64)  # [Q * R, 2 L] in its first entries
+    thr = np.ascontiguousarray(np.asarray(th or [0], dtype=np.int64))
+    rc = lb.kvn_escape_split_ctx(ptr(c), ck, n, r, int(max_level),
+                                 None if dl is None else ptr(dl), ptr(sym), ptr(esc), ptr(etok), ptr(erow), cap,
+                                 ptr(cnt), ptr(lv), int(g), q - 1, ptr(thr), ptr(hist), ptr(cls))
+    del etok, erow
+    if rc == NOMEM:
+        raise MemoryError("native escape split: out of memory")
+    if rc != OK:
+        return None
+    L = int(lv[0])
+    return sym, esc[: int(cnt[0])].copy(), L, hist[: q * r * 2 * L].reshape(q * r, 2 * L).copy(), cls
+
+
+def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int, delta: np.ndarray | None = None,
+                       narrow: bool = False) -> np.ndarray:
+    """Inverse of :func:`escape_split_tokens`: ``int64 [n, R]`` codes; with ``delta`` (bool
+    ``[R]``) those columns become their running sums over the tokens (kvc's token-delta rows,
+    as :func:`kvcodec.codecs.kvc.undelta_rows`), in the same pass. ``narrow``: int32 codes
+    when every one fits (half the memory traffic for the dequantization that follows), else
+    int64 as without it — the same integers either way.
+
+    Raises:
+        FormatError: the escape count differs from the escape plane's length, or an escaped code
+            lies inside the regular range (kvc's own messages).
+    """
+    lb = required()
+    s = np.ascontiguousarray(sym, dtype=np.uint16)
+    n, r = s.shape
+    e = np.asarray(esc)
+    if e.ndim != 1 or (e.size and e.dtype.kind not in "iu"):
+        raise FormatError(f"kvc: the esc plane must be a 1-D integer array, got {e.dtype}{list(e.shape)}")
+    e = np.ascontiguousarray(e, dtype=np.int64)
+    dl = _delta_flags(delta, r)
+    dp = None if dl is None else ptr(dl)
+    rc = 3
+    if narrow:
+        out = np.empty((n, r), dtype=np.int32)
+        rc = lb.kvn_escape_join(ptr(s), n, r, int(lv), ptr(e), e.size, dp, ptr(out), 1)
+    if rc == 3:  # wide codes (or not asked to narrow): int64
+        out = np.empty((n, r), dtype=np.int64)
+        rc = lb.kvn_escape_join(ptr(s), n, r, int(lv), ptr(e), e.size, dp, ptr(out), 0)
+    if rc == 1:
+        count = int((s == 2 * lv - 1).sum())
+        raise FormatError(f"kvc: {count} escape symbols but the esc plane holds {e.size} values")
+    if rc == 2:
+        raise FormatError("kvc: an escaped code lies inside the regular range")
+    if rc == NOMEM:
+        raise MemoryError("native escape join: out of memory")
+    return out
+
+
+def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype, out=None, recon=None):
+    """kvc's normative reconstruction without a transform: ``float32(code) * step + mean``
+    (separately rounded float32 operations), clamped to the finite range of ``dtype`` (fp16/bf16)
+    and cast with round-to-nearest-even. ``codes`` int64 ``[n, H, D]`` (token-major), ``step``
+    float32 broadcastable to it, ``mean`` float32 ``[H, D]`` (int32 codes are read as they are).
+    ``recon``: reconstruction offsets (:func:`kvcodec.quant.deadzone.recon_values`: codes
+    ``1 <= |c| <= len(recon)`` stand for ``sign(c) * (|c| - recon[|c| - 1] / 256)``) or None. Returns a torch tensor: ``out``
+    when given (a contiguous ``[n, H, D]`` CPU tensor of ``dtype``, written in place)."""
+    import torch
+
+    lb = required()
+    c = np.asarray(codes)
+    n, h, d = c.shape
+    es = c.itemsize
+    if (c.dtype not in (np.int64, np.int32) or (n > 1 and c.strides[0] % es) or (h > 1 and c.strides[1] != es * d)
+            or (d > 1 and c.strides[2] != es)):
+        c = np.ascontiguousarray(c, dtype=np.int64)  # token rows may be strided (a view of the symbol matrix)
+    crow = c.strides[0] // c.itemsize if n > 1 else h * d
+    st = np.broadcast_to(np.asarray(step, dtype=np.float32), c.shape)
+    mu = np.ascontiguousarray(mean, dtype=np.float32).reshape(h, d)
+    if out is None:
+        out = torch.empty((n, h, d), dtype=dtype)
+    elif (tuple(out.shape) != (n, h, d) or out.dtype != dtype or out.device.type != "cpu"
+          or not out.is_contiguous()):
+        raise ValueError(f"kvc_dequantize: out must be a contiguous CPU {dtype} tensor of shape {(n, h, d)}")
+    fmax = float(torch.finfo(dtype).max)  # saturate (float32 too: an overflow to inf becomes its max)
+    strides = [x // 4 for x in st.strides] if st.size else [0, 0, 0]
+    rtab, rm = None, 0
+    if recon:
+        # what each code in [-rm-1, rm+1] loses to its reconstruction value: sign(c) * recon[|c|-1] / 256,
+        # zero at 0 and at both ends (exact in float32; kvcodec.quant.deadzone.recon_values is the reference)
+        rm = len(recon)
+        span = np.arange(-rm - 1, rm + 2)
+        lost = np.zeros(rm + 2, dtype=np.float64)
+        lost[1:rm + 1] = np.asarray(list(recon), dtype=np.float64) / 256.0
+        rtab = np.ascontiguousarray(np.sign(span) * lost[np.abs(span)], dtype=np.float32)
+    if lb.kvn_kvc_dequant(c.ctypes.data, code_kind(c), crow, n, h, d, st.ctypes.data, *strides,
+                          ptr(mu), fmax, float_kind(dtype),
+                          out.data_ptr(), None if rtab is None else rtab.ctypes.data, rm) == NOMEM:
+        raise MemoryError("native dequantization: out of memory")
+    return out
+
+
+def delta_histograms(codes: np.ndarray, stride: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """kvc's token-delta statistics of token-major ``int64`` (or int32) ``codes [n, R]`` (``|c| < 2**62``): per
+    column, ``int32 [R, 128]`` counts of the codes and of their token deltas (first delta = the
+    first code) at tokens ``0, stride, 2 stride, ...``, clipped to ``[-64, 63]`` and shifted by
+    64 — one pass, the same counts as :func:`kvcodec.codecs.kvc.delta_rows`' numpy path."""
+    lb = required()
+    c, ck = _code_matrix(codes)
+    n, r = c.shape
+    if n >= 2**31:
+        raise ValueError("delta_histograms: at most 2**31 - 1 tokens")
+    hc = np.empty((r, 128), dtype=np.int32)
+    he = np.empty((r, 128), dtype=np.int32)
+    lb.kvn_delta_hist(ptr(c), ck, n, r, max(1, int(stride)), ptr(hc), ptr(he))
+    return hc, he
