@@ -72,13 +72,14 @@ def host_harness() -> Any:
 @contextlib.contextmanager
 def host_device(lib: Any):
     """``device="cuda"`` decodes on the CPU through the host build (the GPU tests' dry run)."""
-    old_runner, old_resolve = gpu._HOST_RUNNER, gpu._resolve_device
-    gpu._HOST_RUNNER = lambda launch: cuda_host.run_on_host(lib, launch)
-    gpu._resolve_device = lambda device: torch.device("cpu")
+    hooks = gpu.device  # the test hooks live there; the package does not re-export them
+    old_runner, old_resolve = hooks._HOST_RUNNER, hooks._resolve_device
+    hooks._HOST_RUNNER = lambda launch: cuda_host.run_on_host(lib, launch)
+    hooks._resolve_device = lambda device: torch.device("cpu")
     try:
         yield
     finally:
-        gpu._HOST_RUNNER, gpu._resolve_device = old_runner, old_resolve
+        hooks._HOST_RUNNER, hooks._resolve_device = old_runner, old_resolve
 
 
 def outcome(fn: Callable[[], Any]) -> tuple[str, str]:

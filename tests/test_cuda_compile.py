@@ -278,7 +278,7 @@ def test_scale_layout_rejects_misfits():
 @pytest.fixture
 def host_runner(harness, monkeypatch):
     """Route the GPU decoders' launches (built from CPU tensors) through the host build."""
-    monkeypatch.setattr(gpu, "_HOST_RUNNER", lambda launch: run_on_host(harness, launch))
+    monkeypatch.setattr(gpu.device, "_HOST_RUNNER", lambda launch: run_on_host(harness, launch))
     return harness
 
 
@@ -614,7 +614,7 @@ def test_ans_stage_host_build_random_geometries(harness):
 @pytest.fixture
 def host_device(host_runner, monkeypatch):
     """``device="cuda"`` decodes on the CPU through the host build (the GPU tests' dry run)."""
-    monkeypatch.setattr(gpu, "_resolve_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(gpu.device, "_resolve_device", lambda device: torch.device("cpu"))
     return host_runner
 
 

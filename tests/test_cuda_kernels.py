@@ -43,10 +43,11 @@ def _dryrun_host_runner(tmp_path_factory):
 
     lib = build_harness(tmp_path_factory.mktemp("harness"))
     mp = pytest.MonkeyPatch()
-    mp.setattr(gpu, "_HOST_RUNNER", lambda launch: run_on_host(lib, launch))
-    mp.setattr(gpu, "run_launch", lambda mods, launch: run_on_host(lib, launch))
-    mp.setattr(gpu, "device_modules", lambda device="cuda": None)
-    mp.setattr(gpu, "_resolve_device", lambda device: DEV)
+    # the hooks live in kvcodec.gpu.device, which reads them at call time (the package's names are copies)
+    mp.setattr(gpu.device, "_HOST_RUNNER", lambda launch: run_on_host(lib, launch))
+    mp.setattr(gpu.device, "run_launch", lambda mods, launch: run_on_host(lib, launch))
+    mp.setattr(gpu.device, "device_modules", lambda device="cuda": None)
+    mp.setattr(gpu.device, "_resolve_device", lambda device: DEV)
     yield
     mp.undo()
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -174,7 +175,7 @@ def test_fp8_kernel_every_code(fmt, dtype8, dtype):
     codes = torch.arange(256, dtype=torch.uint8).repeat(64).reshape(64, 4, 64)
     scale = torch.logspace(-30, 30, 64, dtype=torch.float32).reshape(64, 1, 1)
     out = torch.empty(codes.shape, dtype=dtype, device=DEV)
-    gpu.run_launch(gpu.device_modules(DEV), gpu.fp8_launch(codes.to(DEV), scale.to(DEV), out, fmt))
+    gpu.device.run_launch(gpu.device.device_modules(DEV), gpu.fp8_launch(codes.to(DEV), scale.to(DEV), out, fmt))
     want = (codes.view(dtype8).float() * scale).to(dtype)
     _assert_bit_equal(out, want, f"fp8 {fmt} all codes {dtype}")
 
@@ -186,7 +187,7 @@ def test_unaligned_output_takes_the_scalar_path():
     out = buf[1:].view(codes.shape)  # 2-byte offset: no 16-byte vector stores possible
     launch = gpu.fp8_launch(codes.to(DEV), scale.to(DEV), out, "e4m3")
     assert not launch.kernel.endswith("_v16")
-    gpu.run_launch(gpu.device_modules(DEV), launch)
+    gpu.device.run_launch(gpu.device.device_modules(DEV), launch)
     _assert_bit_equal(out, (codes.view(torch.float8_e4m3fn).float() * scale).half(), "unaligned fp8")
 
 

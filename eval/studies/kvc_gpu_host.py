@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     presets += [(f"kvc-near-cal chunk={c}", {"id": "kvc-near-cal", "calibration": str(cal), "chunk": c})
                 for c in args.chunks]
     rows = []
-    real_resolve = gpu._resolve_device
+    real_resolve = gpu.device._resolve_device
     for label, config in presets:
         codec = kvcodec.get_codec(config)
         blob = codec.encode(cache)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                     ctx = TensorContext(layer=lm.index, role=ti.role, shape=(c.tokens, ti.shape[1], ti.shape[2]),
                                         dtype=r.dtype, layer_kind=lm.kind, globals=r.globals())
                     items.append((EncodedTensor(planes, c.params), ctx))
-        gpu._resolve_device = lambda device: torch.device("cpu")
+        gpu.device._resolve_device = lambda device: torch.device("cpu")
         try:
             prep_s = float("inf")
             for _ in range(args.repeat):
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                     gpu.prepare_decode(codec, enc, ctx, "cuda")
                 prep_s = min(prep_s, time.perf_counter() - t)
         finally:
-            gpu._resolve_device = real_resolve
+            gpu.device._resolve_device = real_resolve
         streams, longest = [], 0
         for enc, ctx in items:
             meta = codec.parse_tensor(enc, ctx).stage_planes["meta"]
