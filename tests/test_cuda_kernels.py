@@ -23,7 +23,7 @@ from kvcodec.codec import TensorContext
 from kvcodec.errors import InputError, StreamError
 
 from _cuda_host import GPU_CODEC_CONFIGS  # noqa: E402
-from kvcodec.testing import SHAPES, value_cases
+from kvcodec.testing import SHAPES, spelled_out, value_cases
 
 #: KVCODEC_GPU_DRYRUN=1 runs this module without a GPU: every launch goes through the host
 #: build of the kernel code (tests/_cuda_host.py) on CPU tensors. It checks the tests themselves
@@ -101,7 +101,7 @@ def test_whole_cache_decode_on_cuda(tokens):
     for dtype in DTYPES:
         cache = make_cache(layers=3, tokens=tokens, heads=2, dim=40, dtype=dtype, seed=tokens)
         for name in _presets_with_gpu():
-            _assert_file_decodes_equal(kvcodec.get_codec(name).encode(cache), f"{name} {dtype} T={tokens}")
+            _assert_file_decodes_equal(spelled_out(name).encode(cache), f"{name} {dtype} T={tokens}")
 
 
 @pytest.mark.parametrize("name", ["kvc-near-cal", "kvc-aggressive-cal", "kvc", "kivi-4-ans", "cachegen", "fp8-e4m3"])
@@ -111,7 +111,7 @@ def test_chunked_file_decode_on_cuda(name):
     from conftest import make_cache
 
     cache = make_cache(layers=6, tokens=300, heads=3, dim=64, dtype=torch.float16, seed=7)
-    _assert_file_decodes_equal(kvcodec.get_codec(name).encode(cache, tokens_per_chunk=64), f"{name} chunked")
+    _assert_file_decodes_equal(spelled_out(name).encode(cache, tokens_per_chunk=64), f"{name} chunked")
 
 
 def test_batched_decode_checks_on_exit():
