@@ -189,3 +189,24 @@ def test_codec_rejects_forged_stage_shape_and_corrupt_words():
 
         with pytest.raises(StreamError, match="layers.0.v"):
             c.decode_tensor(type(enc)(bad, enc.params), ctx)
+
+
+def test_lmcache_code_past_the_levels_is_one_error_on_every_path(monkeypatch):
+    """A stage may hold the symbol bins - 1, which the encoder never writes (codes lie in
+    [0, bins - 2]): the native and the reference decoder raise the same FormatError."""
+    cache = make_cache(layers=1, tokens=30, heads=2, dim=16)
+    c = kvcodec.get_codec("cachegen-lmcache")
+    ctx = _ctx(c, cache, 0, "k")
+    enc = c.encode_tensor(cache.layers[0]["k"], ctx)
+    bins = enc.params["bins"]
+    codes = np.full((30, 32), bins // 2, dtype=np.uint16)
+    codes[7, 3] = bins - 1
+    forged = dict(enc.planes)
+    forged.update({f"ans_{k}": v for k, v in c._stage().encode(codes, alphabet=bins, layout="tokens").items()})
+    msg = f"layers.0.k: code {bins - 1} outside the {bins - 1} levels"
+    with pytest.raises(FormatError) as native_err:
+        c.decode_tensor(type(enc)(forged, enc.params), ctx)
+    monkeypatch.setenv("KVCODEC_NATIVE", "0")
+    with pytest.raises(FormatError) as ref_err:
+        c.decode_tensor(type(enc)(forged, enc.params), ctx)
+    assert str(native_err.value) == str(ref_err.value) == msg

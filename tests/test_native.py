@@ -12,7 +12,7 @@ from conftest import make_cache
 from kvcodec import native
 from kvcodec.entropy import EntropyStage, StageLayout
 from kvcodec.entropy.ans_ref import ans_decode_segments_reference
-from kvcodec.errors import DependencyError, InputError, StreamError
+from kvcodec.errors import DependencyError, FormatError, InputError, StreamError
 from kvcodec.quant.fast import intq_dequantize_fast
 from kvcodec.quant.intq import IntQTensor, intq_param_shape
 
@@ -187,12 +187,13 @@ def test_rows_affine_matches_torch(dtype, f16_path):
     brow = np.arange(20) // 5
     orow = rng.permutation(20)
     out = torch.empty((20, 12), dtype=dtype)
-    assert native.rows_affine(codes, orow, scale, 15, out, max_code=30, base=base, brow=brow)
+    assert native.rows_affine(codes, orow, scale, 15, out, max_code=30, base=base, brow=brow) is out
     v = torch.from_numpy(base[brow]) + (torch.from_numpy(codes.astype(np.int64)) - 15).float() * torch.from_numpy(scale)[:, None]
     want = torch.empty((20, 12), dtype=dtype)
     want[torch.from_numpy(orow)] = v.to(dtype)
     assert torch.equal(out.float(), want.float())
-    assert not native.rows_affine(codes, orow, scale, 15, out, max_code=29)
+    with pytest.raises(FormatError, match=f"code {int(codes.max())} outside the 30 levels"):  # bad data
+        native.rows_affine(codes, orow, scale, 15, out, max_code=29)
 
 
 ENTROPY_CODECS = ["kivi-4-ans", "kivi-2-ans", "kivi-4-delta-ans", "cachegen", "cachegen-lmcache", "kvc-near",
@@ -314,15 +315,16 @@ def test_deadzone_quantize_matches_numpy_path(monkeypatch):
                  step_from_code(rng.integers(-20, 10, size=(37, 3, 24)))):       # per element
         for rho in (0.5, 0.3, 0.05):
             got = deadzone_quantize(x, step, rho)
-            assert native.deadzone_quantize(x, step, rho) is not None
+            native.deadzone_quantize(x, step, rho)  # the native path takes these operands
             with monkeypatch.context() as m:
                 m.setenv("KVCODEC_NATIVE", "0")
                 want = deadzone_quantize(x, step, rho)
             assert got.dtype == want.dtype == np.int64 and np.array_equal(got, want)
     # paths the native code leaves to numpy: non-finite input, float64 input, zero steps
-    assert native.deadzone_quantize(np.array([1.0, np.inf], np.float32), np.float32(0.5), 0.5) is None
-    assert native.deadzone_quantize(np.array([1.0], np.float64), np.float32(0.5), 0.5) is None
-    assert native.deadzone_quantize(np.array([1.0], np.float32), np.float32(0.0), 0.5) is None
+    for xs, st in ((np.array([1.0, np.inf], np.float32), np.float32(0.5)), (np.array([1.0], np.float64), np.float32(0.5)),
+                   (np.array([1.0], np.float32), np.float32(0.0))):
+        with pytest.raises(native.Unsupported):
+            native.deadzone_quantize(xs, st, 0.5)
 
 
 def test_escape_split_and_join_match_kvc():
@@ -400,13 +402,12 @@ def test_escape_split_with_ctx_statistics_equals_the_two_calls():
             sym, esc, lv = native.escape_split_tokens(codes, max_level, dl)
             hist, cls = native.ctx_histograms(sym, 2 * lv, "tokens", g, th, classes=True)
             for dtype in (np.int64, np.int32):
-                got = native.escape_split_ctx_tokens(codes.astype(dtype), max_level, dl, g, th)
-                assert got is not None
-                s2, e2, l2, h2, c2 = got
+                s2, e2, l2, h2, c2 = native.escape_split_ctx_tokens(codes.astype(dtype), max_level, dl, g, th)
                 assert l2 == lv and np.array_equal(s2, sym) and np.array_equal(e2, esc)
                 assert np.array_equal(h2, hist) and np.array_equal(c2, cls)
     many = np.full((50, 10), 100, dtype=np.int64)  # every code escapes: beyond the 1/16 scratch
-    assert native.escape_split_ctx_tokens(many, 16, None, 4, [3, 8]) is None
+    with pytest.raises(native.Unsupported):
+        native.escape_split_ctx_tokens(many, 16, None, 4, [3, 8])
     # the stage takes such statistics instead of counting again: the same planes; wrong shapes refused
     codes = np.round(rng.laplace(0, 3, size=(200, 70))).astype(np.int64)
     st = EntropyStage(precision=14, rows_per_stream=32, tables="cluster", n_tables=4, scope="ctx", thresholds=[3, 8])
@@ -544,11 +545,12 @@ def test_deadzone_writes_into_the_first_columns_of_a_wider_matrix(monkeypatch):
     if native.available():
         with pytest.raises(ValueError, match="int64 or int32"):
             native.deadzone_quantize(x, np.float32(1.0), 0.5, out=np.zeros((37, 24), np.int16))
-        # int32 codes (what kvc's encoder asks for): the same values, or None when one would not fit
+        # int32 codes (what kvc's encoder asks for): the same values, or Unsupported when one would not fit
         want = deadzone_quantize(x.astype(np.float64), np.float32(1.0), 0.5).reshape(37, 24)
         got32 = native.deadzone_quantize(x, np.float32(1.0), 0.5, out=np.zeros((37, 24), np.int32))
         assert got32.dtype == np.int32 and np.array_equal(got32, want)
         big = x.copy()
         big[3, 0, 0] = 2.5e9
-        assert native.deadzone_quantize(big, np.float32(1.0), 0.5, out=np.zeros((37, 24), np.int32)) is None
+        with pytest.raises(native.Unsupported):
+            native.deadzone_quantize(big, np.float32(1.0), 0.5, out=np.zeros((37, 24), np.int32))
         assert native.deadzone_quantize(big, np.float32(1.0), 0.5, out=np.zeros((37, 24), np.int64))[3, 0] == 2500000000

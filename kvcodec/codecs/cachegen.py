@@ -314,12 +314,13 @@ class CacheGenCodec(Codec):
             tok = np.arange(t)
             anc_hat = torch.empty((na, h * d), dtype=torch.float32)
             out = torch.empty((t, h * d), dtype=ctx.dtype)
-            ok = native.rows_affine(anc, np.arange(na), s32[tok % g == 0], (la - 1) // 2, anc_hat, max_code=la - 1)
-            ok &= native.rows_affine(anc, tok[tok % g == 0], s32[tok % g == 0], (la - 1) // 2, out, max_code=la - 1)
-            ok &= native.rows_affine(dl, tok[tok % g != 0], s32[tok % g != 0], (rec - 1) // 2, out, max_code=rec - 1,
-                                     base=anc_hat.numpy(), brow=tok[tok % g != 0] // g)
-            if not ok:  # the stages' alphabets are the levels: a code past them is a forged table
-                raise FormatError(f"{at}: cachegen code outside the {la}/{rec} levels")
+            try:  # the stages' alphabets are the levels: a code past them is a forged table
+                native.rows_affine(anc, np.arange(na), s32[tok % g == 0], (la - 1) // 2, anc_hat, max_code=la - 1)
+                native.rows_affine(anc, tok[tok % g == 0], s32[tok % g == 0], (la - 1) // 2, out, max_code=la - 1)
+                native.rows_affine(dl, tok[tok % g != 0], s32[tok % g != 0], (rec - 1) // 2, out, max_code=rec - 1,
+                                   base=anc_hat.numpy(), brow=tok[tok % g != 0] // g)
+            except FormatError as e:
+                raise type(e)(f"{at}: {e}") from None
             return out.reshape(t, h, d)
         anc_hat = symmetric_token_dequantize(_to_torch(anc), scale[is_anchor], la)
         out = torch.empty(t, h * d, dtype=torch.float32)
@@ -415,9 +416,12 @@ class CacheGenLMCacheCodec(Codec):
         codes = _decode_tokens(v.ans, v.ans_expected, "ans_", at)
         if native.available():
             out = torch.empty((t, h * d), dtype=ctx.dtype)
-            if native.rows_affine(codes, np.arange(t), v.scale.astype(np.float32), (rec - 2) // 2, out,
-                                  max_code=rec - 2):
-                return out.reshape(t, h, d)
+            try:  # a code past the bins - 1 levels: the reference's error below, word for word
+                native.rows_affine(codes, np.arange(t), v.scale.astype(np.float32), (rec - 2) // 2, out,
+                                   max_code=rec - 2)
+            except FormatError as e:
+                raise type(e)(f"{at}: {e}") from None
+            return out.reshape(t, h, d)
         if codes.size and int(codes.max()) > rec - 2:
             raise FormatError(f"{at}: code {int(codes.max())} outside the {rec - 1} levels")
         out = symmetric_token_dequantize(_to_torch(codes), torch.from_numpy(v.scale.copy()), rec - 1)

@@ -721,9 +721,10 @@ def _member_sums(h: np.ndarray, assign: np.ndarray, k: int) -> tuple[np.ndarray,
     order, and a wide product would start BLAS threads that crawl on a busy machine."""
     from .. import native
 
-    fast = native.member_sums(h, assign, k)
-    if fast is not None:
-        return fast
+    try:
+        return native.member_sums(h, assign, k)
+    except native.Unsupported:
+        pass
     r, a = h.shape
     idx = (assign.astype(np.int64)[:, None] * a + np.arange(a)).ravel()
     sums = np.bincount(idx, weights=h.ravel(), minlength=k * a).reshape(k, a)

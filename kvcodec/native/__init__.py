@@ -16,6 +16,12 @@ Rooms:
     tokens    CacheGen's per-token quantization and row-affine dequantization
     kvc       kvc's escape split/join, dequantization and token-delta statistics
 
+One failure rule for every wrapper: it returns its result or raises. Bad data raises kvcodec's
+own error, of the class and with the message the reference raises (a corrupt stream, a code past
+its levels). :class:`Unsupported` (not a :class:`~kvcodec.errors.KVCodecError`) means the C path
+does not take these operands or the library is unavailable: the caller catches it and runs the
+reference. No wrapper returns None or False to mean "fall back".
+
 ``KVCODEC_NATIVE`` controls it: ``auto`` (default: use it when it builds), ``0`` (never),
 ``1`` (require it: :func:`lib` raises :class:`~kvcodec.errors.DependencyError` if it cannot build).
 
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 from .abi import ABI_VERSION, F_BF16, F_F16, F_F32, OUT_I32_RN, OUT_U8_NR, OUT_U16_NR, float_kind
 from .ans import ctx_histograms, decode_stage, encode_stage, histograms, symbol_view
-from .build import CFLAGS, available, lib, status
+from .build import CFLAGS, Unsupported, available, lib, status
 from .deadzone import deadzone_quantize, deadzone_recon, recon_sums
 from .intq import intq_dequantize, intq_quantize
 from .kvc import (
@@ -46,4 +52,4 @@ __all__ = ["ABI_VERSION", "CFLAGS", "F_BF16", "F_F16", "F_F32", "OUT_I32_RN", "O
            "available", "ctx_histograms", "deadzone_quantize", "deadzone_recon", "decode_stage", "delta_histograms",
            "encode_stage", "escape_join_tokens", "escape_split_ctx_tokens", "escape_split_tokens", "float_kind",
            "histograms", "intq_dequantize", "intq_quantize", "kvc_dequantize", "lib", "member_sums", "recon_sums",
-           "rows_affine", "status", "symbol_view", "token_quantize"]
+           "rows_affine", "status", "symbol_view", "token_quantize", "Unsupported"]

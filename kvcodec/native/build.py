@@ -40,6 +40,12 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {"lib": None, "error": None, "tried": False, "path": None}
 
 
+class Unsupported(Exception):
+    """The native path does not take these operands, or the library is unavailable: the caller
+    runs the reference implementation instead. Deliberately not a
+    :class:`~kvcodec.errors.KVCodecError`: it is no user's error and never leaves kvcodec."""
+
+
 def _mode() -> str:
     m = os.environ.get("KVCODEC_NATIVE", "auto").strip().lower()
     return m if m in ("0", "1") else "auto"
@@ -141,11 +147,12 @@ def required() -> ctypes.CDLL:
     """The library, for the wrappers.
 
     Raises:
-        DependencyError: the library is disabled or unavailable.
+        Unsupported: the library is disabled or unavailable (``auto`` or ``0`` mode).
+        DependencyError: ``KVCODEC_NATIVE=1`` and the library cannot be built.
     """
     lb = lib()
     if lb is None:
-        raise DependencyError(f"native CPU coder unavailable: {_state['error'] or 'KVCODEC_NATIVE=0'}")
+        raise Unsupported(f"native CPU coder unavailable: {_state['error'] or 'KVCODEC_NATIVE=0'}")
     return lb
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import FormatError
 from .abi import NOMEM, OK, code_kind, float_kind, ptr
-from .build import required
+from .build import Unsupported, required
 
 
 def _code_matrix(codes: np.ndarray) -> tuple[np.ndarray, int]:
@@ -75,14 +75,18 @@ def escape_split_ctx_tokens(codes: np.ndarray, max_level: int, delta: np.ndarray
     """:func:`escape_split_tokens` and, in the same pass, the scope-2 statistics of the symbols
     it writes — what :func:`ctx_histograms` (``classes=True``) returns for them with streams of
     ``g`` rows and these thresholds: ``(symbols, escapes, L, counts int64 [Q * R, 2 L], classes
-    uint8 [n, R])``; ``None`` when the one pass does not apply (more escapes than its scratch
-    holds, 2**31 tokens or more): the caller then takes the two calls."""
+    uint8 [n, R])``.
+
+    Raises:
+        Unsupported: the one pass does not apply (more escapes than its scratch holds, 2**31
+            tokens or more, 16 thresholds or more): the caller takes the two calls.
+    """
     lb = required()
     c, ck, n, r, dl = _split_operands(codes, delta)
     th = list(thresholds)
     q = len(th) + 1
     if not 0 <= len(th) < 16 or g < 1 or n >= 2**31:
-        return None
+        raise Unsupported(f"escape split with contexts: {len(th)} thresholds, {g} rows per stream, {n} tokens")
     ml = max(1, int(max_level))
     sym = np.empty((n, r), dtype=np.uint16)
     cls = np.empty((n, r), dtype=np.uint8)
@@ -98,7 +102,7 @@ def escape_split_ctx_tokens(codes: np.ndarray, max_level: int, delta: np.ndarray
     if rc == NOMEM:
         raise MemoryError("native escape split: out of memory")
     if rc != OK:
-        return None
+        raise Unsupported("escape split with contexts: more escapes than the one pass holds")
     L = int(lv[0])
     return sym, esc[: int(cnt[0])].copy(), L, hist[: q * r * 2 * L].reshape(q * r, 2 * L).copy(), cls
 

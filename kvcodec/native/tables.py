@@ -7,15 +7,16 @@ from __future__ import annotations
 import numpy as np
 
 from .abi import ptr
-from .build import lib
+from .build import required
 
 
-def member_sums(h: np.ndarray, assign: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per-cluster sums of the rows of ``h`` (float64 counts; exact) and which clusters are used,
-    or ``None`` without the native coder."""
-    lb = lib()
-    if lb is None:
-        return None
+def member_sums(h: np.ndarray, assign: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-cluster sums of the rows of ``h`` (float64 counts; exact) and which clusters are used.
+
+    Raises:
+        Unsupported: without the native coder.
+    """
+    lb = required()
     hh = np.ascontiguousarray(h, dtype=np.float64)
     asg = np.ascontiguousarray(assign, dtype=np.int64)
     r, a = hh.shape

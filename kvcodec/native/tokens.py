@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import InputError
-from .abi import NOMEM, OK, float_kind, ptr
+from ..errors import FormatError, InputError
+from .abi import BAD_SYMBOL, NOMEM, float_kind, ptr
 from .ans import symbol_view
 from .build import required
 
@@ -42,11 +42,16 @@ def token_quantize(x, rows: np.ndarray, levels: int, base: np.ndarray | None = N
 
 
 def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int, out, *, max_code: int,
-                base: np.ndarray | None = None, brow: np.ndarray | None = None) -> bool:
+                base: np.ndarray | None = None, brow: np.ndarray | None = None):
     """CacheGen-style dequantization into rows of ``out`` (a contiguous torch ``[rows, C]``
     tensor): for code row ``j``, ``out[orow[j]] = f32(codes[j] - mid) * scale[j]`` (plus
     ``base[brow[j]]`` first-operand-added when given), cast to ``out``'s dtype with RNE.
-    Returns False if a code exceeds ``max_code`` (the caller raises)."""
+    Returns ``out``.
+
+    Raises:
+        FormatError: a code exceeds ``max_code``: ``code <c> outside the <max_code + 1> levels``,
+            the reference decoder's message (the caller puts the tensor's name in front).
+    """
     lb = required()
     x, kind, _, _ = symbol_view(codes, "tokens")
     n, c = x.shape
@@ -59,4 +64,6 @@ def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int
                             float_kind(out.dtype), out.data_ptr())
     if rc == NOMEM:
         raise MemoryError("native dequantization: out of memory")
-    return rc == OK
+    if rc == BAD_SYMBOL:
+        raise FormatError(f"code {int(x.max())} outside the {max_code + 1} levels")
+    return out

@@ -94,9 +94,10 @@ def deadzone_quantize(x: np.ndarray, step: np.ndarray, rho: float = 0.5, out: np
         raise InputError(f"dead-zone rounding offset rho must be in (0, 0.5], got {rho}")
     from .. import native
 
-    fast = native.deadzone_quantize(x, step, rho, out)  # the same float64 arithmetic in C, when it applies
-    if fast is not None:
-        return fast
+    try:
+        return native.deadzone_quantize(x, step, rho, out)  # the same float64 arithmetic in C
+    except native.Unsupported:
+        pass
     xf = np.asarray(x, dtype=np.float64)
     mag = np.floor(np.abs(xf) / np.asarray(step, dtype=np.float64) + rho)
     codes = (np.sign(xf) * mag).astype(np.int64)
@@ -138,9 +139,12 @@ def recon_offsets(x: np.ndarray, step: np.ndarray, codes: np.ndarray, levels: in
         raise InputError(f"reconstruction levels must be in [0, {RECON_MAX_LEVELS}], got {levels}")
     from .. import native
 
-    fast = native.recon_sums(x, step, codes, levels) if levels else None  # the same integers in C
-    sums, counts = fast if fast is not None else recon_sums(x, step, codes, levels)
-    return recon_from_sums(sums, counts)
+    if levels:
+        try:
+            return recon_from_sums(*native.recon_sums(x, step, codes, levels))  # the same integers in C
+        except native.Unsupported:
+            pass
+    return recon_from_sums(*recon_sums(x, step, codes, levels))
 
 
 def deadzone_quantize_recon(x: np.ndarray, step: np.ndarray, rho: float, levels: int,
@@ -161,9 +165,12 @@ def deadzone_quantize_recon(x: np.ndarray, step: np.ndarray, rho: float, levels:
         raise InputError(f"reconstruction levels must be in [0, {RECON_MAX_LEVELS}], got {levels}")
     from .. import native
 
-    fast = native.deadzone_recon(x, step, rho, out, levels) if levels else None
-    if fast is not None:
-        return fast[0], recon_from_sums(*fast[1])
+    if levels:
+        try:
+            codes, sc = native.deadzone_recon(x, step, rho, out, levels)
+            return codes, recon_from_sums(*sc)
+        except native.Unsupported:
+            pass
     codes = deadzone_quantize(x, step, rho, out)
     return codes, recon_offsets(x, step, codes, levels)
 

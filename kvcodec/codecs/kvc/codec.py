@@ -388,8 +388,12 @@ class KVCCodec(Codec):
         # the stage's rows are the H*D channels (then the step rows) over the tokens; it reads the
         # token-major matrix as is
         stats = None  # a ctx stage's counts and classes, taken in the escape split's pass
-        fused = native.escape_split_ctx_tokens(tok, p["max_level"], use, p["rows_per_stream"], list(p["ctx"])) \
-            if native.available() and p["ctx"] and n else None
+        fused = None
+        if native.available() and p["ctx"] and n:
+            try:
+                fused = native.escape_split_ctx_tokens(tok, p["max_level"], use, p["rows_per_stream"], list(p["ctx"]))
+            except native.Unsupported:  # more escapes than the one pass holds: the two calls below
+                pass
         if fused is not None:
             sym, esc, lv, hist, cls = fused
             stats = (hist, cls)

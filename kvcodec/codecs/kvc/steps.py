@@ -34,9 +34,11 @@ def _quantize_tokens(z: np.ndarray, step: np.ndarray, rho: float, levels: int,
     n, h, d = z.shape
     if native.available():
         tok = np.empty((n, h * d + extra), dtype=np.int32)
-        fast = native.deadzone_recon(z, step, rho, tok[:, : h * d], levels)
-        if fast is not None:
-            return tok, (recon_from_sums(*fast[1]) if levels else [])
+        try:
+            _, sc = native.deadzone_recon(z, step, rho, tok[:, : h * d], levels)
+            return tok, (recon_from_sums(*sc) if levels else [])
+        except native.Unsupported:  # a code past int32 (or other operands): the int64 path
+            pass
     tok = np.empty((n, h * d + extra), dtype=np.int64)
     _, rc = deadzone_quantize_recon(z, step, rho, levels, out=tok[:, : h * d])
     return tok, rc
