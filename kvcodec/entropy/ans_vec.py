@@ -99,11 +99,7 @@ def _decode_class(lay, ids, geo, shape, words, w64, offsets, rts, out, freq_f, c
                                           side="right").astype(np.int64) - 1 - tid * a
                 fi = tid * a + sym
                 x = (x >> p24) * freq_f[fi] + q - cum_f[fi]
-                m = np.flatnonzero(x < _LOW)
-                if m.size:
-                    m = m[pos[m] > start[m]]
-                    x[m] = (x[m] << np.uint64(32)) | w64[pos[m] - 1]
-                    pos[m] -= 1
+                _refill(x, pos, start, w64)
                 buf[j, i] = sym
                 acc[i] += np.abs(sym.astype(np.int64) - lay.center)
         elif lut is not None:
@@ -114,11 +110,7 @@ def _decode_class(lay, ids, geo, shape, words, w64, offsets, rts, out, freq_f, c
                 sym = lut[lut_base + (q >> sh).astype(np.int64)]
                 fi = tab_base + sym
                 x = (x >> p24) * freq_f[fi] + q - cum_f[fi]
-                m = np.flatnonzero(x < _LOW)
-                if m.size:
-                    m = m[pos[m] > start[m]]
-                    x[m] = (x[m] << np.uint64(32)) | w64[pos[m] - 1]
-                    pos[m] -= 1
+                _refill(x, pos, start, w64)
                 buf[j, i] = sym
         else:
             tab_base = tid * a
@@ -128,11 +120,7 @@ def _decode_class(lay, ids, geo, shape, words, w64, offsets, rts, out, freq_f, c
                 sym = np.searchsorted(key_c, key_base + q, side="right").astype(np.int64) - 1 - tab_base
                 fi = tab_base + sym
                 x = (x >> p24) * freq_f[fi] + q - cum_f[fi]
-                m = np.flatnonzero(x < _LOW)
-                if m.size:
-                    m = m[pos[m] > start[m]]
-                    x[m] = (x[m] << np.uint64(32)) | w64[pos[m] - 1]
-                    pos[m] -= 1
+                _refill(x, pos, start, w64)
                 buf[j, i] = sym
     # scatter back: stream s, row j, token i -> out[(row0 + j) * N + t0 + i]
     tgt = (row0[None, None, :] + np.arange(nrows)[:, None, None]) * lay.N + geo[None, None, :, 2] \
@@ -141,6 +129,15 @@ def _decode_class(lay, ids, geo, shape, words, w64, offsets, rts, out, freq_f, c
     bad = np.nonzero((pos != start) | (x != 0))[0]
     if bad.size:
         raise StreamError(f"ANS stream {int(ids[bad[0]])} not consumed exactly (corrupt or wrong index)")
+
+
+def _refill(x: np.ndarray, pos: np.ndarray, start: np.ndarray, w64: np.ndarray) -> None:
+    """Renormalise in place: every stream whose state fell below 2**32 and has words left pops one."""
+    m = np.flatnonzero(x < _LOW)
+    if m.size:
+        m = m[pos[m] > start[m]]
+        x[m] = (x[m] << np.uint64(32)) | w64[pos[m] - 1]
+        pos[m] -= 1
 
 
 def decode_ctx_scalar(lay, words, offsets, tsets, rts) -> np.ndarray:
