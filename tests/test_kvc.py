@@ -239,3 +239,20 @@ def test_stage_geometry_that_disagrees_with_the_params_is_refused_before_decodin
 
     with pytest.raises(FormatError, match=r"layers\.0\.k: kvc entropy stage: .*expected"):
         kvcodec.decode(rewrite(blob, manifest=levels))
+
+
+def test_chunked_encode_with_a_sink_beyond_the_first_chunk_is_a_clear_error():
+    """The file-level sink positions apply inside every chunk (the format as written so far), so a
+    detected sink past the first chunk cannot be coded chunked: a ConfigError that says what to do,
+    not a FormatError from the encoder's own checks. Unchunked, or without detection, it codes."""
+    from kvcodec.errors import ConfigError
+
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(48, 2, 16, generator=g), torch.randn(48, 2, 16, generator=g)
+    v[40] *= 0.01  # a secondary sink: small V
+    cache = kvcodec.KVCache.from_tensors([(k.half(), v.half())])
+    with pytest.raises(ConfigError, match="sink detection .* chunks of 16 tokens"):
+        kvcodec.get_codec("kvc-near").encode(cache, tokens_per_chunk=16)
+    assert kvcodec.decode(kvcodec.get_codec("kvc-near").encode(cache)).num_tokens == 48
+    plain = kvcodec.get_codec({"id": "kvc-near", "sink_v_ratio": 0.0})
+    assert kvcodec.decode(plain.encode(cache, tokens_per_chunk=16)).num_tokens == 48

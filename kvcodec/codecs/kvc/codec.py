@@ -282,7 +282,15 @@ class KVCCodec(Codec):
         where = f"layers.{ctx.layer}.{ctx.role}"
         s = min(p["sinks"], t)
         r = min(p["recent"], t - s)
-        mask = self._mask(ctx, s, r, where)
+        try:
+            mask = self._mask(ctx, s, r, where)
+        except FormatError:
+            # the file-level sink positions are read as positions inside every chunk (the
+            # format as written so far), so a sink past the first chunk's length cannot be coded
+            raise ConfigError(
+                f"{where}: kvc with sink detection (sink_v_ratio > 0) cannot code this cache in chunks of "
+                f"{t} tokens: a detected sink lies beyond the chunk; encode it unchunked, or with "
+                f"sink_v_ratio 0 (the -cal presets), or with longer chunks") from None
         n = int((~mask).sum())
         keep = torch.from_numpy(mask)
         prot = x[keep]
