@@ -45,8 +45,11 @@ def test_wheel_carries_and_finds_kernel_sources(tmp_path):
             name = f"kvcodec/_cuda/{p.name}"
             assert name in names, f"{name} missing from {wheel.name}"
             assert z.read(name) == p.read_bytes(), f"{name} differs from cuda/{p.name}"
-        # the native CPU coder's C source, compiled on first use (kvcodec/native)
-        assert z.read("kvcodec/native/kvc_cpu.c") == (ROOT / "kvcodec" / "native" / "kvc_cpu.c").read_bytes()
+        # the native CPU coder's C sources, compiled on first use (kvcodec/native/csrc)
+        csrc = sorted((ROOT / "kvcodec" / "native" / "csrc").iterdir())
+        assert any(p.suffix == ".c" for p in csrc) and any(p.suffix == ".h" for p in csrc)
+        for p in csrc:
+            assert z.read(f"kvcodec/native/csrc/{p.name}") == p.read_bytes(), f"csrc/{p.name} differs"
         site = tmp_path / "site"
         z.extractall(site)
     # a fresh interpreter, outside the checkout, with only the unpacked wheel on its path

@@ -18,7 +18,7 @@ import ctypes
 import numpy as np
 
 #: Version of the C library's ABI (``kvn_abi_version()``; KVN_ABI_VERSION in csrc/kvn_common.h).
-ABI_VERSION = 22
+ABI_VERSION = 23
 
 # status codes (KVN_* in kvn_common.h)
 OK, ZERO_WORD, NOT_CONSUMED, NOMEM, BAD_SYMBOL, OVERFLOW = range(6)

@@ -1,6 +1,6 @@
-"""Build, cache and load the native C library (kvcodec/native/kvc_cpu.c).
+"""Build, cache and load the native C library (kvcodec/native/csrc/: one unit per stage).
 
-On first use the C source is compiled with the system C compiler (``$CC``, else
+On first use the C units are compiled together with the system C compiler (``$CC``, else
 ``cc``/``gcc``/``clang``) into a shared library cached under ``$KVCODEC_CACHE_DIR/native``
 (default ``~/.cache/kvcodec/native``), keyed by every source, the compiler's version, the flags
 and the platform, and loaded with :mod:`ctypes`; :func:`kvcodec.native.abi.apply` then sets the
@@ -31,8 +31,9 @@ from ..errors import DependencyError
 from . import abi
 
 #: The C units compiled into the one library, and the headers they include (all in the key).
-SOURCES = [Path(__file__).with_name("kvc_cpu.c")]
-HEADERS: list[Path] = []
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.c"))
+HEADERS = sorted(CSRC.glob("*.h"))
 #: Flags: no contraction of multiply-adds (bit-exact float code), position independent.
 CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"]
 

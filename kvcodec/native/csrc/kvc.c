@@ -1,0 +1,369 @@
+/* kvc.c -- kvc's symbol passes (kvcodec.codecs.kvc): escape split and join of token-major code
+ * matrices (with token-delta columns and magnitude-context statistics), the normative
+ * dequantization, and the token-delta statistics.
+ */
+#include "kvn_common.h"
+
+/* kvc escapes on a token-major code matrix codes[t * R + r] (int64 [n, R]): L = clamp(max|c| + 1,
+ * 1, max_level); sym = |c| < L ? c + L - 1 : 2L - 1 (uint16 [n, R]); the escaped codes go to esc
+ * (int32, wrapped as numpy's astype) in ROW-major order of the [R, n] symbol matrix (row r, then
+ * token t), as kvcodec.codecs.kvc.escape_split writes them. esc needs room for every escape:
+ * call with sym = NULL first: it returns L (in *lv), the escape count (in *n_esc) and each row's
+ * count (rowcnt, int64 [R]); then call again with sym, esc, rowcnt and *lv as returned.
+ * delta (uint8 [R] or NULL): columns with delta[r] != 0 are split as their token deltas
+ * c[t] - c[t-1] (t > 0; the encoder's codes are far inside the int64 range), as kvc codes them. */
+static inline int64_t esc_val(const int64_t* codes, int64_t t, int64_t r, int64_t R, const uint8_t* delta) {
+  const int64_t c = codes[t * R + r];
+  return (delta && delta[r] && t) ? c - codes[(t - 1) * R + r] : c;
+}
+
+int kvn_escape_split(const int64_t* codes, int64_t n, int64_t R, int64_t max_level, const uint8_t* delta,
+                     uint16_t* sym, int32_t* esc, int64_t* rowcnt, int64_t* n_esc, int64_t* lv) {
+  if (!sym) {
+    /* pass 1: the largest magnitude and, per row, how many reach max_level (the escapes if
+       L = max_level; with L = top + 1 < max_level nothing escapes) */
+    uint64_t top = 0;
+    const uint64_t ml = max_level > 0 ? (uint64_t)max_level : 1;
+    for (int64_t r = 0; r < R; ++r) rowcnt[r] = 0;
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t c = esc_val(codes, t, r, R, delta);
+        const uint64_t a = c < 0 ? (uint64_t)0 - (uint64_t)c : (uint64_t)c;
+        top = a > top ? a : top;
+        rowcnt[r] += a >= ml;
+      }
+    int64_t L = top + 1 < (uint64_t)max_level ? (int64_t)top + 1 : max_level;
+    if (L < 1) L = 1;
+    *lv = L;
+    int64_t total = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      if (L < max_level) rowcnt[r] = 0;
+      total += rowcnt[r];
+    }
+    *n_esc = total;
+    return KVN_OK;
+  }
+  /* pass 2, with rowcnt and *lv from pass 1 */
+  const int64_t L = *lv;
+  int64_t* pos = (int64_t*)malloc((size_t)(R > 0 ? R : 1) * sizeof(int64_t));
+  if (!pos) return KVN_NOMEM;
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) { /* counts -> first slot of each row */
+    pos[r] = total;
+    total += rowcnt[r];
+  }
+  const uint16_t e = (uint16_t)(2 * L - 1);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t c = esc_val(codes, t, r, R, delta);
+      if (c >= L || c <= -L) {
+        sym[t * R + r] = e;
+        if (esc) esc[pos[r]++] = (int32_t)(uint32_t)(uint64_t)c;
+      } else {
+        sym[t * R + r] = (uint16_t)(c + L - 1);
+      }
+    }
+  free(pos);
+  return KVN_OK;
+}
+
+/* The symbol SV of code C in row R_ of a one-pass split at L = max_level (ml, e = 2 ml - 1, top,
+ * ne, cap, etok, erow in scope): an escape is recorded in token order while the scratch lasts. */
+#define ESC_SYMBOL(C, R_, SV)                                                  \
+  do {                                                                         \
+    const uint64_t a_ = (C) < 0 ? (uint64_t)0 - (uint64_t)(C) : (uint64_t)(C); \
+    top = a_ > top ? a_ : top;                                                 \
+    if (a_ >= (uint64_t)ml) {                                                  \
+      SV = e;                                                                  \
+      if (ne < cap) {                                                          \
+        etok[ne] = (int32_t)(uint32_t)(uint64_t)(C);                           \
+        erow[ne] = (int32_t)(R_);                                              \
+      }                                                                        \
+      ++ne;                                                                    \
+    } else {                                                                   \
+      SV = (C) + ml - 1;                                                       \
+    }                                                                          \
+  } while (0)
+
+/* The one pass of kvn_escape_split1 over int64 or int32 codes (CT); returns the escape count. */
+#define KVN_ESC_PASS(SUF, CT)                                                                             \
+  static int64_t esc_pass##SUF(const CT* codes, int64_t n, int64_t R, int64_t ml, const uint8_t* delta,   \
+                               uint16_t* sym, int32_t* etok, int32_t* erow, int64_t cap, uint64_t* top_out) { \
+    const uint16_t e = (uint16_t)(2 * ml - 1);                                                           \
+    uint64_t top = 0;                                                                                    \
+    int64_t ne = 0;                                                                                      \
+    for (int64_t t = 0; t < n; ++t) {                                                                    \
+      const CT* ct = codes + t * R;                                                                      \
+      uint16_t* st = sym + t * R;                                                                        \
+      for (int64_t r = 0; r < R; ++r) {                                                                  \
+        const int64_t c = (delta && delta[r] && t) ? (int64_t)ct[r] - (int64_t)ct[r - R] : (int64_t)ct[r]; \
+        int64_t sv;                                                                                      \
+        ESC_SYMBOL(c, r, sv);                                                                            \
+        st[r] = (uint16_t)sv;                                                                            \
+      }                                                                                                  \
+    }                                                                                                    \
+    *top_out = top;                                                                                      \
+    return ne;                                                                                           \
+  }
+KVN_ESC_PASS(_i64, int64_t)
+KVN_ESC_PASS(_i32, int32_t)
+
+/* The escape split's L: clamp(max|c| + 1, 1, max_level). */
+static inline int64_t esc_level(uint64_t top, int64_t ml) {
+  const int64_t L = top + 1 < (uint64_t)ml ? (int64_t)top + 1 : ml;
+  return L < 1 ? 1 : L;
+}
+
+/* The end of a one-pass split: L and the escape count out; with L < max_level (nothing escaped)
+ * the symbols shifted down to the smaller alphabet, else the escapes put in row order (a stable
+ * counting sort of the token-order scratch). */
+static int esc_finish(uint16_t* sym, int64_t n, int64_t R, int64_t ml, uint64_t top, int64_t ne, int32_t* esc,
+                      const int32_t* etok, const int32_t* erow, int64_t* n_esc, int64_t* lv) {
+  const int64_t L = esc_level(top, ml);
+  *lv = L;
+  *n_esc = ne;
+  if (L < ml) {
+    const uint16_t d = (uint16_t)(ml - L);
+    for (int64_t i = 0; i < n * R; ++i) sym[i] = (uint16_t)(sym[i] - d);
+    return KVN_OK;
+  }
+  if (!ne) return KVN_OK;
+  int64_t* pos = (int64_t*)calloc((size_t)(R > 0 ? R : 1), sizeof(int64_t));
+  if (!pos) return KVN_NOMEM;
+  for (int64_t i = 0; i < ne; ++i) pos[erow[i]] += 1;
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) { /* counts -> first slot of each row */
+    const int64_t k = pos[r];
+    pos[r] = total;
+    total += k;
+  }
+  for (int64_t i = 0; i < ne; ++i) esc[pos[erow[i]]++] = etok[i];
+  free(pos);
+  return KVN_OK;
+}
+
+/* kvn_escape_split in one pass over the codes (int64, ckind 0, or int32, ckind 1; same sym, esc
+ * and L): the symbols are written as if L = max_level, the escapes collected in token order with
+ * their rows (at most cap of them: KVN_OVERFLOW beyond, sym then undone -- the caller uses the
+ * two passes), then put in row order by a stable counting sort; when every |c| < max_level - 1,
+ * L = max|c| + 1 and the symbols are shifted down by max_level - L instead. etok, erow: int32
+ * [cap] scratch; esc: int32 [cap]. */
+int kvn_escape_split1(const void* codes, int ckind, int64_t n, int64_t R, int64_t max_level, const uint8_t* delta,
+                      uint16_t* sym, int32_t* esc, int32_t* etok, int32_t* erow, int64_t cap, int64_t* n_esc,
+                      int64_t* lv) {
+  const int64_t ml = max_level > 0 ? max_level : 1;
+  uint64_t top = 0;
+  const int64_t ne = ckind == C_I32 ? esc_pass_i32((const int32_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top)
+                                : esc_pass_i64((const int64_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top);
+  if (ne > cap) return KVN_OVERFLOW;
+  return esc_finish(sym, n, R, ml, top, ne, esc, etok, erow, n_esc, lv);
+}
+
+/* kvn_escape_split1 that also takes a scope-2 entropy stage's statistics of the symbols it writes,
+ * in the same pass (kvcodec.native.ctx_histograms' counts and classes: streams of G rows over the
+ * token-major [n, R] symbols, nthr thresholds thr, center L - 1): hist int64 [Q * R, 2 L]
+ * (row q * R + r; zeroed and filled here, Q = nthr + 1), cls uint8 [n, R]. The classes follow
+ * the magnitudes |symbol - center| -- |c| for a regular code, L for an escape -- which do not
+ * depend on the final L (when it ends below max_level nothing escaped), so only the histogram's
+ * columns move with it. Returns as kvn_escape_split1, or KVN_BAD_SYMBOL for bad arguments (nthr
+ * outside [0, 16), G < 1, n >= 2^31). scratch: int32 [R * Q * 2 max_level] counts. */
+#define KVN_ESC_CTX_PASS(SUF, CT)                                                                        \
+  static int64_t esc_ctx_pass##SUF(const CT* codes, int64_t n, int64_t R, int64_t ml, const uint8_t* delta, \
+                                   uint16_t* sym, int32_t* etok, int32_t* erow, int64_t cap,             \
+                                   uint64_t* top_out, int64_t G, int64_t nthr, const int64_t* bk,        \
+                                   int32_t* h, uint8_t* cls) {                                           \
+    const uint16_t e = (uint16_t)(2 * ml - 1);                                                          \
+    const int64_t Q = nthr + 1, A = 2 * ml;                                                             \
+    uint64_t top = 0;                                                                                   \
+    int64_t ne = 0;                                                                                     \
+    for (int64_t t = 0; t < n; ++t) {                                                                   \
+      const CT* ct = codes + t * R;                                                                     \
+      uint16_t* st = sym + t * R;                                                                       \
+      uint8_t* qt = cls + t * R;                                                                        \
+      for (int64_t r0 = 0; r0 < R; r0 += G) {                                                           \
+        const int64_t r1 = r0 + G < R ? r0 + G : R;                                                     \
+        int64_t acc = 0; /* the stream's running magnitude sum at token t */                            \
+        for (int64_t r = r0; r < r1; ++r) {                                                             \
+          const int64_t c = (delta && delta[r] && t) ? (int64_t)ct[r] - (int64_t)ct[r - R] : (int64_t)ct[r]; \
+          int64_t sv;                                                                                   \
+          ESC_SYMBOL(c, r, sv);                                                                         \
+          const int64_t mag = sv == e ? ml : (c < 0 ? -c : c); /* |symbol - center| */                  \
+          st[r] = (uint16_t)sv;                                                                         \
+          const int q = ctx_class(acc, bk + (r - r0) * MAXQ, nthr);                                     \
+          qt[r] = (uint8_t)q;                                                                           \
+          h[(r * Q + q) * A + sv] += 1;                                                                 \
+          acc += mag;                                                                                   \
+        }                                                                                               \
+      }                                                                                                 \
+    }                                                                                                   \
+    *top_out = top;                                                                                     \
+    return ne;                                                                                          \
+  }
+KVN_ESC_CTX_PASS(_i64, int64_t)
+KVN_ESC_CTX_PASS(_i32, int32_t)
+
+int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int64_t max_level, const uint8_t* delta,
+                         uint16_t* sym, int32_t* esc, int32_t* etok, int32_t* erow, int64_t cap, int64_t* n_esc,
+                         int64_t* lv, int64_t G, int64_t nthr, const int64_t* thr, int64_t* hist, uint8_t* cls) {
+  if (nthr < 0 || nthr >= MAXQ || G < 1 || n >= ((int64_t)1 << 31)) return KVN_BAD_SYMBOL;
+  const int64_t ml = max_level > 0 ? max_level : 1;
+  const int64_t Q = nthr + 1, A = 2 * ml;
+  const int64_t gk = G < R ? G : R;
+  int64_t* bk = (int64_t*)malloc(sizeof(int64_t) * (size_t)(gk * MAXQ + 1)); /* class bounds per row */
+  int32_t* h = (int32_t*)calloc((size_t)(R * Q * A + 1), sizeof(int32_t));  /* [R][Q][A] while scanning */
+  if (!bk || !h) {
+    free(bk);
+    free(h);
+    return KVN_NOMEM;
+  }
+  for (int64_t k = 0; k < gk; ++k) ctx_bounds(thr, nthr, k, bk + k * MAXQ);
+  uint64_t top = 0;
+  const int64_t ne =
+      ckind == C_I32 ? esc_ctx_pass_i32((const int32_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls)
+                 : esc_ctx_pass_i64((const int64_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls);
+  free(bk);
+  if (ne > cap) {
+    free(h);
+    return KVN_OVERFLOW;
+  }
+  /* the histogram over the final alphabet 2L: symbol s' = s - (max_level - L) */
+  const int64_t L = esc_level(top, ml), d = ml - L, A2 = 2 * L;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t q = 0; q < Q; ++q)
+      for (int64_t s2 = 0; s2 < A2; ++s2) hist[(q * R + r) * A2 + s2] = h[(r * Q + q) * A + s2 + d];
+  free(h);
+  return esc_finish(sym, n, R, ml, top, ne, esc, etok, erow, n_esc, lv);
+}
+
+/* Inverse: out[t * R + r] = sym - (L - 1), escape symbols (2L - 1) replaced by esc values taken in
+ * row-major order of [R, n]; with delta (uint8 [R] or NULL), the columns r with delta[r] != 0
+ * become their running sums over t. out: int64 (okind 0) or int32 (okind 1) [n, R]. Returns 1 if the
+ * escape count differs from n_esc, 2 if an escaped value lies inside (-L, L) (both corrupt files),
+ * 3 if int32 output was asked for and a code does not fit (the caller redoes it in int64), KVN_NOMEM,
+ * else KVN_OK. sym: uint16 [n, R]. */
+int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const int64_t* esc, int64_t n_esc,
+                    const uint8_t* delta, void* out, int okind) {
+  const uint16_t e = (uint16_t)(2 * L - 1);
+  int64_t* pos = (int64_t*)calloc((size_t)(R > 0 ? R : 1), sizeof(int64_t));
+  if (!pos) return KVN_NOMEM;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r = 0; r < R; ++r) pos[r] += sym[t * R + r] == e;
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t k = pos[r];
+    pos[r] = total;
+    total += k;
+  }
+  if (total != n_esc) {
+    free(pos);
+    return 1;
+  }
+  int rc = KVN_OK;
+  int64_t* o64 = (int64_t*)out;
+  int32_t* o32 = (int32_t*)out;
+  int wide = 0; /* int32 output: a code outside the int32 range (the caller redoes it in int64) */
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r = 0; r < R; ++r) {
+      const uint16_t s = sym[t * R + r];
+      int64_t v;
+      if (s == e) {
+        v = esc[pos[r]++];
+        if (v < L && v > -L) rc = 2;
+      } else {
+        v = (int64_t)s - (L - 1);
+      }
+      /* kvc's token-delta rows: running sums down the tokens (wrapping like numpy's cumsum) */
+      if (okind == C_I32) {
+        if (delta && delta[r] && t) v += o32[(t - 1) * R + r]; /* both within int32: no overflow in int64 */
+        wide |= v < INT32_MIN || v > INT32_MAX;
+        o32[t * R + r] = (int32_t)v;
+      } else {
+        if (delta && delta[r] && t) v = (int64_t)((uint64_t)v + (uint64_t)o64[(t - 1) * R + r]);
+        o64[t * R + r] = v;
+      }
+    }
+  free(pos);
+  return rc ? rc : (wide ? 3 : KVN_OK);
+}
+
+/* kvc reconstruction (kvcodec/codecs/kvc.py, normative): out[t, h, d] = clamp(f32(code) * step
+ * + mean[h, d], +-fmax), cast to the out kind. codes: int64 (ckind 0) or int32 (ckind 1) [n, H, D]
+ * (token rows crow apart); step: float32 with element
+ * strides s0, s1, s2 (0 broadcasts); mean: float32 [H, D]. fmax <= 0: no clamp. */
+/* One row of D dequantized values from codes of type CT (kvn_kvc_dequant's arithmetic). */
+#define KVN_DQ_ROW(SUF, CT)                                                                                \
+  static void dq_row##SUF(const CT* c, const float* st, int64_t s2, const float* mu, int64_t D, float m,     \
+                          const float* rtab, int64_t rm, float* r) {                                        \
+    if (rtab) {                                                                                             \
+      for (int64_t d = 0; d < D; ++d) {                                                                     \
+        const int64_t v = (int64_t)c[d];                                                                    \
+        const int64_t i = v < -rm - 1 ? -rm - 1 : (v > rm + 1 ? rm + 1 : v);                                \
+        const float cv = (float)v - rtab[i + rm + 1];                                                       \
+        r[d] = clampf(cv * st[d * s2] + mu[d], m);                                                          \
+      }                                                                                                     \
+    } else {                                                                                                \
+      for (int64_t d = 0; d < D; ++d) r[d] = clampf((float)c[d] * st[d * s2] + mu[d], m);                   \
+    }                                                                                                       \
+  }
+KVN_DQ_ROW(_i64, int64_t)
+KVN_DQ_ROW(_i32, int32_t)
+
+int kvn_kvc_dequant(const void* codes, int ckind, int64_t crow, int64_t n, int64_t H, int64_t D, const float* step,
+                    int64_t s0, int64_t s1, int64_t s2, const float* mean, float fmax, int out_kind, void* out,
+                    const float* rtab, int64_t rm) {
+  /* rtab (NULL, or 2 * rm + 3 floats): what to subtract from each code in [-rm - 1, rm + 1] (kvc's
+     reconstruction offsets: sign(c) * offset / 256, zero at 0 and at both ends), so a code c
+     stands for (float)c - rtab[clamp(c, -rm - 1, rm + 1) + rm + 1] -- exact in float32, and
+     without a branch */
+  const int64_t Cn = H * D;
+  const float m = fmax > 0.0f ? fmax : bits_f32(0x7f800000u);
+  float* row = (float*)malloc(sizeof(float) * (size_t)(Cn > 0 ? Cn : 1));
+  if (!row) return KVN_NOMEM;
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t co = t * crow + h * D;
+      const float* st = step + t * s0 + h * s1;
+      if (ckind == C_I32)
+        dq_row_i32((const int32_t*)codes + co, st, s2, mean + h * D, D, m, rtab, rm, row + h * D);
+      else
+        dq_row_i64((const int64_t*)codes + co, st, s2, mean + h * D, D, m, rtab, rm, row + h * D);
+    }
+    store_row(out, out_kind, t * Cn, row, Cn);
+  }
+  free(row);
+  return KVN_OK;
+}
+
+/* kvc's token-delta choice: per column r of token-major codes [n, R] (int64, ckind 0, or int32,
+ * ckind 1), histograms over 128 bins
+ * of the codes and of their token deltas (e[0] = c[0], e[t] = c[t] - c[t-1]) at the tokens
+ * t = 0, ts, 2 ts, ... (ts >= 1), each value clipped to [-64, 63] and shifted by 64.
+ * hc, he: int32 [R, 128] (n < 2^31), zeroed here. */
+#define KVN_DELTA_HIST(SUF, CT)                                                                    \
+  static void delta_hist##SUF(const CT* c, int64_t n, int64_t R, int64_t ts, int32_t* hc, int32_t* he) { \
+    for (int64_t t = 0; t < n; t += ts) {                                                           \
+      const CT* ct = c + t * R;                                                                     \
+      for (int64_t r = 0; r < R; ++r) {                                                             \
+        const int64_t v = (int64_t)ct[r];                                                           \
+        /* the difference of two codes cannot overflow: the encoder's codes are far inside the     \
+           int64 range (|c| < 2**62) */                                                             \
+        const int64_t e = t ? v - (int64_t)ct[r - R] : v;                                           \
+        const int64_t vc = v < -64 ? 0 : v > 63 ? 127 : v + 64;                                    \
+        const int64_t ec = e < -64 ? 0 : e > 63 ? 127 : e + 64;                                    \
+        hc[r * 128 + vc] += 1;                                                                      \
+        he[r * 128 + ec] += 1;                                                                      \
+      }                                                                                             \
+    }                                                                                               \
+  }
+KVN_DELTA_HIST(_i64, int64_t)
+KVN_DELTA_HIST(_i32, int32_t)
+
+void kvn_delta_hist(const void* c, int ckind, int64_t n, int64_t R, int64_t ts, int32_t* hc, int32_t* he) {
+  memset(hc, 0, sizeof(int32_t) * (size_t)(R * 128));
+  memset(he, 0, sizeof(int32_t) * (size_t)(R * 128));
+  if (ts < 1) ts = 1;
+  if (ckind == C_I32)
+    delta_hist_i32((const int32_t*)c, n, R, ts, hc, he);
+  else
+    delta_hist_i64((const int64_t*)c, n, R, ts, hc, he);
+}
