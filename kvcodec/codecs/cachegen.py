@@ -245,7 +245,7 @@ class CacheGenCodec(Codec):
         g, la = p["group"], p["anchor_levels"]
         is_anchor = torch.arange(t) % g == 0
         scale = torch.zeros(t, dtype=torch.float16)
-        if native.available():  # the same arithmetic, one native pass per stage
+        try:  # the same arithmetic, one native pass per stage
             xr = x.reshape(t, h * d)
             tok = np.arange(t)
             anc_rows, dl_rows = tok[tok % g == 0], tok[tok % g != 0]
@@ -255,7 +255,7 @@ class CacheGenCodec(Codec):
                                anc_hat, max_code=la - 1)
             dl_codes, dl_scale = native.token_quantize(xr, dl_rows, levels, base=anc_hat.numpy(), brow=dl_rows // g)
             scale[is_anchor], scale[~is_anchor] = torch.from_numpy(anc_scale), torch.from_numpy(dl_scale)
-        else:
+        except native.Unsupported:
             xf = x.float().reshape(t, h * d)
             anc_c, anc_s = symmetric_token_quantize(xf[is_anchor], la)
             anc_hat = symmetric_token_dequantize(anc_c, anc_s, la)
@@ -309,7 +309,7 @@ class CacheGenCodec(Codec):
         na = v.anc_expected[1]
         anc = _decode_tokens(v.anc, v.anc_expected, "anc_", at)
         dl = _decode_tokens(v.ans, v.ans_expected, "ans_", at)
-        if native.available():  # the same float32 arithmetic in one pass per stage, cast in place
+        try:  # the same float32 arithmetic in one native pass per stage, cast in place
             s32 = v.scale.astype(np.float32)
             tok = np.arange(t)
             anc_hat = torch.empty((na, h * d), dtype=torch.float32)
@@ -322,6 +322,8 @@ class CacheGenCodec(Codec):
             except FormatError as e:
                 raise type(e)(f"{at}: {e}") from None
             return out.reshape(t, h, d)
+        except native.Unsupported:
+            pass
         anc_hat = symmetric_token_dequantize(_to_torch(anc), scale[is_anchor], la)
         out = torch.empty(t, h * d, dtype=torch.float32)
         out[is_anchor] = anc_hat
@@ -379,9 +381,9 @@ class CacheGenLMCacheCodec(Codec):
         where = f"layers.{ctx.layer}.{ctx.role}"
         bins = recorded_value(ctx, "cachegen_bins", where)
         t, h, d = x.shape
-        if native.available():
+        try:
             codes, scale = native.token_quantize(x.reshape(t, h * d), np.arange(t), bins - 1)
-        else:
+        except native.Unsupported:
             c32, s16 = symmetric_token_quantize(x.float().reshape(t, h * d), bins - 1)
             codes, scale = _tokens(c32), s16.numpy()
         planes = {"scale": scale}
@@ -414,7 +416,7 @@ class CacheGenLMCacheCodec(Codec):
         rec = v.bins
         t, h, d = ctx.shape
         codes = _decode_tokens(v.ans, v.ans_expected, "ans_", at)
-        if native.available():
+        try:
             out = torch.empty((t, h * d), dtype=ctx.dtype)
             try:  # a code past the bins - 1 levels: the reference's error below, word for word
                 native.rows_affine(codes, np.arange(t), v.scale.astype(np.float32), (rec - 2) // 2, out,
@@ -422,6 +424,8 @@ class CacheGenLMCacheCodec(Codec):
             except FormatError as e:
                 raise type(e)(f"{at}: {e}") from None
             return out.reshape(t, h, d)
+        except native.Unsupported:
+            pass
         if codes.size and int(codes.max()) > rec - 2:
             raise FormatError(f"{at}: code {int(codes.max())} outside the {rec - 1} levels")
         out = symmetric_token_dequantize(_to_torch(codes), torch.from_numpy(v.scale.copy()), rec - 1)

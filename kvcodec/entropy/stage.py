@@ -704,8 +704,10 @@ def _histograms(symbols: np.ndarray, a: int, layout: str) -> np.ndarray:
     """``int64 [R, A]`` counts of each row's symbols (native when available, else numpy)."""
     from .. import native
 
-    if native.available():
+    try:
         return native.histograms(symbols, a, layout)
+    except native.Unsupported:
+        pass
     x = np.asarray(symbols)
     if layout == "tokens":
         x = x.T

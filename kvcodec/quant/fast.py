@@ -236,9 +236,12 @@ def intq_quantize_fast(x: torch.Tensor, bits: int, axis: str = "token", group: i
         raise InputError(f"integer quantizer expects a [T, H, D] tensor, got shape {list(x.shape)}")
     from .. import native
 
-    if x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.numel() and native.available():
-        codes, scale16, zero16 = native.intq_quantize(x, bits, axis, group)  # the same arithmetic in C
-        return IntQTensor(codes, scale16, zero16, bits, axis, group)
+    if x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.numel():
+        try:
+            codes, scale16, zero16 = native.intq_quantize(x, bits, axis, group)  # the same arithmetic in C
+            return IntQTensor(codes, scale16, zero16, bits, axis, group)
+        except native.Unsupported:
+            pass
     xf = to_f32_numpy(x)
     _check_finite_np(xf)
     shape = tuple(xf.shape)
@@ -271,9 +274,12 @@ def intq_dequantize_fast(q: IntQTensor, dtype: torch.dtype = torch.float32) -> t
     """Fast twin of :func:`~kvcodec.quant.intq.intq_dequantize_reference` (same results)."""
     from .. import native
 
-    if q.codes.dim() == 3 and dtype in (torch.float16, torch.bfloat16, torch.float32) and native.available():
-        return native.intq_dequantize(q.codes.detach().cpu().numpy(), q.scale.detach().cpu().numpy().astype(_F32),
-                                      q.zero.detach().cpu().numpy().astype(_F32), q.axis, q.group, dtype)
+    if q.codes.dim() == 3 and dtype in (torch.float16, torch.bfloat16, torch.float32):
+        try:
+            return native.intq_dequantize(q.codes.detach().cpu().numpy(), q.scale.detach().cpu().numpy().astype(_F32),
+                                          q.zero.detach().cpu().numpy().astype(_F32), q.axis, q.group, dtype)
+        except native.Unsupported:
+            pass
     c = q.codes.detach().cpu().numpy()
     shape = tuple(c.shape)
     s = _expand_params_np(q.scale.detach().cpu().numpy().astype(_F32), shape, q.axis, q.group)

@@ -396,17 +396,22 @@ class KVCCodec(Codec):
         # the stage's rows are the H*D channels (then the step rows) over the tokens; it reads the
         # token-major matrix as is
         stats = None  # a ctx stage's counts and classes, taken in the escape split's pass
-        fused = None
-        if native.available() and p["ctx"] and n:
+        fused = split = None
+        if p["ctx"] and n:
             try:
                 fused = native.escape_split_ctx_tokens(tok, p["max_level"], use, p["rows_per_stream"], list(p["ctx"]))
-            except native.Unsupported:  # more escapes than the one pass holds: the two calls below
+            except native.Unsupported:  # no native coder, or more escapes than the one pass holds
+                pass
+        if fused is None:
+            try:
+                split = native.escape_split_tokens(tok, p["max_level"], use)
+            except native.Unsupported:
                 pass
         if fused is not None:
             sym, esc, lv, hist, cls = fused
             stats = (hist, cls)
-        elif native.available():
-            sym, esc, lv = native.escape_split_tokens(tok, p["max_level"], use)
+        elif split is not None:
+            sym, esc, lv = split
         else:
             if use is not None:
                 dt = tok.copy()
@@ -536,9 +541,9 @@ class KVCCodec(Codec):
         except FormatError as e:  # the same error class (StreamError, ...), located
             raise type(e)(f"{where}: kvc entropy stage: {e}") from None
         try:
-            if native.available():  # escape join and token-delta running sums in one pass
+            try:  # escape join and token-delta running sums in one native pass
                 codes = native.escape_join_tokens(sym, v.esc, lv, v.use, narrow=True)  # int32 where they fit
-            else:
+            except native.Unsupported:
                 codes = escape_join(sym.T, v.esc, lv).T
                 if v.use is not None:
                     codes = running_sums(codes, v.use)
@@ -554,13 +559,17 @@ class KVCCodec(Codec):
             sc = codes[:, h * d:] + np.array(v.base, dtype=np.int64)[None]
             step = step_from_code(_checked_codes(sc, where))[:, :, None]
         mean, rc = v.mean, v.rc
-        if v.tr == "none" and native.available():  # the same float32 arithmetic, saturation and cast
+        if v.tr == "none":  # the same float32 arithmetic, saturation and cast in one native pass
             free = np.flatnonzero(~mask)
-            if free[-1] - free[0] + 1 == n:  # the coded tokens are one run: write them in place
-                native.kvc_dequantize(main, step, mean, ctx.dtype, out=out[int(free[0]):int(free[-1]) + 1], recon=rc)
-            else:
-                out[~keep] = native.kvc_dequantize(main, step, mean, ctx.dtype, recon=rc)
-            return out
+            try:
+                if free[-1] - free[0] + 1 == n:  # the coded tokens are one run: write them in place
+                    native.kvc_dequantize(main, step, mean, ctx.dtype, out=out[int(free[0]):int(free[-1]) + 1],
+                                          recon=rc)
+                else:
+                    out[~keep] = native.kvc_dequantize(main, step, mean, ctx.dtype, recon=rc)
+                return out
+            except native.Unsupported:
+                pass
         # normative: the exact value each code stands for, then one float32 multiply
         z = (recon_values(main, rc) if rc else main.astype(np.float32)) * step
         if v.tr == "hadamard":

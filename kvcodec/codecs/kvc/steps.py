@@ -32,13 +32,12 @@ def _quantize_tokens(z: np.ndarray, step: np.ndarray, rho: float, levels: int,
     every code (half the memory traffic of the passes that follow: deltas, escapes), else int64
     from :func:`deadzone_quantize_recon` (the same codes)."""
     n, h, d = z.shape
-    if native.available():
-        tok = np.empty((n, h * d + extra), dtype=np.int32)
-        try:
-            _, sc = native.deadzone_recon(z, step, rho, tok[:, : h * d], levels)
-            return tok, (recon_from_sums(*sc) if levels else [])
-        except native.Unsupported:  # a code past int32 (or other operands): the int64 path
-            pass
+    tok = np.empty((n, h * d + extra), dtype=np.int32)
+    try:
+        _, sc = native.deadzone_recon(z, step, rho, tok[:, : h * d], levels)
+        return tok, (recon_from_sums(*sc) if levels else [])
+    except native.Unsupported:  # no native coder, a code past int32, other operands: the int64 path
+        pass
     tok = np.empty((n, h * d + extra), dtype=np.int64)
     _, rc = deadzone_quantize_recon(z, step, rho, levels, out=tok[:, : h * d])
     return tok, rc

@@ -84,9 +84,11 @@ def delta_rows(codes: np.ndarray, margin: float = 0.02, method: str = "auto",
     if n < 2 or r == 0:
         return np.zeros(r, dtype=bool)
     ts = max(1, n // max(1, int(sample)))
-    if method == "auto" and native.available():
+    try:
+        if method != "auto":
+            raise native.Unsupported("numpy asked for")
         hc, he = native.delta_histograms(c, ts)
-    else:
+    except native.Unsupported:
         c = c.astype(np.int64, copy=False)
         e = c.copy()
         e[1:] -= c[:-1]
