@@ -226,7 +226,7 @@ def test_ctx_fallback_decoders_agree_with_the_reference_on_good_and_damaged_stre
                       thresholds=[3, 8, 20])
     planes = st.encode(x, alphabet=a, method="constriction")
     rng = np.random.default_rng(r * n + 1)
-    decoders = (_decode_ctx_reference, ans_vec.decode_ctx_scalar, ans_vec.decode_stage_numpy)
+    decoders = (_decode_ctx_reference, ans_vec.decode_ctx_fast, ans_vec.decode_stage_fast)
     for trial in range(12):
         words = planes["words"].copy()
         if trial and words.size:

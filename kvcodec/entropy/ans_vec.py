@@ -26,7 +26,7 @@ _LOW = np.uint64(1 << 32)
 _LUT_LIMIT = 1 << 24  # entries; above this, find symbols by binary search instead of a slot table
 
 
-def decode_stage_numpy(lay, words, offsets, tsets, rts) -> np.ndarray:
+def decode_stage_fast(lay, words, offsets, tsets, rts) -> np.ndarray:
     """Decode validated stage planes (see :func:`kvcodec.entropy.stage.parse_planes`)."""
     out = np.zeros(lay.R * lay.N, dtype=np.int32)
     if lay.n_streams == 0:
@@ -140,11 +140,11 @@ def _refill(x: np.ndarray, pos: np.ndarray, start: np.ndarray, w64: np.ndarray) 
         pos[m] -= 1
 
 
-def decode_ctx_scalar(lay, words, offsets, tsets, rts) -> np.ndarray:
+def decode_ctx_fast(lay, words, offsets, tsets, rts) -> np.ndarray:
     """Scope 2 (magnitude contexts) decoder without the native coder: the reference's arithmetic
     (:func:`kvcodec.entropy.stage._decode_ctx_reference`) symbol by symbol in plain Python, with
     the symbol found by bisection and the class by bisection over precomputed thresholds — about
-    4x the reference's speed. For stages with few streams, where :func:`decode_stage_numpy`'s
+    4x the reference's speed. For stages with few streams, where :func:`decode_stage_fast`'s
     lockstep pays numpy's per-step overhead for only a handful of symbols."""
     from bisect import bisect_right
 

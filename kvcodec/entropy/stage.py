@@ -450,10 +450,10 @@ class EntropyStage:
             if method == "reference":
                 out = _decode_ctx_reference(lay, words, offsets, tsets, rts)
             else:  # lockstep over streams pays off from ~80 streams (0.36 vs 0.49 us/symbol at 98)
-                from .ans_vec import decode_ctx_scalar, decode_stage_numpy
+                from .ans_vec import decode_ctx_fast, decode_stage_fast
 
                 many = lay.n_streams >= 80 or method == "numpy"
-                out = (decode_stage_numpy if many else decode_ctx_scalar)(lay, words, offsets, tsets, rts)
+                out = (decode_stage_fast if many else decode_ctx_fast)(lay, words, offsets, tsets, rts)
         else:
             out = self._decode_rows(lay, words, offsets, tsets, rts, method)
         if layout == "rows":
@@ -466,9 +466,9 @@ class EntropyStage:
         if method == "reference":
             return _decode_reference(lay, words, offsets, tsets, rts)
         if method == "numpy":
-            from .ans_vec import decode_stage_numpy
+            from .ans_vec import decode_stage_fast
 
-            return decode_stage_numpy(lay, words, offsets, tsets, rts)
+            return decode_stage_fast(lay, words, offsets, tsets, rts)
         _need()
         out = np.zeros((lay.R, lay.N), dtype=np.int32)
         models = [constriction_models(tset) for tset in tsets]
