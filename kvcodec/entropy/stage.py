@@ -47,72 +47,25 @@ import numpy as np
 from ..errors import ConfigError, FormatError, InputError, StreamError
 from .ans import _AnsCoder, _need, constriction_models
 from .tables import MAX_PRECISION, build_tables, decode_tables, encode_tables
-from ..quant.packing import pack_bits, packed_nbytes, unpack_bits
-
-ANS_STAGE_VERSION = 1
-_SCOPES = {"all": 0, "chunk": 1, "ctx": 2}
-MAX_CLASSES = 16  # scope 2: at most 15 thresholds
-MAX_THRESHOLD = 1 << 16
-_MODES = ("row", "shared", "cluster")
-FLAG_EXTERNAL_TABLES = 1
-FLAG_ROW_TABLE = 2
-
-
-class StageLayout:
-    """Geometry of a stage's streams, read from (and validated against) its ``meta`` plane.
-
-    Attributes mirror formats/ANS.md §3: ``R, N, C, G, P, A, K, scope, flags``, plus
-    ``n_chunks``, ``n_groups``, ``n_streams`` and ``n_sets``.
-    """
-
-    def __init__(self, meta: np.ndarray) -> None:
-        m = np.asarray(meta)
-        if m.dtype != np.uint32 or m.ndim != 1 or not 10 <= m.shape[0] <= 9 + MAX_CLASSES:
-            raise FormatError(f"ANS meta plane must be uint32[10] (or [10 + Q - 1] with scope 2), "
-                              f"got {m.dtype}{list(m.shape)}")
-        v, self.R, self.N, self.C, self.G, self.P, self.A, self.K, self.scope, self.flags = (int(x) for x in m[:10])
-        #: scope 2 (magnitude contexts): the class thresholds (eighths) and the class count Q
-        self.thresholds = tuple(int(x) for x in m[10:])
-        self.Q = len(self.thresholds) + 1
-        self.center = (self.A - 1) // 2
-        if v != ANS_STAGE_VERSION:
-            raise FormatError(f"ANS stage version {v} is not supported (this reader knows {ANS_STAGE_VERSION})")
-        if not 1 <= self.P <= MAX_PRECISION:
-            raise FormatError(f"ANS table precision {self.P} outside [1, 24]")
-        if not 2 <= self.A <= (1 << self.P):
-            raise FormatError(f"ANS alphabet {self.A} outside [2, 2**P]")
-        if self.C < 1 or self.G < 1 or self.K < 1 or self.scope not in (0, 1, 2) or self.flags > 3:
-            raise FormatError(f"bad ANS meta {m.tolist()}")
-        if (self.scope == 2) != (self.Q > 1):
-            raise FormatError(f"ANS meta {m.tolist()}: thresholds go with scope 2 and scope 2 needs them")
-        if self.scope == 2:
-            th = self.thresholds
-            if any(b <= a for a, b in zip(th, th[1:])) or th[-1] > MAX_THRESHOLD:
-                raise FormatError(f"ANS context thresholds must increase and be <= {MAX_THRESHOLD}, got {list(th)}")
-            if not self.flags & FLAG_ROW_TABLE or self.flags & FLAG_EXTERNAL_TABLES:
-                raise FormatError("an ANS stage with magnitude contexts needs its own tables and a row_table")
-        self.n_chunks = -(-self.N // self.C)
-        self.n_groups = -(-self.R // self.G)
-        self.n_streams = self.n_chunks * self.n_groups
-        self.n_sets = self.n_chunks if self.scope == 1 else 1
-        #: row tables: one per set, or one per class with scope 2
-        self.n_row_sets = self.Q if self.scope == 2 else self.n_sets
-        if not self.flags & FLAG_ROW_TABLE and self.K not in (1, self.R):
-            raise FormatError(f"without row_table the table count K={self.K} must be 1 or R={self.R}")
-
-    def stream(self, s: int) -> tuple[int, int, int, int]:
-        """``(row0, row1, t0, t1)`` of stream ``s`` (chunk-major order)."""
-        c, g = divmod(s, self.n_groups)
-        return g * self.G, min(self.R, (g + 1) * self.G), c * self.C, min(self.N, (c + 1) * self.C)
-
-    def symbol_counts(self) -> np.ndarray:
-        """Symbols per stream (implied by the geometry), ``int64 [S]``."""
-        out = np.empty(self.n_streams, dtype=np.int64)
-        for s in range(self.n_streams):
-            r0, r1, t0, t1 = self.stream(s)
-            out[s] = (r1 - r0) * (t1 - t0)
-        return out
-
+from ..quant.packing import pack_bits
+from .clustering import _cluster_tables, _histograms, _member_sums  # noqa: F401  (re-exported)
+from .layout import (  # noqa: F401  (re-exported: kvcodec.entropy.stage is where callers look)
+    ANS_STAGE_VERSION,
+    FLAG_EXTERNAL_TABLES,
+    FLAG_ROW_TABLE,
+    MAX_CLASSES,
+    MAX_THRESHOLD,
+    _MODES,
+    _SCOPES,
+    StageLayout,
+    add_prefix,
+    ctx_row_table_bits,
+    magnitude_classes,
+    parse_planes,
+    planes_nbits,
+    take_prefix,
+)
+from .stage_reference import _decode_ctx_reference, _decode_reference, _encode_ctx_reference  # noqa: F401
 
 class EntropyStage:
     """Entropy stage with a JSON config; see the module docstring.
@@ -494,174 +447,6 @@ class EntropyStage:
         return out
 
 
-def parse_planes(
-    planes: dict[str, np.ndarray], tables: np.ndarray | None = None, row_table: np.ndarray | None = None
-) -> tuple[StageLayout, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Validate stage planes; return ``(layout, words, offsets int64, tables uint32 [n_sets, K, A],
-    row_table int64 [n_sets, R])`` with the identity / zero rule already applied."""
-    for name in ("meta", "words", "offsets"):
-        if name not in planes:
-            raise FormatError(f"ANS stage plane {name!r} is missing")
-    lay = StageLayout(planes["meta"])
-    words, offsets = np.asarray(planes["words"]), np.asarray(planes["offsets"])
-    if words.dtype != np.uint32 or words.ndim != 1:
-        raise FormatError(f"ANS words must be uint32[W], got {words.dtype}{list(words.shape)}")
-    if offsets.dtype != np.uint32 or offsets.shape != (lay.n_streams + 1,):
-        raise FormatError(f"ANS offsets must be uint32[{lay.n_streams + 1}], got {offsets.dtype}{list(offsets.shape)}")
-    off = offsets.astype(np.int64)
-    if off[0] != 0 or off[-1] != len(words) or (np.diff(off) < 0).any():
-        raise FormatError("ANS offsets must start at 0, never decrease and end at len(words)")
-    if lay.flags & FLAG_EXTERNAL_TABLES:
-        if tables is None:
-            raise FormatError("this ANS stage uses external (file-level) tables, but none were given")
-        t = np.asarray(tables, dtype=np.uint32)[None]
-        rt_in = row_table
-    else:
-        if "tables" not in planes:
-            raise FormatError("ANS stage plane 'tables' is missing")
-        t = decode_tables(planes["tables"], lay.P)
-        rt_in = planes.get("row_table")
-    if t.shape != (lay.n_sets, lay.K, lay.A):
-        raise FormatError(f"ANS tables have shape {list(t.shape)}, expected {[lay.n_sets, lay.K, lay.A]}")
-    if lay.flags & FLAG_EXTERNAL_TABLES:
-        decode_tables(encode_tables(t, lay.P), lay.P)
-    if lay.flags & FLAG_ROW_TABLE:
-        if rt_in is None:
-            raise FormatError("ANS stage needs a row_table plane")
-        rt = np.asarray(rt_in)
-        if lay.scope == 2 and not lay.flags & FLAG_EXTERNAL_TABLES:
-            # §3.1: the [Q, R] indices bit-packed, ctx_row_table_bits(K) bits each, LSB first
-            b = ctx_row_table_bits(lay.K)
-            if rt.dtype != np.uint8 or rt.ndim != 1:
-                raise FormatError(f"ANS row_table of a scope-2 stage must be uint8[{packed_nbytes(lay.Q * lay.R, b)}] "
-                                  f"(bit-packed), got {rt.dtype}{list(rt.shape)}")
-            rt = unpack_bits(rt, b, lay.Q * lay.R).reshape(lay.Q, lay.R)
-        elif not lay.flags & FLAG_EXTERNAL_TABLES:
-            # formats/ANS.md §3: the stored plane is uint8 when K <= 256, else uint16, [n_sets, R]
-            want = np.uint8 if lay.K <= 256 else np.uint16
-            if rt.dtype != want or rt.shape != (lay.n_sets, lay.R):
-                raise FormatError(f"ANS row_table must be {np.dtype(want)}[{lay.n_sets}, {lay.R}] (K = {lay.K}), "
-                                  f"got {rt.dtype}{list(rt.shape)}")
-        if rt.ndim == 1:
-            rt = rt[None]
-        if rt.dtype.kind not in "ui" or rt.shape != (lay.n_row_sets, lay.R):
-            raise FormatError(f"ANS row_table must be [{lay.n_row_sets}, {lay.R}] integers, "
-                              f"got {rt.dtype}{list(rt.shape)}")
-        rt = rt.astype(np.int64)
-        if rt.size and (int(rt.min()) < 0 or int(rt.max()) >= lay.K):
-            raise FormatError(f"ANS row_table has an index outside [0, {lay.K})")
-    else:
-        rt = np.broadcast_to(np.arange(lay.R) if lay.K == lay.R else np.zeros(lay.R, np.int64), (lay.n_sets, lay.R))
-    return lay, words, off, t, rt
-
-
-def ctx_row_table_bits(k: int) -> int:
-    """Bits per entry of a scope-2 stage's bit-packed row table (formats/ANS.md §3.1):
-    ``max(1, ceil(log2 K))``.
-
-    Example:
-        >>> [ctx_row_table_bits(k) for k in (1, 2, 3, 8, 9, 256, 257)]
-        [1, 1, 2, 3, 4, 8, 9]
-    """
-    return max(1, (int(k) - 1).bit_length())
-
-
-def magnitude_classes(x: np.ndarray, g: int, thresholds: list[int], center: int) -> np.ndarray:
-    """The class of every symbol of ``x[R, N]`` under scope 2 (formats/ANS.md §3.1), ``uint8``.
-
-    Row ``r`` is row ``k = r mod G`` of its stream; its class at token ``t`` is 0 when ``k = 0``,
-    else the number of thresholds ``T_i`` with ``8 * a >= T_i * k``, where ``a`` is the sum of
-    ``|x - center|`` over the rows above it in its stream at token ``t``.
-
-    Example:
-        >>> magnitude_classes(np.array([[3, 0], [2, 2], [2, 2]]), 3, [4, 12], 2).tolist()
-        [[0, 0], [1, 2], [1, 1]]
-    """
-    x = np.asarray(x, dtype=np.int64)
-    r, n = x.shape
-    mag = np.abs(x - int(center))
-    k = np.arange(r, dtype=np.int64) % g
-    cum = np.cumsum(mag, axis=0)
-    start = np.arange(r) - k  # first row of each row's stream
-    above = np.where((start > 0)[:, None], cum[np.maximum(start - 1, 0)], 0)  # sums of earlier streams' rows
-    acc = cum - mag - above  # sums over the rows above in the same stream
-    a8 = 8 * acc
-    cls = np.zeros((r, n), dtype=np.uint8)
-    for t_i in thresholds:
-        cls += (a8 >= int(t_i) * k[:, None]) & (k[:, None] > 0)
-    return cls
-
-
-def _encode_ctx_reference(lay, x, tabs, rt, cls) -> tuple[np.ndarray, np.ndarray]:
-    """Scope 2 encoder on the executable spec: each stream's rows as runs of equal class."""
-    from .ans_ref import ans_encode_segments_reference
-
-    words, offsets = [], np.zeros(lay.n_streams + 1, dtype=np.int64)
-    for s in range(lay.n_streams):
-        r0, r1, t0, t1 = lay.stream(s)
-        segs = []
-        for row in range(r0, r1):
-            cr, xr = cls[row, t0:t1], x[row, t0:t1]
-            cut = np.flatnonzero(np.diff(cr)) + 1
-            for a, b in zip([0, *cut.tolist()], [*cut.tolist(), t1 - t0]):
-                segs.append((xr[a:b], tabs[rt[int(cr[a]), row]]))
-        w = ans_encode_segments_reference(segs)
-        words.append(w)
-        offsets[s + 1] = offsets[s] + len(w)
-    return (np.concatenate(words).astype(np.uint32) if words else np.zeros(0, np.uint32)), offsets
-
-
-def _decode_ctx_reference(lay, words, offsets, tsets, rts) -> np.ndarray:
-    """Scope 2 decoder on the executable spec (pure integers, symbol by symbol)."""
-    from .ans_ref import CODER_PRECISION, _cdf
-
-    pmask, low = (1 << CODER_PRECISION) - 1, 1 << 32
-    cdfs = [_cdf(t) for t in tsets[0]]
-    out = np.zeros((lay.R, lay.N), dtype=np.int32)
-    for s in range(lay.n_streams):
-        r0, r1, t0, t1 = lay.stream(s)
-        w = [int(v) for v in words[offsets[s]:offsets[s + 1]]]
-        pos, state = len(w), 0
-        if pos:
-            state, pos = w[pos - 1], pos - 1
-            if state == 0:
-                raise StreamError(f"ANS stream {s}: ANS stream ends in a zero word")
-            if pos and state < low:
-                state, pos = (state << 32) | w[pos - 1], pos - 1
-        acc = [0] * (t1 - t0)
-        for row in range(r0, r1):
-            k = row - r0
-            for j in range(t1 - t0):
-                q = 0 if k == 0 else sum(1 for t_i in lay.thresholds if 8 * acc[j] >= t_i * k)
-                f, c = cdfs[int(rts[q][row])]
-                v = state & pmask
-                sym = next(i for i in range(len(f)) if c[i + 1] > v)
-                state = (state >> CODER_PRECISION) * f[sym] + v - c[sym]
-                if state < low and pos:
-                    state, pos = (state << 32) | w[pos - 1], pos - 1
-                out[row, t0 + j] = sym
-                acc[j] += abs(sym - lay.center)
-        if pos != 0 or state != 0:
-            raise StreamError(f"ANS stream {s} not consumed exactly (corrupt or wrong index)")
-    return out
-
-
-def _decode_reference(lay, words, offsets, tsets, rts) -> np.ndarray:
-    from .ans_ref import ans_decode_segments_reference
-
-    out = np.zeros((lay.R, lay.N), dtype=np.int32)
-    for s in range(lay.n_streams):
-        r0, r1, t0, t1 = lay.stream(s)
-        si = 0 if lay.scope == 0 else s // lay.n_groups
-        segs = [(tsets[si][int(rts[si][row])], t1 - t0) for row in range(r0, r1)]
-        try:
-            dec = ans_decode_segments_reference(words[offsets[s]:offsets[s + 1]], segs)
-        except StreamError as e:
-            raise StreamError(f"ANS stream {s}: {e}") from None
-        out[r0:r1, t0:t1] = dec.reshape(r1 - r0, t1 - t0)
-    return out
-
-
 def side_info_bits(planes: dict[str, np.ndarray], external_bits: int = 0) -> dict[str, int]:
     """Bits of each plane of a stage: ``words`` (payload) and the side information
     (``meta``, ``offsets``, ``tables``, ``row_table``); ``external_bits`` adds amortised file-level
@@ -700,84 +485,6 @@ def ideal_bits(symbols: np.ndarray, planes: dict[str, np.ndarray], tables: np.nd
     return total
 
 
-def _histograms(symbols: np.ndarray, a: int, layout: str) -> np.ndarray:
-    """``int64 [R, A]`` counts of each row's symbols (native when available, else numpy)."""
-    from .. import native
-
-    try:
-        return native.histograms(symbols, a, layout)
-    except native.Unsupported:
-        pass
-    x = np.asarray(symbols)
-    if layout == "tokens":
-        x = x.T
-    r = x.shape[0]
-    flat = (np.arange(r, dtype=np.int64)[:, None] * a + x).ravel()
-    return np.bincount(flat, minlength=r * a).reshape(r, a)
-
-
-def _member_sums(h: np.ndarray, assign: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-cluster sums of the rows of ``h`` (float64 counts) and which clusters have members.
-
-    One weighted bincount, not a matrix product: the sums of integer counts are exact in any
-    order, and a wide product would start BLAS threads that crawl on a busy machine."""
-    from .. import native
-
-    try:
-        return native.member_sums(h, assign, k)
-    except native.Unsupported:
-        pass
-    r, a = h.shape
-    idx = (assign.astype(np.int64)[:, None] * a + np.arange(a)).ravel()
-    sums = np.bincount(idx, weights=h.ravel(), minlength=k * a).reshape(k, a)
-    return sums, np.bincount(assign, minlength=k) > 0
-
-
-def _cluster_tables(hist: np.ndarray, k: int, precision: int) -> tuple[np.ndarray, np.ndarray]:
-    """KL k-means of row histograms into ``k`` shared tables (deterministic).
-
-    Cost of coding row ``r`` with distribution ``q`` is ``-Σ h[r,a] log q[a]`` (its code length),
-    so assigning each row to the cheapest table and re-estimating tables from member histograms
-    never increases the total code length.
-    """
-    h = hist.astype(np.float64)
-    r, a = h.shape
-    # deterministic init: rows spread evenly over the order of their mean symbol and spread
-    mean = (h @ np.arange(a, dtype=np.float64)) / np.maximum(h.sum(1), 1)
-    order = np.lexsort((np.arange(r), mean))
-    centers = h[order[np.linspace(0, r - 1, k).round().astype(int)]] + 0.5
-    assign = np.zeros(r, dtype=np.int64)
-    for _ in range(8):
-        q = centers / centers.sum(1, keepdims=True)
-        gain = h @ np.log(q).T  # [r, k]: minus each row's code length with each table (in nats)
-        new = gain.argmax(1)
-        if _ and (new == assign).all():
-            break
-        assign = new
-        sums, used = _member_sums(h, assign, k)  # (the first pass always gets here)
-        centers = np.where(used[:, None], sums + 0.5, centers)
-    # sums and used are those of the final assignment; empty clusters keep a table (from all
-    # rows) so every chunk's set has exactly k tables
-    th = np.where(used[:, None], sums, h.sum(0)[None, :]).astype(np.int64)
-    return build_tables(th, precision), assign.astype(np.uint8 if k <= 256 else np.uint16)
-
-
-def planes_nbits(planes: dict[str, np.ndarray]) -> int:
-    """Total bits of a dict of planes."""
-    return sum(8 * int(np.asarray(p).nbytes) for p in planes.values())
-
-
 def bits_per_symbol_bound(a: int) -> float:
     """Fixed-width bits per symbol for an alphabet of ``a`` symbols (the packing baseline)."""
     return float(max(1, math.ceil(math.log2(max(2, a)))))
-
-
-def add_prefix(planes: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
-    """Rename stage planes for a codec's plane namespace (container plane names allow
-    ``[A-Za-z0-9_]``, so prefixes look like ``"ans_"``)."""
-    return {prefix + k: v for k, v in planes.items()}
-
-
-def take_prefix(planes: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
-    """The stage planes stored under ``prefix`` (inverse of :func:`add_prefix`)."""
-    return {k[len(prefix):]: v for k, v in planes.items() if k.startswith(prefix)}

@@ -1,0 +1,71 @@
+"""Table clustering of an ANS stage: per-row histograms and the k-means-like grouping of rows
+into shared tables (``tables="cluster"``).
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+
+from .tables import build_tables
+
+def _histograms(symbols: np.ndarray, a: int, layout: str) -> np.ndarray:
+    """``int64 [R, A]`` counts of each row's symbols (native when available, else numpy)."""
+    from .. import native
+
+    try:
+        return native.histograms(symbols, a, layout)
+    except native.Unsupported:
+        pass
+    x = np.asarray(symbols)
+    if layout == "tokens":
+        x = x.T
+    r = x.shape[0]
+    flat = (np.arange(r, dtype=np.int64)[:, None] * a + x).ravel()
+    return np.bincount(flat, minlength=r * a).reshape(r, a)
+
+
+def _member_sums(h: np.ndarray, assign: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-cluster sums of the rows of ``h`` (float64 counts) and which clusters have members.
+
+    One weighted bincount, not a matrix product: the sums of integer counts are exact in any
+    order, and a wide product would start BLAS threads that crawl on a busy machine."""
+    from .. import native
+
+    try:
+        return native.member_sums(h, assign, k)
+    except native.Unsupported:
+        pass
+    r, a = h.shape
+    idx = (assign.astype(np.int64)[:, None] * a + np.arange(a)).ravel()
+    sums = np.bincount(idx, weights=h.ravel(), minlength=k * a).reshape(k, a)
+    return sums, np.bincount(assign, minlength=k) > 0
+
+
+def _cluster_tables(hist: np.ndarray, k: int, precision: int) -> tuple[np.ndarray, np.ndarray]:
+    """KL k-means of row histograms into ``k`` shared tables (deterministic).
+
+    Cost of coding row ``r`` with distribution ``q`` is ``-Σ h[r,a] log q[a]`` (its code length),
+    so assigning each row to the cheapest table and re-estimating tables from member histograms
+    never increases the total code length.
+    """
+    h = hist.astype(np.float64)
+    r, a = h.shape
+    # deterministic init: rows spread evenly over the order of their mean symbol and spread
+    mean = (h @ np.arange(a, dtype=np.float64)) / np.maximum(h.sum(1), 1)
+    order = np.lexsort((np.arange(r), mean))
+    centers = h[order[np.linspace(0, r - 1, k).round().astype(int)]] + 0.5
+    assign = np.zeros(r, dtype=np.int64)
+    for _ in range(8):
+        q = centers / centers.sum(1, keepdims=True)
+        gain = h @ np.log(q).T  # [r, k]: minus each row's code length with each table (in nats)
+        new = gain.argmax(1)
+        if _ and (new == assign).all():
+            break
+        assign = new
+        sums, used = _member_sums(h, assign, k)  # (the first pass always gets here)
+        centers = np.where(used[:, None], sums + 0.5, centers)
+    # sums and used are those of the final assignment; empty clusters keep a table (from all
+    # rows) so every chunk's set has exactly k tables
+    th = np.where(used[:, None], sums, h.sum(0)[None, :]).astype(np.int64)
+    return build_tables(th, precision), assign.astype(np.uint8 if k <= 256 else np.uint16)
