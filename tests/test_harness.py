@@ -136,3 +136,13 @@ def test_cal_presets_get_the_calibration_file_or_are_left_out_of_all():
     assert [n for n, _ in cal] == ["kvc-near", "kvc-near-cal +calibration", "kivi-4", "kvc-aggressive-cal +calibration"]
     assert cal[1][1].params["calibration"] == "m.qstats.safetensors" and cal[0][1].params["calibration"] == ""
     assert cal[1][1].params["k_step"] == settings[1][1].params["k_step"]  # the preset's steps, with the file
+
+
+def test_family_labels_show_only_settings_that_differ_from_the_codec_defaults():
+    """Codec params hold lists as tuples (codecs are immutable); the labels compare plain config
+    values, so an unchanged list setting (kvc's ctx) is not shown."""
+    import kvcodec
+    from kvcodec.harness.evaluate import family_of
+
+    assert family_of(kvcodec.get_codec("kvc-near")) == "kvc(precision=14,recent_fine=4.0,recent_ramp=128)"
+    assert "ctx=[3, 8, 20]" in family_of(kvcodec.get_codec("kvc-near-cal"))

@@ -330,8 +330,9 @@ def family_of(codec: Codec) -> str:
     """
     cid = codec.codec_id
     knobs = FAMILY_KNOBS.get(cid, {"bits"})
-    extra = [f"{k}={v}" for k, v in sorted(codec.params.items())
-             if k not in knobs and v != type(codec).defaults.get(k)]
+    cfg = codec.get_config()  # plain JSON values (params hold lists as tuples)
+    extra = [f"{k}={v}" for k, v in sorted(cfg.items())
+             if k != "id" and k not in knobs and v != type(codec).defaults.get(k)]
     return f"{cid}({','.join(extra)})" if extra else cid
 
 
