@@ -280,19 +280,29 @@ def register_codec(cls: type[Codec]) -> type[Codec]:
 
 
 _REQUIRES: dict[str, tuple[str, ...]] = {}
+_TARGETS: dict[str, dict[str, float]] = {}
+#: The quality measures a preset's target may name: mean next-token KL against the uncompressed
+#: cache, and the relative perplexity change (0.01 = 1 %).
+TARGET_KEYS = ("kl_mean", "dppl")
 
 
 def register_preset(name: str, config: dict[str, Any], description: str = "",
-                    requires: tuple[str, ...] = ()) -> None:
+                    requires: tuple[str, ...] = (), target: dict[str, float] | None = None) -> None:
     """Register a named preset (for example ``"kivi-4"``) for a registered codec config.
 
     ``requires`` names parameters the preset cannot keep its promise without (kvc's ``-cal``
     presets: ``calibration``); encoding with the preset while one is empty raises ConfigError.
+    ``target`` is the quality the preset promises (keys in :data:`TARGET_KEYS`), or None.
     """
     if name in _PRESETS and _PRESETS[name][0] != config:
         raise ConfigError(f"preset {name!r} is already registered with another config")
+    if target is not None and (not target or set(target) - set(TARGET_KEYS)
+                               or not all(isinstance(v, float) and v > 0 for v in target.values())):
+        raise ConfigError(f"preset {name!r}: target must map some of {TARGET_KEYS} to floats > 0, got {target!r}")
     _PRESETS[name] = (dict(config), description)
     _REQUIRES[name] = tuple(requires)
+    if target is not None:
+        _TARGETS[name] = dict(target)
 
 
 def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
@@ -347,6 +357,16 @@ def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
 def list_codecs() -> list[str]:
     """Names of every registered preset, in registration order."""
     return list(_PRESETS)
+
+
+def preset_target(name: str) -> dict[str, float] | None:
+    """The quality target a preset promises (``{"kl_mean": 0.01, ...}``), or None.
+
+    Example:
+        >>> preset_target("kvc-near")
+        {'kl_mean': 0.01, 'dppl': 0.01}
+    """
+    return dict(_TARGETS[name]) if name in _TARGETS else None
 
 
 def preset_description(name: str) -> str:

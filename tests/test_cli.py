@@ -147,3 +147,20 @@ def test_a_closed_pipe_ends_quietly(monkeypatch):
 
     monkeypatch.setattr("sys.stdout", ClosedPipe())
     assert main(["codecs"]) == 141  # no traceback: the exception does not escape
+
+
+def test_codecs_json_states_each_presets_target_and_requirements(capsys):
+    import pytest as _pytest
+
+    from kvcodec.codec import register_preset
+    from kvcodec.errors import ConfigError
+
+    assert main(["codecs", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["kvc-near"]["target"] == {"kl_mean": 0.01, "dppl": 0.01}
+    assert rows["kvc-aggressive-cal"]["target"] == {"kl_mean": 0.05}
+    assert rows["kvc-aggressive-cal"]["requires"] == ["calibration"] and rows["kvc-near"]["requires"] == []
+    assert rows["fp8-e4m3"]["target"] is None  # a format, not a quality level
+    for bad in ({}, {"kl": 0.1}, {"kl_mean": 0}, {"kl_mean": "0.1"}):
+        with _pytest.raises(ConfigError, match="target"):
+            register_preset("test-bad-target", {"id": "raw"}, target=bad)

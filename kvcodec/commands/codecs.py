@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..codec import get_codec, list_codecs, preset_description
+    from ..codec import get_codec, list_codecs, preset_description, preset_target
 
     rows = []
     for name in list_codecs():
@@ -26,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
             "lossless": c.lossless,
             "config": c.get_config(),
             "description": preset_description(name),
+            "target": preset_target(name),  # the quality the preset promises, or null
+            "requires": list(c.requires),  # settings it refuses to encode without
         })
     if args.json:
         print_json(rows)
