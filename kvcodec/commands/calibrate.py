@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Needs the [eval] extra.",
     )
     p.add_argument("--model", default=None,
-                   help="local model directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
+                   help="a known model (smollm2-135m, qwen2.5-coder-0.5b), a local model directory or a .gguf file (default: built-in SmolLM2-135M-Instruct)")
     p.add_argument("--text", default=None, help="UTF-8 text file (default: built-in Jargon File excerpt)")
     p.add_argument("--context", type=int, default=1536, help="calibration tokens (default 1536)")
     p.add_argument("--skip-tokens", type=int, default=0,
