@@ -143,16 +143,12 @@ class KVCReader(ContainerReader):
         that the values are finite. Returns a summary; raises a :class:`KVCodecError` on failure."""
         if not decode:
             return super().verify()
-        self.check_padding()
-        for n in self.tensor_names():
-            if not self._is_layer_plane(n):
-                self.read_plane(n)
-        for i in range(self.num_layers):
-            for role, t in self.read_layer(i).items():
-                if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.abs().amax())):
-                    raise FormatError(f"layers.{i}.{role} decodes to NaN or Inf values")
-        return {"ok": True, "tensors": len(self.tensor_names()), "layers": self.num_layers,
-                "bytes": self.file_size, "decoded": True}
+        return self._verify(self._check_decoded_layer, decoded=True)
+
+    def _check_decoded_layer(self, i: int) -> None:
+        for role, t in self.read_layer(i).items():
+            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.abs().amax())):
+                raise FormatError(f"layers.{i}.{role} decodes to NaN or Inf values")
 
     def __enter__(self) -> "KVCReader":
         return self

@@ -525,14 +525,18 @@ class ContainerReader:
     def verify(self) -> dict[str, Any]:
         """Check every CRC-32 and the padding (nothing is decoded). Returns a summary; raises a
         :class:`FormatError` subclass on failure."""
+        return self._verify(self.read_layer_planes, decoded=False)
+
+    def _verify(self, check_layer: Any, decoded: bool) -> dict[str, Any]:
+        """Padding, the file-level planes, then ``check_layer(i)`` for every layer; the summary."""
         self.check_padding()
         for n in self.tensor_names():
             if not self._is_layer_plane(n):
                 self.read_plane(n)
         for i in range(self.num_layers):
-            self.read_layer_planes(i)
+            check_layer(i)
         return {"ok": True, "tensors": len(self.tensor_names()), "layers": self.num_layers,
-                "bytes": self.file_size, "decoded": False}
+                "bytes": self.file_size, "decoded": decoded}
 
     def _is_layer_plane(self, n: str) -> bool:
         return n.startswith("layers.")
