@@ -22,7 +22,7 @@ import copy
 import json
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -265,7 +265,19 @@ class Codec(ABC):
 
 # ---------------------------------------------------------------------- registry
 _CODECS: dict[str, type[Codec]] = {}
-_PRESETS: dict[str, tuple[dict[str, Any], str]] = {}
+
+
+@dataclass(frozen=True)
+class _Preset:
+    """A registered preset: its codec config and what :func:`register_preset` was told of it."""
+
+    config: dict[str, Any]
+    description: str
+    requires: tuple[str, ...]
+    target: dict[str, float] | None
+
+
+_PRESETS: dict[str, _Preset] = {}
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
@@ -279,8 +291,6 @@ def register_codec(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
-_REQUIRES: dict[str, tuple[str, ...]] = {}
-_TARGETS: dict[str, dict[str, float]] = {}
 #: The quality measures a preset's target may name: mean next-token KL against the uncompressed
 #: cache, and the relative perplexity change (0.01 = 1 %).
 TARGET_KEYS = ("kl_mean", "dppl")
@@ -294,15 +304,13 @@ def register_preset(name: str, config: dict[str, Any], description: str = "",
     presets: ``calibration``); encoding with the preset while one is empty raises ConfigError.
     ``target`` is the quality the preset promises (keys in :data:`TARGET_KEYS`), or None.
     """
-    if name in _PRESETS and _PRESETS[name][0] != config:
+    if name in _PRESETS and _PRESETS[name].config != config:
         raise ConfigError(f"preset {name!r} is already registered with another config")
     if target is not None and (not target or set(target) - set(TARGET_KEYS)
                                or not all(isinstance(v, float) and v > 0 for v in target.values())):
         raise ConfigError(f"preset {name!r}: target must map some of {TARGET_KEYS} to floats > 0, got {target!r}")
-    _PRESETS[name] = (dict(config), description)
-    _REQUIRES[name] = tuple(requires)
-    if target is not None:
-        _TARGETS[name] = dict(target)
+    _PRESETS[name] = _Preset(dict(config), description, tuple(requires),
+                             None if target is None else dict(target))
 
 
 def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
@@ -341,7 +349,7 @@ def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
     preset = None
     if config["id"] not in _CODECS and config["id"] in _PRESETS:
         preset = config["id"]
-        config = {**_PRESETS[preset][0], **{k: v for k, v in config.items() if k != "id"}}
+        config = {**_PRESETS[preset].config, **{k: v for k, v in config.items() if k != "id"}}
     cls = _CODECS.get(config["id"])
     if cls is None:
         raise UnknownCodecError(
@@ -350,7 +358,7 @@ def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
     codec = cls.from_config(config)
     if preset is not None:
         object.__setattr__(codec, "preset", preset)
-        object.__setattr__(codec, "requires", _REQUIRES.get(preset, ()))
+        object.__setattr__(codec, "requires", _PRESETS[preset].requires)
     return codec
 
 
@@ -366,11 +374,12 @@ def preset_target(name: str) -> dict[str, float] | None:
         >>> preset_target("kvc-near")
         {'kl_mean': 0.01, 'dppl': 0.01}
     """
-    return dict(_TARGETS[name]) if name in _TARGETS else None
+    target = _PRESETS[name].target if name in _PRESETS else None
+    return None if target is None else dict(target)
 
 
 def preset_description(name: str) -> str:
-    return _PRESETS[name][1] if name in _PRESETS else ""
+    return _PRESETS[name].description if name in _PRESETS else ""
 
 
 def codec_ids() -> list[str]:

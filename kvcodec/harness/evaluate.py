@@ -281,9 +281,9 @@ def _config_name(cfg: dict[str, Any]) -> str:
     """A preset's name when ``cfg`` equals a registered preset, else a compact ``id(k=v,...)``."""
     from ..codec import _PRESETS
 
-    for name, (pcfg, _) in _PRESETS.items():
+    for name, preset in _PRESETS.items():
         try:
-            if get_codec(pcfg).get_config() == cfg:
+            if get_codec(preset.config).get_config() == cfg:
                 return name
         except KVCodecError:
             continue
