@@ -31,7 +31,6 @@ header), unless --no-write.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 import sys
@@ -42,18 +41,10 @@ from typing import Any
 
 import numpy as np
 
+from kvcodec.testing import load_file_module as _load
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "eval" / "results"
-
-
-def _load(name: str, path: Path) -> Any:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 paths = _load("_decode_paths", ROOT / "tests" / "_decode_paths.py")

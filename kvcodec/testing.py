@@ -214,3 +214,32 @@ def spelled_out(name_or_config: Any) -> Any:
     from .codec import get_codec
 
     return get_codec(get_codec(name_or_config).get_config())
+
+
+def load_file_module(name: str, path: Any) -> Any:
+    """The module in the Python file ``path`` (a script or helper outside the package: eval/,
+    tests/, formats/kvc_min_reader.py), loaded once under ``name`` and kept in ``sys.modules``, so
+    every test and script that asks shares one module object. No ``sys.path`` change.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "helper.py")
+        >>> from pathlib import Path
+        >>> _ = Path(path).write_text("ANSWER = 42")
+        >>> m = load_file_module("kvcodec_doc_helper", path)
+        >>> m.ANSWER, load_file_module("kvcodec_doc_helper", "ignored: already loaded") is m
+        (42, True)
+    """
+    import importlib.util
+    import sys
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import os
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -27,18 +25,9 @@ import torch
 import kvcodec
 from kvcodec import gpu, native
 from kvcodec.errors import DeviceError, KVCodecError
+from kvcodec.testing import load_file_module as _load
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str, path: Path) -> Any:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 min_reader = _load("kvc_min_reader", ROOT / "formats" / "kvc_min_reader.py")

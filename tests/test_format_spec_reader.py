@@ -2,7 +2,6 @@
 alone (stdlib + numpy, no kvcodec), must accept and reject the same files as kvcodec's reader, with
 the same error category, and read the same planes."""
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ from hypothesis import strategies as st
 
 import kvcodec
 from kvcodec.testing import spelled_out
-from kvcodec import format as kvf
+from kvcodec.testing import load_file_module
 from kvcodec.errors import (ChecksumError, ConfigError, FormatError, KVCodecError, TruncatedError,
                             UnknownCodecError, VersionError)
 
@@ -20,9 +19,7 @@ from conftest import make_cache
 from test_format_hostile import BLOB, _CHUNKED, _mutate
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("kvc_min_reader", ROOT / "formats" / "kvc_min_reader.py")
-minr = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(minr)
+minr = load_file_module("kvc_min_reader", ROOT / "formats" / "kvc_min_reader.py")
 
 CATEGORY = [(TruncatedError, "truncated"), (VersionError, "version"), (ChecksumError, "checksum"),
             (UnknownCodecError, "codec"), (FormatError, "format")]

@@ -4,20 +4,15 @@ native, fallback, verify and GPU host-build paths, and never change value silent
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+
+from kvcodec.testing import load_file_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _fuzz_diff():
-    if "fuzz_diff" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fuzz_diff", ROOT / "eval" / "fuzz_diff.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["fuzz_diff"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["fuzz_diff"]
+    return load_file_module("fuzz_diff", ROOT / "eval" / "fuzz_diff.py")
 
 
 def test_differential_fuzz_finds_nothing_in_a_few_seconds():
