@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ...errors import FormatError, InputError
+from ...format import safetensors_io as sio
 
 QSTATS_FORMAT = "kvcodec.qstats/2"
 QSTATS_FORMATS = ("kvcodec.qstats/1", QSTATS_FORMAT)  # /1: no sensitivities
@@ -108,11 +109,11 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
     from safetensors.numpy import load
 
     try:
+        # the header through the container's generic reader (safetensors' numpy loader drops
+        # __metadata__), then the tensors through safetensors
+        meta = sio.read_raw_header(sio.as_source(bytes(data))).metadata
         tensors = load(bytes(data))
-        meta = _safetensors_metadata(data)
-    except FormatError:
-        raise
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own types
+    except Exception as e:  # noqa: BLE001 - ours (FormatError) or safetensors' own types
         raise FormatError(f"{name}: not a safetensors file ({e})") from None
     if meta.get("format") not in QSTATS_FORMATS:
         raise FormatError(f"{name}: not a {QSTATS_FORMAT} file")
@@ -147,23 +148,6 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
                      sens["k"] if any(a is not None for a in sens["k"]) else None,
                      sens["v"] if any(a is not None for a in sens["v"]) else None)
     return out
-
-
-def _safetensors_metadata(data: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors file's header (safetensors' numpy loader drops it)."""
-    if len(data) < 8:
-        raise FormatError("shorter than a safetensors header")
-    n = int.from_bytes(data[:8], "little")
-    if n > len(data) - 8 or n > 100_000_000:
-        raise FormatError("safetensors header length exceeds the file")
-    try:
-        header = json.loads(bytes(data[8: 8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"safetensors header is not JSON ({e})") from None
-    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise FormatError("safetensors __metadata__ must map strings to strings")
-    return meta
 
 
 @dataclass(frozen=True)
