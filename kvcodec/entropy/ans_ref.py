@@ -32,18 +32,29 @@ def _cdf(freqs) -> tuple[list[int], list[int]]:
     return f, c
 
 
-def ans_decode_segments_reference(words, segments) -> np.ndarray:
-    """Decode ``segments = [(freqs, n), ...]`` from one stream; raise StreamError unless the
-    stream is consumed exactly (every word read and the final state 0)."""
+def ans_open_stream(words) -> tuple[list[int], int, int]:
+    """A stream's words as Python ints and its initial ``(state, pos)``: the last word (never 0),
+    then one more word while the state is below 2**32; ``pos`` words remain to be read.
+
+    Raises:
+        StreamError: the stream ends in a zero word.
+    """
     w = [int(x) for x in np.asarray(words, dtype=np.uint32)]
     pos = len(w)
     state = 0
-    if pos:  # initial state: last word (never 0), then one more word while state < 2**32
+    if pos:
         state, pos = w[pos - 1], pos - 1
         if state == 0:
             raise StreamError("ANS stream ends in a zero word")
         if pos and state < _LOW:
             state, pos = (state << 32) | w[pos - 1], pos - 1
+    return w, state, pos
+
+
+def ans_decode_segments_reference(words, segments) -> np.ndarray:
+    """Decode ``segments = [(freqs, n), ...]`` from one stream; raise StreamError unless the
+    stream is consumed exactly (every word read and the final state 0)."""
+    w, state, pos = ans_open_stream(words)
     out = []
     for freqs, n in segments:
         f, c = _cdf(freqs)

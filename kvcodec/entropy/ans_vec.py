@@ -148,7 +148,7 @@ def decode_ctx_fast(lay, words, offsets, tsets, rts) -> np.ndarray:
     lockstep pays numpy's per-step overhead for only a handful of symbols."""
     from bisect import bisect_right
 
-    from .ans_ref import _cdf
+    from .ans_ref import _cdf, ans_open_stream
 
     pmask, low, prec = (1 << CODER_PRECISION) - 1, 1 << 32, CODER_PRECISION
     cdfs = [_cdf(t) for t in tsets[0]]
@@ -158,14 +158,10 @@ def decode_ctx_fast(lay, words, offsets, tsets, rts) -> np.ndarray:
     rt = [[int(v) for v in row] for row in np.asarray(rts)]  # [Q][R]
     for s in range(lay.n_streams):
         r0, r1, t0, t1 = lay.stream(s)
-        w = [int(v) for v in words[offsets[s]:offsets[s + 1]]]
-        pos, state = len(w), 0
-        if pos:
-            state, pos = w[pos - 1], pos - 1
-            if state == 0:
-                raise StreamError(f"ANS stream {s}: ANS stream ends in a zero word")
-            if pos and state < low:
-                state, pos = (state << 32) | w[pos - 1], pos - 1
+        try:
+            w, state, pos = ans_open_stream(words[offsets[s]:offsets[s + 1]])
+        except StreamError as e:
+            raise StreamError(f"ANS stream {s}: {e}") from None
         acc = [0] * (t1 - t0)
         for row in range(r0, r1):
             k = row - r0

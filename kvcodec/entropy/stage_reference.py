@@ -30,21 +30,17 @@ def _encode_ctx_reference(lay, x, tabs, rt, cls) -> tuple[np.ndarray, np.ndarray
 
 def _decode_ctx_reference(lay, words, offsets, tsets, rts) -> np.ndarray:
     """Scope 2 decoder on the executable spec (pure integers, symbol by symbol)."""
-    from .ans_ref import CODER_PRECISION, _cdf
+    from .ans_ref import CODER_PRECISION, _cdf, ans_open_stream
 
     pmask, low = (1 << CODER_PRECISION) - 1, 1 << 32
     cdfs = [_cdf(t) for t in tsets[0]]
     out = np.zeros((lay.R, lay.N), dtype=np.int32)
     for s in range(lay.n_streams):
         r0, r1, t0, t1 = lay.stream(s)
-        w = [int(v) for v in words[offsets[s]:offsets[s + 1]]]
-        pos, state = len(w), 0
-        if pos:
-            state, pos = w[pos - 1], pos - 1
-            if state == 0:
-                raise StreamError(f"ANS stream {s}: ANS stream ends in a zero word")
-            if pos and state < low:
-                state, pos = (state << 32) | w[pos - 1], pos - 1
+        try:
+            w, state, pos = ans_open_stream(words[offsets[s]:offsets[s + 1]])
+        except StreamError as e:
+            raise StreamError(f"ANS stream {s}: {e}") from None
         acc = [0] * (t1 - t0)
         for row in range(r0, r1):
             k = row - r0
