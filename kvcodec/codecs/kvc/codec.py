@@ -35,7 +35,7 @@ from .calibration import Calibration, QueryStats, attention_estimate
 from .plan import _layer_calib
 from .sinks import detect_sinks
 from .steps import _attn_factor, _checked_codes, _checked_recon, _quantize_tokens, _sens_multipliers, recency_factor, token_steps
-from .symbols import _narrowest, _stage, delta_rows, escape_join, escape_split, pred_mask, running_sums
+from .symbols import _narrowest, _stage, delta_rows, escape_join, pred_mask, running_sums, split_tokens
 from ...transforms.centering import channel_means, head_rms, token_rms
 from ...transforms.hadamard import fwht, is_power_of_two
 
@@ -395,30 +395,7 @@ class KVCCodec(Codec):
             use = None
         # the stage's rows are the H*D channels (then the step rows) over the tokens; it reads the
         # token-major matrix as is
-        stats = None  # a ctx stage's counts and classes, taken in the escape split's pass
-        fused = split = None
-        if p["ctx"] and n:
-            try:
-                fused = native.escape_split_ctx_tokens(tok, p["max_level"], use, p["rows_per_stream"], list(p["ctx"]))
-            except native.Unsupported:  # no native coder, or more escapes than the one pass holds
-                pass
-        if fused is None:
-            try:
-                split = native.escape_split_tokens(tok, p["max_level"], use)
-            except native.Unsupported:
-                pass
-        if fused is not None:
-            sym, esc, lv, hist, cls = fused
-            stats = (hist, cls)
-        elif split is not None:
-            sym, esc, lv = split
-        else:
-            if use is not None:
-                dt = tok.copy()
-                np.subtract(tok[1:], tok[:-1], out=dt[1:], where=use[None, :])
-                tok = dt
-            sym_rows, esc, lv = escape_split(tok.T, p["max_level"])
-            sym = sym_rows.T
+        sym, esc, lv, stats = split_tokens(tok, p["max_level"], use, p["rows_per_stream"], list(p["ctx"]) if n else [])
         params["L"] = lv
         if esc.size:  # no escapes: no plane (each plane costs its header entry)
             planes["esc"] = _narrowest(esc)

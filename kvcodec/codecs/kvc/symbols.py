@@ -40,6 +40,32 @@ def escape_split(codes: np.ndarray, max_level: int) -> tuple[np.ndarray, np.ndar
     return sym.astype(np.int32), c[esc].astype(np.int32), lv
 
 
+def split_tokens(tok: np.ndarray, max_level: int, use: np.ndarray | None, rows_per_stream: int,
+                 ctx: list[int]) -> tuple[np.ndarray, np.ndarray, int, tuple[np.ndarray, np.ndarray] | None]:
+    """The encoder's symbols of token-major codes ``tok [n, R]``: token deltas on the columns
+    ``use`` marks, then :func:`escape_split`. Returns ``(sym [n, R], esc, L, stats)``; ``stats``
+    is the magnitude-context stage's ``(counts, classes)`` when the native pass took them with
+    the split (``ctx`` thresholds given), else None. The native passes and the numpy reference
+    give the same symbols."""
+    if ctx:
+        try:
+            sym, esc, lv, hist, cls = native.escape_split_ctx_tokens(tok, max_level, use, rows_per_stream, ctx)
+            return sym, esc, lv, (hist, cls)
+        except native.Unsupported:  # no native coder, or more escapes than the one pass holds
+            pass
+    try:
+        sym, esc, lv = native.escape_split_tokens(tok, max_level, use)
+        return sym, esc, lv, None
+    except native.Unsupported:
+        pass
+    if use is not None:
+        dt = tok.copy()
+        np.subtract(tok[1:], tok[:-1], out=dt[1:], where=use[None, :])
+        tok = dt
+    sym_rows, esc, lv = escape_split(tok.T, max_level)
+    return sym_rows.T, esc, lv, None
+
+
 def escape_join(sym: np.ndarray, esc: np.ndarray, lv: int) -> np.ndarray:
     """Inverse of :func:`escape_split`.
 
