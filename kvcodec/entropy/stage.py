@@ -402,7 +402,7 @@ class EntropyStage:
         if lay.scope == 2:  # magnitude contexts: the pure-integer reference, or all streams in lockstep
             if method == "reference":
                 out = _decode_ctx_reference(lay, words, offsets, tsets, rts)
-            else:  # lockstep over streams pays off from ~80 streams (0.36 vs 0.49 us/symbol at 98)
+            else:  # lockstep over streams pays off from ~80 streams (eval/results/ctx_fallback_speed.md)
                 from .ans_vec import decode_ctx_fast, decode_stage_fast
 
                 many = lay.n_streams >= 80 or method == "numpy"
