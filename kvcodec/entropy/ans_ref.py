@@ -32,12 +32,12 @@ def _cdf(freqs) -> tuple[list[int], list[int]]:
     return f, c
 
 
-def ans_open_stream(words) -> tuple[list[int], int, int]:
+def ans_open_stream(words, where: str = "") -> tuple[list[int], int, int]:
     """A stream's words as Python ints and its initial ``(state, pos)``: the last word (never 0),
     then one more word while the state is below 2**32; ``pos`` words remain to be read.
 
     Raises:
-        StreamError: the stream ends in a zero word.
+        StreamError: the stream ends in a zero word (the message starts with ``where``).
     """
     w = [int(x) for x in np.asarray(words, dtype=np.uint32)]
     pos = len(w)
@@ -45,7 +45,7 @@ def ans_open_stream(words) -> tuple[list[int], int, int]:
     if pos:
         state, pos = w[pos - 1], pos - 1
         if state == 0:
-            raise StreamError("ANS stream ends in a zero word")
+            raise StreamError(f"{where}ANS stream ends in a zero word")
         if pos and state < _LOW:
             state, pos = (state << 32) | w[pos - 1], pos - 1
     return w, state, pos

@@ -158,10 +158,7 @@ def decode_ctx_fast(lay, words, offsets, tsets, rts) -> np.ndarray:
     rt = [[int(v) for v in row] for row in np.asarray(rts)]  # [Q][R]
     for s in range(lay.n_streams):
         r0, r1, t0, t1 = lay.stream(s)
-        try:
-            w, state, pos = ans_open_stream(words[offsets[s]:offsets[s + 1]])
-        except StreamError as e:
-            raise StreamError(f"ANS stream {s}: {e}") from None
+        w, state, pos = ans_open_stream(words[offsets[s]:offsets[s + 1]], f"ANS stream {s}: ")
         acc = [0] * (t1 - t0)
         for row in range(r0, r1):
             k = row - r0
