@@ -31,8 +31,9 @@ import torch
 from ...errors import FormatError, InputError
 from ...format import safetensors_io as sio
 
-QSTATS_FORMAT = "kvcodec.qstats/2"
-QSTATS_FORMATS = ("kvcodec.qstats/1", QSTATS_FORMAT)  # /1: no sensitivities
+QSTATS_FORMAT = "kvcodec.qstats/3"
+#: /1: no sensitivities; /2: no profile (``profile`` metadata, kvcodec.codecs.kvc.profile)
+QSTATS_FORMATS = ("kvcodec.qstats/1", "kvcodec.qstats/2", QSTATS_FORMAT)
 
 
 @dataclass
@@ -47,6 +48,8 @@ class QueryStats:
         meta: free-form identity strings.
         k_sens, v_sens: per layer ``[Hkv, D]`` float32 sensitivities (see the module docstring),
             or None (not measured, or a layer without K/V).
+        profile: the closed-loop profile (a JSON object, :mod:`kvcodec.codecs.kvc.profile`) that
+            maps quality targets to this model's steps, or None (a statistics-only file).
     """
 
     q_energy: list[np.ndarray | None]
@@ -56,6 +59,7 @@ class QueryStats:
     meta: dict[str, str] = field(default_factory=dict)
     k_sens: list[np.ndarray | None] | None = None
     v_sens: list[np.ndarray | None] | None = None
+    profile: dict | None = None
 
     def sensitivity(self, role: str) -> list[np.ndarray | None]:
         """``k_sens`` or ``v_sens`` as a list with one entry per layer (None where missing)."""
@@ -84,6 +88,8 @@ def save_query_statistics(stats: QueryStats, path: str | os.PathLike[str]) -> No
     meta = {"format": QSTATS_FORMAT, "num_layers": str(stats.num_layers),
             "q_position": str(stats.q_position), "rope_theta": repr(float(stats.rope_theta)),
             "identity": json.dumps(stats.meta, sort_keys=True)}
+    if stats.profile is not None:
+        meta["profile"] = json.dumps(stats.profile, sort_keys=True)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
@@ -122,8 +128,11 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
         pos = int(meta["q_position"])
         theta = float(meta["rope_theta"])
         ident = json.loads(meta.get("identity", "{}"))
+        profile = json.loads(meta["profile"]) if "profile" in meta else None
     except (KeyError, ValueError) as e:
         raise FormatError(f"{name}: bad metadata ({e})") from None
+    if profile is not None and not isinstance(profile, dict):
+        raise FormatError(f"{name}: profile metadata must be a JSON object")
     if not 0 < n <= 100000 or pos < 0 or not theta >= 0:
         raise FormatError(f"{name}: bad metadata {meta!r}")
     energy: list[np.ndarray | None] = [None] * n
@@ -146,7 +155,7 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
             raise FormatError(f"{name}: unexpected tensor {k!r} {v.shape}")
     out = QueryStats(energy, sample, pos, theta, {str(a): str(b) for a, b in ident.items()},
                      sens["k"] if any(a is not None for a in sens["k"]) else None,
-                     sens["v"] if any(a is not None for a in sens["v"]) else None)
+                     sens["v"] if any(a is not None for a in sens["v"]) else None, profile)
     return out
 
 
