@@ -50,6 +50,12 @@ def test_wheel_carries_and_finds_kernel_sources(tmp_path):
         assert any(p.suffix == ".c" for p in csrc) and any(p.suffix == ".h" for p in csrc)
         for p in csrc:
             assert z.read(f"kvcodec/native/csrc/{p.name}") == p.read_bytes(), f"csrc/{p.name} differs"
+        # the built-in texts and their provenance (kvcodec.harness.texts reads them as package data)
+        data_dir = ROOT / "kvcodec" / "data"
+        data = sorted(data_dir.glob("*.txt")) + [data_dir / "PROVENANCE.md"]
+        assert len(data) >= 9
+        for p in data:
+            assert z.read(f"kvcodec/data/{p.name}") == p.read_bytes(), f"data/{p.name} differs"
         site = tmp_path / "site"
         z.extractall(site)
     # a fresh interpreter, outside the checkout, with only the unpacked wheel on its path

@@ -16,6 +16,10 @@ Pieces:
 * :mod:`~kvcodec.harness.report` — one results JSON schema (``kvcodec.eval/1``), a Markdown
   table and a rate–distortion PNG. The CLI front ends are ``kvcodec capture`` and
   ``kvcodec eval``; ``eval/run_published.sh`` regenerates ``eval/results/``.
+* :mod:`~kvcodec.harness.texts` — the built-in texts by domain (prose, code, docs, dialogue):
+  ``calibration_text(domain=None)`` (``None``: the four interleaved), ``eval_text(domain)``
+  (``"prose"`` is the Jargon excerpt), ``text_info(name)``; no calibration text shares a
+  document with an evaluation text (provenance in ``kvcodec/data/PROVENANCE.md``).
 * :mod:`~kvcodec.harness.results` — the provenance header and file pair (``kvcodec.result/1``)
   of every result in ``eval/results/``; :mod:`~kvcodec.harness.studies` — what the studies in
   ``eval/studies/`` share (the held-out calibration file, text windows).
