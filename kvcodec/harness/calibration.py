@@ -23,9 +23,34 @@ model on a calibration text and records, per layer, what the ``kvc`` encoder use
   than 100x on SmolLM2; the encoder gives each (layer, head) a step in proportion to
   ``sens ** -1/2`` (the allocation that minimises the summed weighted error at a given rate).
 
-File metadata (``__metadata__``): ``format = "kvcodec.qstats/1"`` (or ``/2`` with sensitivities), ``num_layers``,
-``q_position``, ``rope`` (``"default"`` with ``rope_theta`` when queries can be re-rotated,
-otherwise ``"none"``) and the model identity. Stored as safetensors (no pickle).
+Per attention variant (``layer_attention``, one :class:`LayerAttention` per layer; each rule
+is tested against the model's own eager attention in ``tests/test_calibration_architectures.py``):
+
+* RoPE, any type whose angle is linear in position (default, linear, YaRN, Llama 3, per-layer
+  bases such as Gemma 3's local/global): the layer's own inverse frequencies are read from the
+  model (``rotary_frequencies``) and which channels turn, and how, is found by running a few
+  tokens at shifted positions and keeping the rotation that reproduces the model's queries:
+  rotate-half or interleaved (Cohere, GLM), on the first ``R`` channels (partial rotary: Phi-3,
+  GPT-NeoX ``rotary_pct``) or the last (DeepSeek MLA). ``q_energy`` is averaged over exactly
+  those pairs; the encoder turns the sampled queries with them. Frequencies that depend on the
+  sequence length (``dynamic``, ``longrope``) are those of the calibration prefill; when a
+  layer's queries move in a way no candidate reproduces (e.g. Llama 4's position-scaled NoPE
+  queries) the layer is ``"unknown"`` and gets no attention estimate.
+* No RoPE (GPT-2's learned positions, NoPE layers): ``"none"``, queries used as recorded.
+* Sliding windows (Mistral, Starcoder2, Gemma 2/3 local layers): the window the attention was
+  called with; the estimate gives tokens outside every future query's window exactly 0.
+* Logit soft-capping (Gemma 2): recorded and applied to the estimate's logits. The attention
+  scaling (``query_pre_attn_scalar``, MLA's YaRN mscale) is folded into ``q_sample``; QK-norm
+  and GQA/MQA need nothing (the recorded query is the one the model uses).
+* MLA (``kv_lora_rank``: the cache holds latents, not per-head K): no ``q_energy`` /
+  ``q_sample`` (no estimate); sensitivities are taken with respect to the latents.
+
+File metadata (``__metadata__``): ``format = "kvcodec.qstats/4"`` (``/1``-``/3`` still read),
+``num_layers``, ``q_position``, ``rope_theta`` (the default RoPE base when the model has one, else
+0: what files before ``/4`` re-rotate every layer with), ``attention`` (JSON, one object per
+layer: ``rope``, ``window``, ``softcap`` and for rotary layers ``offset`` and ``style``; with a
+float32 tensor ``layers.<i>.rope_inv_freq`` per rotary layer), the model identity and optionally
+a ``profile``. Stored as safetensors (no pickle).
 
 Calibrate on text that is NOT the text you evaluate on (``skip_tokens`` skips the start of the
 text, where the built-in evaluation takes its context).
@@ -57,10 +82,13 @@ from ..cache import KVCache
 from ..codecs.kvc.calibration import (  # noqa: F401  (the file format lives with the codec that reads it)
     QSTATS_FORMAT,
     QSTATS_FORMATS,
+    ROPE_STYLES,
     Calibration,
+    LayerAttention,
     QueryStats,
     attention_estimate,
     load_query_statistics,
+    rotate_layer,
     rotate_queries,
     save_query_statistics,
 )
@@ -78,6 +106,111 @@ def pair_mean(e: np.ndarray) -> np.ndarray:
         return e
     m = 0.5 * (e[..., : d // 2] + e[..., d // 2:])
     return np.concatenate([m, m], axis=-1)
+
+
+def layer_pair_mean(e: np.ndarray, la: LayerAttention) -> np.ndarray:
+    """Average ``e [..., D]`` over the layer's rotation pairs (:meth:`LayerAttention.pairs`);
+    channels that never turn (partial rotary, no RoPE) are left as they are.
+
+    Example:
+        >>> la = LayerAttention("rotary", np.ones(1, np.float32), offset=1)
+        >>> layer_pair_mean(np.array([1.0, 2.0, 4.0, 8.0]), la).tolist()
+        [1.0, 3.0, 3.0, 8.0]
+    """
+    a, b = la.pairs()
+    if a.size == 0:
+        return e
+    out = np.array(e, copy=True)
+    m = 0.5 * (e[..., a] + e[..., b])
+    out[..., a] = m
+    out[..., b] = m
+    return out
+
+
+def rotary_frequencies(model: Any, num_layers: int) -> list[np.ndarray | None]:
+    """Per layer the inverse RoPE frequencies ``[R/2]`` (float32) the model holds for it, or None.
+
+    Read from the model's rotary-embedding buffers as they are now (after a forward pass: what
+    that pass used, dynamic scaling included): a rotary module inside the layer first, then the
+    model's; ``<layer_type>_inv_freq`` (Gemma 3's per-type bases) before ``inv_freq``. Vision
+    towers are skipped. Which channels turn, and how, is not read here:
+    :func:`query_statistics` tests it against the model (:func:`_fit_rotation`).
+    """
+    cfg = getattr(model.config, "text_config", None) or model.config
+    types = getattr(cfg, "layer_types", None)
+    found: list[tuple[str, dict[str, torch.Tensor]]] = []
+    for name, mod in model.named_modules():
+        if "vision" in name or "visual" in name:
+            continue
+        bufs = {b: t for b, t in mod.named_buffers(recurse=False)
+                if (b == "inv_freq" or b.endswith("_inv_freq")) and not b.endswith("original_inv_freq")}
+        if bufs:
+            found.append((name, bufs))
+    out: list[np.ndarray | None] = []
+    for i in range(num_layers):
+        lt = str(types[i]) if types is not None and i < len(types) else None
+        f = None
+        for _, bufs in sorted(found, key=lambda x: f"layers.{i}." not in f"{x[0]}."):
+            t = bufs.get(f"{lt}_inv_freq") if lt else None
+            t = t if t is not None else bufs.get("inv_freq")
+            if t is not None:
+                f = t.detach().float().cpu().numpy().reshape(-1).copy()
+                break
+        out.append(f)
+    return out
+
+
+def _fit_rotation(q0: np.ndarray, q1: np.ndarray, delta: int, inv_freq: np.ndarray | None) -> LayerAttention:
+    """Which rotation turns the queries ``q0 [.., D]`` (positions ``p``) into ``q1`` (the same
+    hidden states at ``p + delta``): none, or ``inv_freq`` on the first or the last ``R``
+    channels, rotate-half or interleaved. ``"unknown"`` when none reproduces the model's own
+    queries to 1e-3 (relative)."""
+    scale = float(np.linalg.norm(q1))
+    cands = [LayerAttention("none")]
+    d = q0.shape[-1]
+    if inv_freq is not None and 0 < 2 * inv_freq.shape[0] <= d:
+        for off in sorted({0, d - 2 * inv_freq.shape[0]}):
+            cands += [LayerAttention("rotary", inv_freq, off, style) for style in ROPE_STYLES]
+    if scale == 0:
+        return cands[0]
+    errs = [float(np.linalg.norm(rotate_layer(q0, delta, c) - q1)) / scale for c in cands]
+    best = int(np.argmin(errs))
+    return cands[best] if errs[best] <= 1e-3 else LayerAttention("unknown")
+
+
+@torch.no_grad()
+def layer_attention(model: Any, ids: torch.Tensor, store: dict[int, dict[str, Any]], num_layers: int,
+                    probe: int = 16, delta: int = 7) -> list[LayerAttention]:
+    """Per layer :class:`LayerAttention` of ``model``: the window and softcap its attention
+    was called with (recorded in ``store`` by ``record_queries``) and its rotation, found by
+    running the first ``probe`` tokens of ``ids`` at positions ``0..`` and ``delta..`` (with
+    RoPE, a shift of every position leaves every hidden state as it was and turns every query:
+    the rotation that reproduces the shifted queries is the model's)."""
+    from .capture import rope_info
+    from .evaluate import record_queries
+
+    freqs = rotary_frequencies(model, num_layers)
+    applied, _ = rope_info(model.config)
+    rot: dict[int, LayerAttention] = {}
+    if applied or any(f is not None for f in freqs):
+        device = next(model.parameters()).device
+        m = min(int(ids.numel()), probe)
+        x = ids[:m][None].to(device)
+        with record_queries(model) as st:
+            model(x, position_ids=torch.arange(m, device=device)[None], use_cache=False)
+            q0 = {i: st[i]["q"].double().numpy() for i in st}
+            model(x, position_ids=torch.arange(delta, delta + m, device=device)[None], use_cache=False)
+            q1 = {i: st[i]["q"].double().numpy() for i in st}
+        rot = {i: _fit_rotation(q0[i], q1[i], delta, freqs[i] if i < len(freqs) else None)
+               for i in q0 if i in q1}
+    out = []
+    for i in range(num_layers):
+        r = rot.get(i, LayerAttention("none"))
+        rec = store.get(i, {})
+        window = int(rec.get("sliding_window") or 0)
+        cap = float(rec.get("softcap") or 0.0)
+        out.append(LayerAttention(r.rope, r.inv_freq, r.offset, r.style, window, cap))
+    return out
 
 
 @torch.no_grad()
@@ -128,9 +261,13 @@ def query_statistics(
     hkv = int(getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads"))
     energy: list[np.ndarray | None] = []
     sample: list[np.ndarray | None] = []
+    attention = layer_attention(model, ids, store, n_layers)
     n = min(samples, context)
+    # MLA (DeepSeek V2/V3, kv_lora_rank): the cache holds latents, not per-head K: no query
+    # statistics fit it (the layers' rotation is still recorded)
+    mla = getattr(cfg, "kv_lora_rank", None) is not None
     for i in range(n_layers):
-        if i not in store:
+        if i not in store or mla:
             energy.append(None)
             sample.append(None)
             continue
@@ -139,12 +276,12 @@ def query_statistics(
         g = max(1, hq // hkv)
         # token 0 (BOS) queries are atypical: leave them out of the energy
         e = q[1:].pow(2).mean(0).reshape(hq // g, g, d).mean(1).numpy()
-        energy.append(pair_mean(e).astype(np.float32) if theta > 0 else e.astype(np.float32))
+        energy.append(layer_pair_mean(e, attention[i]).astype(np.float32))
         sample.append(q[-n:].transpose(0, 1).float().numpy().copy())
-    if not any(e is not None for e in energy):
+    if not store:
         raise InputError("no attention layer recorded any query")
     meta = {"model": str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", ""))}
-    out = QueryStats(energy, sample, int(ids.numel() - n), theta, meta)
+    out = QueryStats(energy, sample, int(ids.numel() - n), theta, meta, attention=attention)
     if sensitivity_samples:
         out.k_sens, out.v_sens = fisher_sensitivity(model, ids, cont_ids, sensitivity_samples,
                                                     progress=progress)
@@ -159,6 +296,7 @@ def fisher_diagonal(
     samples: int = 4,
     seed: int = 0,
     progress: Any = None,
+    exact: bool = False,
 ) -> tuple[KVCache, list[dict[str, torch.Tensor]]]:
     """The cache of ``ids`` (float32) and, per layer, ``{"k", "v"}`` ``[T, Hkv, D]`` float64: the
     diagonal of the Fisher information of the next-token distributions over ``cont_ids``
@@ -169,6 +307,10 @@ def fisher_diagonal(
     bias by sampling: draw each scored token from the model's own distribution, backpropagate
     the summed log-likelihood to the cached K and V, square; ``samples`` draws (seeded) are
     averaged. Parameters are not differentiated (only the cache leaves).
+
+    With ``exact=True`` (a reference for tiny vocabularies; ``samples`` is ignored) every token
+    ``y`` is enumerated instead: ``F = mean_pos sum_y p(y) (d log p(y) / d cache)**2``, one
+    batched pass per 64 tokens, each batch row holding its own copy of the cache.
 
     Raises:
         InputError: the model's cache holds MLA latents (no separate K and V), or nothing to score.
@@ -189,6 +331,13 @@ def fisher_diagonal(
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
     acc = [{r: torch.zeros(layer[r].shape, dtype=torch.float64) for r in ("k", "v")} for layer in ref.layers]
+    if exact:
+        try:
+            _exact_fisher(model, ref, cont_ids, acc, device, dtype)
+        finally:
+            for p, f in zip(model.parameters(), flags):
+                p.requires_grad_(f)
+        return ref, [{r: a[r] / cont_ids.numel() for r in a} for a in acc]
     try:
         with torch.enable_grad():
             for s in range(samples):
@@ -210,6 +359,42 @@ def fisher_diagonal(
             p.requires_grad_(f)
     n = samples * cont_ids.numel()
     return ref, [{r: a[r] / n for r in a} for a in acc]
+
+
+def _exact_fisher(model: Any, ref: KVCache, cont_ids: torch.Tensor, acc: list[dict[str, torch.Tensor]],
+                  device: Any, dtype: torch.dtype, chunk: int = 64) -> None:
+    """Add ``sum_pos sum_y p(y) grad(log p(y))**2`` into ``acc`` (``fisher_diagonal(exact=True)``)."""
+    import transformers
+
+    from ..integrations.transformers import cache_kwargs
+
+    p_cont = cont_ids.numel()
+    with torch.enable_grad():
+        vocab = None
+        start = 0
+        while vocab is None or start < vocab:
+            b = chunk if vocab is None else min(chunk, vocab - start)
+            leaves = [{r: layer[r].transpose(0, 1)[None].expand(b, -1, -1, -1).to(device, dtype)
+                       .contiguous().requires_grad_(True) for r in ("k", "v")} for layer in ref.layers]
+            dc = transformers.DynamicCache()
+            for i, lv in enumerate(leaves):
+                dc.update(lv["k"], lv["v"], i)
+            x = cont_ids[None].expand(b, -1).to(device)
+            logp = torch.log_softmax(model(x, use_cache=True, **cache_kwargs(model, dc)).logits.float(), -1)
+            if vocab is None:
+                vocab = int(logp.shape[-1])
+                b = min(b, vocab)
+            ys = torch.arange(start, start + b, device=device)
+            flat = [lv[r] for lv in leaves for r in ("k", "v")]
+            for pos in range(p_cont):
+                sel = logp[torch.arange(b, device=device), pos, ys]  # row j: log p(y = start + j)
+                grads = torch.autograd.grad(sel.sum(), flat, retain_graph=pos < p_cont - 1)
+                w = sel.detach().exp().double().cpu()  # p(y)
+                for j, (a, r) in enumerate((a, r) for a in acc for r in ("k", "v")):
+                    g2 = grads[j][:b].detach().double().cpu().pow(2)  # [b, H, T, D]
+                    a[r] += torch.einsum("b,bhtd->thd", w, g2)
+            start += b
+            del leaves, dc, logp
 
 
 def fisher_sensitivity(

@@ -86,6 +86,7 @@ def record_queries(model: Any) -> Iterator[dict[int, dict[str, Any]]]:
                 "q": query[0].transpose(0, 1).detach().float().cpu().contiguous(),
                 "scaling": float(scaling),
                 "softcap": kwargs.get("softcap"),
+                "sliding_window": kwargs.get("sliding_window", getattr(module, "sliding_window", None)),
             }
         if orig == "eager":
             fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)

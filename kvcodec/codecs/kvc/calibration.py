@@ -31,9 +31,74 @@ import torch
 from ...errors import FormatError, InputError
 from ...format import safetensors_io as sio
 
-QSTATS_FORMAT = "kvcodec.qstats/3"
-#: /1: no sensitivities; /2: no profile (``profile`` metadata, kvcodec.codecs.kvc.profile)
-QSTATS_FORMATS = ("kvcodec.qstats/1", "kvcodec.qstats/2", QSTATS_FORMAT)
+QSTATS_FORMAT = "kvcodec.qstats/4"
+#: /1: no sensitivities; /2: no profile (``profile`` metadata, kvcodec.codecs.kvc.profile);
+#: /3: no per-layer attention facts (``attention`` metadata, ``layers.<i>.rope_inv_freq``)
+QSTATS_FORMATS = ("kvcodec.qstats/1", "kvcodec.qstats/2", "kvcodec.qstats/3", QSTATS_FORMAT)
+
+#: ``LayerAttention.rope``: ``"rotary"`` (re-rotatable: angle linear in position, per-layer
+#: frequencies), ``"none"`` (the queries carry no rotation: no RoPE, or a NoPE layer),
+#: ``"unknown"`` (position-dependent in a way the encoder cannot reproduce: no estimate)
+ROPE_KINDS = ("rotary", "none", "unknown")
+#: rotation pair layouts: ``"half"`` pairs ``(o + c, o + R/2 + c)`` (Llama's rotate-half),
+#: ``"interleaved"`` pairs ``(o + 2c, o + 2c + 1)`` (GPT-J, Cohere, GLM)
+ROPE_STYLES = ("half", "interleaved")
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer's future queries meet the cached keys (what :func:`attention_estimate`
+    models; recorded per layer by :func:`kvcodec.harness.calibration.query_statistics`).
+
+    Attributes:
+        rope: one of :data:`ROPE_KINDS`.
+        inv_freq: ``[R/2]`` float32, ``"rotary"`` only: pair ``c`` turns by ``p * inv_freq[c]``
+            at position ``p`` (the model's own frequencies: any RoPE type whose angle is linear
+            in position, base and scaling included).
+        offset: first rotary channel (0; ``D - R`` for DeepSeek's MLA, whose rotary part is last).
+        style: one of :data:`ROPE_STYLES`. Channels outside ``[offset, offset + R)`` never turn
+            (partial rotary: Phi-3, GPT-NeoX ``rotary_pct``).
+        window: sliding window, 0 for none: the query at position ``p`` sees keys ``j`` with
+            ``p - window < j <= p`` (transformers' convention).
+        softcap: logit soft-capping, 0 for none: ``logit -> softcap * tanh(logit / softcap)``
+            (Gemma 2), applied to the scaled logits.
+    """
+
+    rope: str = "none"
+    inv_freq: np.ndarray | None = field(default=None, compare=False)
+    offset: int = 0
+    style: str = "half"
+    window: int = 0
+    softcap: float = 0.0
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Channel indices ``(first, second)`` ``[R/2]`` of each rotation pair (empty without RoPE).
+
+        Example:
+            >>> la = LayerAttention("rotary", np.ones(2, np.float32), offset=1, style="interleaved")
+            >>> [x.tolist() for x in la.pairs()]
+            [[1, 3], [2, 4]]
+        """
+        if self.rope != "rotary" or self.inv_freq is None:
+            e = np.zeros(0, np.int64)
+            return e, e
+        h = int(self.inv_freq.shape[0])
+        c = np.arange(h, dtype=np.int64)
+        if self.style == "half":
+            return self.offset + c, self.offset + h + c
+        return self.offset + 2 * c, self.offset + 2 * c + 1
+
+    def to_json(self) -> dict:
+        d: dict = {"rope": self.rope, "window": int(self.window), "softcap": float(self.softcap)}
+        if self.rope == "rotary":
+            d.update(offset=int(self.offset), style=self.style)
+        return d
+
+
+def default_inv_freq(d: int, theta: float) -> np.ndarray:
+    """The default RoPE frequencies ``theta ** (-2c / d)`` over all ``d`` channels (float32, as
+    transformers computes them)."""
+    return (1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))).numpy()
 
 
 @dataclass
@@ -50,6 +115,9 @@ class QueryStats:
             or None (not measured, or a layer without K/V).
         profile: the closed-loop profile (a JSON object, :mod:`kvcodec.codecs.kvc.profile`) that
             maps quality targets to this model's steps, or None (a statistics-only file).
+        attention: per layer :class:`LayerAttention` (rotation, window, softcap), or None (files
+            before ``qstats/4``: every layer rotates with the default RoPE of ``rope_theta``
+            over all channels, no window, no softcap).
     """
 
     q_energy: list[np.ndarray | None]
@@ -60,6 +128,18 @@ class QueryStats:
     k_sens: list[np.ndarray | None] | None = None
     v_sens: list[np.ndarray | None] | None = None
     profile: dict | None = None
+    attention: list[LayerAttention] | None = None
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """The :class:`LayerAttention` of ``layer`` (for files without per-layer facts, the one
+        global ``rope_theta``: default RoPE over all channels when > 0 and ``D`` is even)."""
+        if self.attention is not None:
+            return self.attention[layer]
+        src = self.q_sample[layer] if self.q_sample[layer] is not None else self.q_energy[layer]
+        d = int(src.shape[-1]) if src is not None else 0
+        if self.rope_theta > 0 and d and d % 2 == 0:
+            return LayerAttention("rotary", default_inv_freq(d, self.rope_theta))
+        return LayerAttention("none")
 
     def sensitivity(self, role: str) -> list[np.ndarray | None]:
         """``k_sens`` or ``v_sens`` as a list with one entry per layer (None where missing)."""
@@ -88,6 +168,13 @@ def save_query_statistics(stats: QueryStats, path: str | os.PathLike[str]) -> No
     meta = {"format": QSTATS_FORMAT, "num_layers": str(stats.num_layers),
             "q_position": str(stats.q_position), "rope_theta": repr(float(stats.rope_theta)),
             "identity": json.dumps(stats.meta, sort_keys=True)}
+    if stats.attention is not None:
+        if len(stats.attention) != stats.num_layers:
+            raise InputError(f"{len(stats.attention)} layer attention entries for {stats.num_layers} layers")
+        meta["attention"] = json.dumps([la.to_json() for la in stats.attention])
+        for i, la in enumerate(stats.attention):
+            if la.rope == "rotary":
+                tensors[f"layers.{i}.rope_inv_freq"] = np.ascontiguousarray(la.inv_freq, dtype=np.float32)
     if stats.profile is not None:
         meta["profile"] = json.dumps(stats.profile, sort_keys=True)
     path = Path(path)
@@ -123,6 +210,8 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
         raise FormatError(f"{name}: not a safetensors file ({e})") from None
     if meta.get("format") not in QSTATS_FORMATS:
         raise FormatError(f"{name}: not a {QSTATS_FORMAT} file")
+    if "attention" in meta and meta["format"] != QSTATS_FORMAT:
+        raise FormatError(f"{name}: per-layer attention metadata needs {QSTATS_FORMAT}")
     try:
         n = int(meta["num_layers"])
         pos = int(meta["q_position"])
@@ -137,6 +226,7 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
         raise FormatError(f"{name}: bad metadata {meta!r}")
     energy: list[np.ndarray | None] = [None] * n
     sample: list[np.ndarray | None] = [None] * n
+    freqs: list[np.ndarray | None] = [None] * n
     sens: dict[str, list[np.ndarray | None]] = {"k": [None] * n, "v": [None] * n}
     for k, v in tensors.items():
         parts = k.split(".")
@@ -151,11 +241,57 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
             sample[i] = v
         elif parts[2] in ("k_sens", "v_sens") and v.ndim == 2 and np.all(v >= 0):
             sens[parts[2][0]][i] = v
+        elif parts[2] == "rope_inv_freq" and "attention" in meta and v.ndim == 1 and v.size and np.all(v >= 0):
+            freqs[i] = v
         else:
             raise FormatError(f"{name}: unexpected tensor {k!r} {v.shape}")
     out = QueryStats(energy, sample, pos, theta, {str(a): str(b) for a, b in ident.items()},
                      sens["k"] if any(a is not None for a in sens["k"]) else None,
                      sens["v"] if any(a is not None for a in sens["v"]) else None, profile)
+    if "attention" in meta:
+        out.attention = _parse_attention(meta["attention"], freqs, out, name)
+    return out
+
+
+def _parse_attention(text: str, freqs: list[np.ndarray | None], st: QueryStats, name: str) -> list[LayerAttention]:
+    """The ``attention`` metadata (a JSON list, one object per layer) with the ``rope_inv_freq``
+    tensors, checked strictly: a ``"rotary"`` layer has its frequencies and they fit its width.
+
+    Raises:
+        FormatError: anything else.
+    """
+    try:
+        items = json.loads(text)
+    except ValueError as e:
+        raise FormatError(f"{name}: bad attention metadata ({e})") from None
+    if not isinstance(items, list) or len(items) != st.num_layers:
+        raise FormatError(f"{name}: attention metadata must list {st.num_layers} layers")
+
+    def is_int(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= 2**31
+
+    out = []
+    for i, d in enumerate(items):
+        rotary = isinstance(d, dict) and d.get("rope") == "rotary"
+        keys = {"rope", "window", "softcap"} | ({"offset", "style"} if rotary else set())
+        if not isinstance(d, dict) or set(d) != keys or d["rope"] not in ROPE_KINDS:
+            raise FormatError(f"{name}: layer {i} attention metadata {d!r} is malformed")
+        cap = d["softcap"]
+        if not is_int(d["window"]) or isinstance(cap, bool) or not isinstance(cap, (int, float)) \
+                or not (0 <= cap < float("inf")):
+            raise FormatError(f"{name}: layer {i} window / softcap {d!r} out of range")
+        f = freqs[i]
+        if rotary != (f is not None):
+            raise FormatError(f"{name}: layer {i} rope {d['rope']!r} and its rope_inv_freq disagree")
+        la = LayerAttention(d["rope"], f, window=d["window"], softcap=float(cap))
+        if rotary:
+            if not is_int(d["offset"]) or d["style"] not in ROPE_STYLES:
+                raise FormatError(f"{name}: layer {i} rotary offset / style {d!r} malformed")
+            src = st.q_sample[i] if st.q_sample[i] is not None else st.q_energy[i]
+            if src is not None and d["offset"] + 2 * f.shape[0] > src.shape[-1]:
+                raise FormatError(f"{name}: layer {i} rotary channels exceed the query width")
+            la = LayerAttention("rotary", f, d["offset"], d["style"], d["window"], float(cap))
+        out.append(la)
     return out
 
 
@@ -211,28 +347,83 @@ def rotate_queries(q: np.ndarray, delta: float, theta: float) -> np.ndarray:
     return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
 
+def rotate_layer(q: np.ndarray, delta: float, la: LayerAttention) -> np.ndarray:
+    """Turn queries ``q [..., D]`` by ``delta`` positions with the layer's own rotation
+    (:meth:`LayerAttention.pairs`, its frequencies; channels outside the rotary part unchanged).
+    Returns ``q`` itself when nothing turns, else a new float64 array.
+
+    Example:
+        >>> la = LayerAttention("rotary", default_inv_freq(4, 1e4))
+        >>> q = np.array([[1.0, 0.0, 0.0, 1.0]])
+        >>> np.allclose(rotate_layer(q, 5, la), rotate_queries(q, 5, 1e4))
+        True
+    """
+    if la.rope != "rotary" or delta == 0:
+        return q
+    a, b = la.pairs()
+    ang = float(delta) * la.inv_freq.astype(np.float64)
+    cos, sin = np.cos(ang), np.sin(ang)
+    out = q.astype(np.float64)  # a copy
+    qa, qb = out[..., a], out[..., b]  # fancy indexing: copies
+    out[..., a] = qa * cos - qb * sin
+    out[..., b] = qb * cos + qa * sin
+    return out
+
+
 def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: float = 1.0) -> np.ndarray | None:
-    """Estimated attention each cached token will receive: ``[T, Hkv]``, the mean over the
-    calibration queries (rotated to just after the cache) and the query heads of each KV head of
-    their softmax over the ``T`` cached keys ``k [T, Hkv, D]``; ``None`` when the statistics
-    have nothing for this layer or the shapes differ."""
+    """Estimated attention each cached token will receive: ``[T, Hkv]``.
+
+    The model of the future: the ``N`` sampled calibration queries stand for the next ``N``
+    queries, at positions ``T .. T+N-1`` just after the cache (keys at ``0 .. T-1``). Each is
+    turned there with the layer's rotation (:func:`rotate_layer`; queries without RoPE are used as
+    recorded), its logits against the cached keys ``k [T, Hkv, D]`` are soft-capped when the
+    layer caps them, keys outside its sliding window are masked, and the softmax is taken over
+    the cached keys it sees (the queries' attention to each other is left out). The result is the
+    mean over the queries and the query heads of each KV head; with a window, tokens no query
+    sees get exactly 0 (and a query that sees no cached token adds 0 to every token).
+    ``None`` when the statistics have nothing for this layer, the shapes differ (e.g. an MLA
+    latent) or the layer's queries cannot be turned (``rope == "unknown"``).
+    """
     if layer >= stats.num_layers or stats.q_sample[layer] is None:
         return None
     qs = stats.q_sample[layer]
     t, hkv, d = k.shape
-    hq = qs.shape[0]
+    hq, n = qs.shape[0], qs.shape[1]
     if qs.shape[2] != d or hq % hkv or t == 0:
         return None
-    q = rotate_queries(qs, float(t - stats.q_position), stats.rope_theta)  # [Hq, N, D] at t..t+N-1
+    la = stats.layer_attention(layer)
+    if la.rope == "unknown":
+        return None
+    delta = float(t - stats.q_position)
+    if stats.attention is None:  # files before qstats/4: today's float64 default RoPE, bit for bit
+        q = rotate_queries(qs, delta, stats.rope_theta)  # [Hq, N, D] at t..t+N-1
+    else:
+        q = rotate_layer(qs, delta, la)
     g = hq // hkv
+    # keys some query sees: the query at t sees j > t - window
+    lo = max(0, t - la.window + 1) if la.window > 0 else 0
     # float32 and one batched softmax: this runs on every calibrated encode
-    qt = torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32)).reshape(hkv, g * q.shape[1], d)
-    kt = torch.from_numpy(np.ascontiguousarray(k, dtype=np.float32)).transpose(0, 1)  # [Hkv, T, D]
-    p = torch.softmax(torch.bmm(qt, kt.transpose(1, 2)), dim=-1)  # [Hkv, g*N, T]
+    qt = torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32)).reshape(hkv, g * n, d)
+    kt = torch.from_numpy(np.ascontiguousarray(k[lo:], dtype=np.float32)).transpose(0, 1)  # [Hkv, T', D]
+    logits = torch.bmm(qt, kt.transpose(1, 2))  # [Hkv, g*N, T']
+    if la.softcap > 0:
+        logits = torch.tanh(logits / la.softcap) * la.softcap
+    if la.window > 0:
+        qpos = torch.arange(t, t + n).repeat(g)[:, None]  # row r = head r // N, query r % N
+        logits = logits.masked_fill(qpos - torch.arange(lo, t)[None, :] >= la.window, float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    if la.window > 0:
+        p = torch.nan_to_num(p, nan=0.0)  # a query that sees no cached key
     if power != 1.0:
         p = p.pow(power)
-    return p.mean(dim=1).transpose(0, 1).double().numpy()
+    est = p.mean(dim=1).transpose(0, 1).double().numpy()
+    if lo == 0:
+        return est
+    full = np.zeros((t, hkv), np.float64)
+    full[lo:] = est
+    return full
 
 
-__all__ = ["QSTATS_FORMAT", "QSTATS_FORMATS", "Calibration", "QueryStats", "attention_estimate",
-           "load_query_statistics", "parse_query_statistics", "rotate_queries", "save_query_statistics"]
+__all__ = ["QSTATS_FORMAT", "QSTATS_FORMATS", "ROPE_KINDS", "ROPE_STYLES", "Calibration", "LayerAttention",
+           "QueryStats", "attention_estimate", "default_inv_freq", "load_query_statistics",
+           "parse_query_statistics", "rotate_layer", "rotate_queries", "save_query_statistics"]

@@ -1,0 +1,314 @@
+"""kvc calibration on every attention variant transformers ships, against brute force.
+
+Tiny randomly initialised models (eager attention, fixed seeds) of Llama, Qwen2, Qwen3 (QK-norm),
+Gemma 2 (logit softcap, query_pre_attn_scalar, alternating sliding windows), Gemma 3 (QK-norm,
+head_dim 256, MQA, a different RoPE base on local and global layers), Mistral and Starcoder2
+(a sliding window smaller than the context), Phi-3 and GPT-NeoX (partial rotary), Cohere
+(interleaved rotary), OLMo 2, GPT-2 (no RoPE) and DeepSeek-V3 (MLA: rotary part last).
+
+What each test holds the library to:
+
+1. The recorded queries are the model's: ``softmax(q_sample k^T [softcap] + mask)``, with the
+   cached keys, the window and softcap calibration recorded, reproduces the probabilities the
+   model returns with ``output_attentions=True``; ``q_energy`` is their mean square with the
+   RoPE pairs the model really turns (per family, written out here) averaged.
+2. ``attention_estimate`` models the next ``N`` queries as the ``N`` sampled ones moved to just
+   after the cache. Moving is exact: the brute force runs the calibration text with every
+   position shifted by ``delta`` (with RoPE this leaves every hidden state as it was), takes the
+   model's own queries at ``T .. T+N-1`` and their softmax over the cached keys each may see
+   (window, softcap). GPT-2's learned positions cannot be moved: the estimate uses its queries as
+   recorded, and so does the reference.
+3. ``fisher_diagonal(exact=True)`` equals a one-backward-per-(position, token) enumeration with
+   a hand-built cache, every layer of every family gets gradient, tokens outside every scored
+   query's window get exactly none, and the sampled estimate converges to the exact one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvcodec.codecs.kvc.calibration import LayerAttention, QueryStats  # noqa: E402
+from kvcodec.harness.calibration import (  # noqa: E402
+    attention_estimate,
+    fisher_diagonal,
+    load_query_statistics,
+    query_statistics,
+    save_query_statistics,
+)
+
+V = 96
+W = 8  # every sliding window here
+_COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=0, pad_token_id=0)
+
+
+def _spec(rot="half", frac=1.0, offset="first", theta=(10000.0,), window=(), softcap=0.0):
+    """What the family does, written out by hand: rotary style, rotary fraction of the head,
+    first/last channels, RoPE base per layer (cycled), sliding layers, softcap."""
+    return dict(rot=rot, frac=frac, offset=offset, theta=theta, window=window, softcap=softcap)
+
+
+FAMILIES = {
+    "llama": (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**_COMMON, head_dim=16)), _spec()),
+    "qwen2": (lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_COMMON)), _spec()),
+    "qwen3": (lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_COMMON, head_dim=32)), _spec()),
+    "gemma2": (lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **_COMMON, head_dim=32, sliding_window=W, attn_logit_softcapping=5.0, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"])), _spec(window=(0,), softcap=5.0)),
+    "gemma3": (lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 1}, head_dim=256, sliding_window=W,
+        query_pre_attn_scalar=48, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})),
+        _spec(theta=(10000.0, 1000000.0), window=(0, 2))),
+    "mistral": (lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        **_COMMON, head_dim=16, sliding_window=W)), _spec(window=(0, 1))),
+    "starcoder2": (lambda: transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(
+        **_COMMON, sliding_window=W)), _spec(window=(0, 1))),
+    "phi3": (lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**_COMMON, partial_rotary_factor=0.5)),
+             _spec(frac=0.5)),
+    "gpt_neox": (lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        **{k: v for k, v in _COMMON.items() if k != "num_key_value_heads"}, rotary_pct=0.25)), _spec(frac=0.25)),
+    "cohere": (lambda: transformers.CohereForCausalLM(transformers.CohereConfig(**_COMMON)),
+               _spec(rot="interleaved", theta=(500000.0,))),
+    "olmo2": (lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**_COMMON)), _spec()),
+    "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=0)),
+        _spec(rot=None)),
+    # MLA: q = [q_nope (16), q_pe (8)], the rotary part last (de-interleaved: rotate-half there)
+    "deepseek_v3": (lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **{**_COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=2, moe_intermediate_size=32)), _spec(frac=8 / 24, offset="last")),
+}
+
+_MODELS: dict[str, object] = {}
+
+
+def _model(name):
+    if name not in _MODELS:
+        torch.manual_seed(0)
+        m = FAMILIES[name][0]()
+        m.config._attn_implementation = "eager"
+        _MODELS[name] = m.eval()
+    return _MODELS[name]
+
+
+class _Tok:
+    """Token ids written as decimal numbers (no BOS: the ids are used as given)."""
+
+    bos_token_id = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [int(x) for x in text.split()]}
+
+
+def _ids(n, seed):
+    return torch.randint(2, V, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _text(ids):
+    return " ".join(str(int(x)) for x in ids)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _is_sliding(spec, i):
+    return i in spec["window"]
+
+
+def _expected_rotation(spec, i, d):
+    """(first channel, R, style, base) the family really uses on layer ``i`` (None: no RoPE)."""
+    if spec["rot"] is None:
+        return None
+    r = int(round(d * spec["frac"]))
+    off = 0 if spec["offset"] == "first" else d - r
+    return off, r, spec["rot"], spec["theta"][i % len(spec["theta"])]
+
+
+def _pairs(off, r, style):
+    c = np.arange(r // 2)
+    return (off + c, off + r // 2 + c) if style == "half" else (off + 2 * c, off + 2 * c + 1)
+
+
+def _full_cache_k(model, ids):
+    from kvcodec.harness.capture import capture
+
+    return capture(model, None, token_ids=ids, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------ 1. queries
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_recorded_queries_reproduce_the_models_attention(name):
+    model, spec = _model(name), FAMILIES[name][1]
+    c = 40
+    ids = _ids(c, 1)
+    st = query_statistics(model, _Tok(), _text(ids), context=c, samples=c)
+    assert st.q_position == 0 and st.attention is not None
+    with torch.no_grad():
+        att = model(ids[None], output_attentions=True, use_cache=False).attentions
+    cache = _full_cache_k(model, ids)
+    pos = torch.arange(c)
+    for i in range(st.num_layers):
+        la = st.attention[i]
+        win = W if _is_sliding(spec, i) else 0
+        assert la.window == win and la.softcap == spec["softcap"], (i, la)
+        if name == "deepseek_v3":  # the cache holds MLA latents: no statistics, rotation still found
+            assert st.q_sample[i] is None and st.q_energy[i] is None
+            assert (la.rope, la.offset, la.style, 2 * la.inv_freq.shape[0]) == ("rotary", 16, "half", 8)
+            continue
+        q = torch.from_numpy(st.q_sample[i]).double()  # [Hq, T, D], times the scaling
+        k = cache.layers[i]["k"].double().transpose(0, 1)  # [Hkv, T, D]
+        hq, hkv, d = q.shape[0], k.shape[0], q.shape[2]
+        logits = q @ k.repeat_interleave(hq // hkv, 0).transpose(1, 2)
+        if spec["softcap"]:
+            logits = spec["softcap"] * torch.tanh(logits / spec["softcap"])
+        vis = pos[:, None] >= pos[None, :]
+        if win:
+            vis &= pos[:, None] - pos[None, :] < win
+        p = torch.softmax(logits.masked_fill(~vis, float("-inf")), -1)
+        torch.testing.assert_close(p, att[i][0].double(), atol=2e-5, rtol=0)
+        # the rotation calibration found is the family's, with its per-layer base
+        exp = _expected_rotation(spec, i, d)
+        if exp is None:
+            assert la.rope == "none"
+            pairs = (np.zeros(0, int), np.zeros(0, int))
+        else:
+            off, r, style, base = exp
+            assert (la.rope, la.offset, la.style, 2 * la.inv_freq.shape[0]) == ("rotary", off, style, r), (i, la)
+            np.testing.assert_allclose(la.inv_freq, base ** (-np.arange(0, r, 2) / r), rtol=1e-6)
+            pairs = _pairs(off, r, style)
+        # q_energy: mean square over tokens 1.., query heads of each KV head, RoPE pairs averaged
+        e = q[:, 1:].pow(2).mean(1).reshape(hkv, hq // hkv, d).mean(1).numpy()
+        a, b = pairs
+        m = 0.5 * (e[:, a] + e[:, b])
+        e[:, a], e[:, b] = m, m
+        np.testing.assert_allclose(st.q_energy[i], e, rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- 2. the estimate
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_attention_estimate_equals_the_models_own_future_queries(name, tmp_path):
+    from kvcodec.harness.evaluate import record_queries
+
+    model, spec = _model(name), FAMILIES[name][1]
+    t0, n, t = 24, 8, 37
+    cal = _ids(t0 + n, 2)
+    st = query_statistics(model, _Tok(), _text(cal), context=t0 + n, samples=n)
+    assert st.q_position == t0
+    save_query_statistics(st, tmp_path / "q.safetensors")  # the estimate from the file
+    st = load_query_statistics(tmp_path / "q.safetensors")
+    cache = _full_cache_k(model, _ids(t, 3))
+    delta = t - t0 if spec["rot"] is not None else 0
+    with torch.no_grad(), record_queries(model) as rec:
+        model(cal[None], position_ids=torch.arange(delta, delta + t0 + n)[None], use_cache=False)
+    qpos = torch.arange(t, t + n)
+    kpos = torch.arange(t)
+    if name == "deepseek_v3":  # MLA latents: no estimate, and a calibrated encode still works
+        import kvcodec
+
+        assert all(attention_estimate(st, i, layer["k"].numpy()) is None for i, layer in enumerate(cache.layers))
+        codec = kvcodec.get_codec({**kvcodec.get_codec("kvc-near-cal").get_config(),
+                                   "calibration": str(tmp_path / "q.safetensors")})
+        assert kvcodec.decode(codec.encode(cache.to(torch.float16))).layers[0]["k"].shape == cache.layers[0]["k"].shape
+        return
+    for i in range(st.num_layers):
+        q = rec[i]["q"][-n:].double().transpose(0, 1) * rec[i]["scaling"]  # [Hq, N, D] at t..t+N-1
+        k = cache.layers[i]["k"].double().transpose(0, 1)
+        hq, hkv = q.shape[0], k.shape[0]
+        logits = q @ k.repeat_interleave(hq // hkv, 0).transpose(1, 2)  # [Hq, N, T]
+        if spec["softcap"]:
+            logits = spec["softcap"] * torch.tanh(logits / spec["softcap"])
+        if _is_sliding(spec, i):
+            logits = logits.masked_fill(qpos[:, None] - kpos[None, :] >= W, float("-inf"))
+        p = torch.nan_to_num(torch.softmax(logits, -1), nan=0.0)
+        ref = p.reshape(hkv, hq // hkv * n, t).mean(1).transpose(0, 1).numpy()
+        est = attention_estimate(st, i, cache.layers[i]["k"].numpy())
+        np.testing.assert_allclose(est, ref, atol=2e-6, rtol=1e-4)
+        if _is_sliding(spec, i):
+            assert np.all(est[: t - W + 1] == 0) and np.all(est[t - W + 1:].sum(0) > 0)
+
+
+def test_estimate_is_none_for_mla_latents_and_unknown_rotations():
+    rng = np.random.default_rng(0)
+    st = QueryStats([np.ones((2, 16), np.float32)] * 2, [rng.normal(size=(4, 3, 16)).astype(np.float32)] * 2,
+                    q_position=5, attention=[LayerAttention("unknown"), LayerAttention("none")])
+    k = rng.normal(size=(9, 2, 16)).astype(np.float32)
+    assert attention_estimate(st, 0, k) is None  # cannot be turned: no estimate
+    assert attention_estimate(st, 1, k).shape == (9, 2)
+    assert attention_estimate(st, 1, rng.normal(size=(9, 1, 40)).astype(np.float32)) is None  # a latent
+
+
+# ------------------------------------------------------------------------------- 3. sensitivity
+def _brute_fisher(model, ids, cont):
+    """Every (scored position, token y): p(y) * grad(log p(y))**2, one backward each, with a
+    DynamicCache built by hand; p from one forward over ids + cont without any cache."""
+    from kvcodec.integrations.transformers import cache_kwargs
+
+    cache = _full_cache_k(model, ids)
+    with torch.no_grad():
+        full = torch.log_softmax(model(torch.cat([ids, cont])[None], use_cache=False).logits[0].float(), -1)
+    acc = [{r: torch.zeros(layer[r].shape, dtype=torch.float64) for r in ("k", "v")} for layer in cache.layers]
+    for pos in range(cont.numel()):
+        for y in range(V):
+            leaves = [{r: layer[r].clone().requires_grad_(True) for r in ("k", "v")} for layer in cache.layers]
+            dc = transformers.DynamicCache()
+            for i, lv in enumerate(leaves):
+                dc.update(lv["k"].transpose(0, 1)[None], lv["v"].transpose(0, 1)[None], i)
+            logp = torch.log_softmax(model(cont[None], use_cache=True, **cache_kwargs(model, dc)).logits[0].float(), -1)
+            # the injected cache continues exactly like the uncached pass
+            torch.testing.assert_close(logp, full[ids.numel():], atol=2e-5, rtol=0)
+            logp[pos, y].backward()
+            w = float(full[ids.numel() + pos, y].exp())
+            for a, lv in zip(acc, leaves):
+                for r in ("k", "v"):
+                    a[r] += w * lv[r].grad.double().pow(2)
+    return [{r: a[r] / cont.numel() for r in a} for a in acc]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "mistral", "phi3", "gpt2"])
+def test_exact_fisher_equals_enumeration(name):
+    model = _model(name)
+    ids, cont = _ids(12, 4), _ids(2, 5)
+    _, exact = fisher_diagonal(model, ids, cont, exact=True)
+    brute = _brute_fisher(model, ids, cont)
+    for e, b in zip(exact, brute):
+        for r in ("k", "v"):
+            torch.testing.assert_close(e[r], b[r], rtol=1e-4, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_gradients_reach_every_layer_and_only_tokens_in_the_window(name):
+    model, spec = _model(name), FAMILIES[name][1]
+    ids, cont = _ids(12, 4), _ids(2, 5)
+    _, f = fisher_diagonal(model, ids, cont, exact=True)
+    for i, layer in enumerate(f):
+        for r in ("k", "v"):
+            per_token = layer[r].sum(dim=(1, 2))
+            if _is_sliding(spec, i):
+                # scored queries at 12 and 13 see keys j > 12 - W only
+                assert torch.all(per_token[: 12 - W + 1] == 0), (i, r)
+                assert torch.all(per_token[12 - W + 1:] > 0), (i, r)
+            else:
+                assert torch.all(per_token > 0), (i, r)
+
+
+def test_sampled_fisher_converges_to_the_exact_one_with_softcap_and_windows():
+    model = _model("gemma2")
+    ids, cont = _ids(12, 4), _ids(3, 6)
+    _, exact = fisher_diagonal(model, ids, cont, exact=True)
+    _, est = fisher_diagonal(model, ids, cont, samples=150, seed=1)
+    for e, x in zip(est, exact):
+        for r in ("k", "v"):
+            se, sx = e[r].sum(dim=(0, 2)), x[r].sum(dim=(0, 2))  # per head, as kvc uses them
+            assert float(((se - sx).abs() / sx).max()) < 0.2, r
