@@ -406,14 +406,14 @@ def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: floa
     qt = torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32)).reshape(hkv, g * n, d)
     kt = torch.from_numpy(np.ascontiguousarray(k[lo:], dtype=np.float32)).transpose(0, 1)  # [Hkv, T', D]
     logits = torch.bmm(qt, kt.transpose(1, 2))  # [Hkv, g*N, T']
-    if la.softcap > 0:
-        logits = torch.tanh(logits / la.softcap) * la.softcap
+    if la.softcap > 0:  # in place: the logits are the big tensor here
+        logits.div_(la.softcap).tanh_().mul_(la.softcap)
     if la.window > 0:
         qpos = torch.arange(t, t + n).repeat(g)[:, None]  # row r = head r // N, query r % N
-        logits = logits.masked_fill(qpos - torch.arange(lo, t)[None, :] >= la.window, float("-inf"))
+        logits.masked_fill_(qpos - torch.arange(lo, t)[None, :] >= la.window, float("-inf"))
     p = torch.softmax(logits, dim=-1)
     if la.window > 0:
-        p = torch.nan_to_num(p, nan=0.0)  # a query that sees no cached key
+        p.nan_to_num_(nan=0.0)  # a query that sees no cached key
     if power != 1.0:
         p = p.pow(power)
     est = p.mean(dim=1).transpose(0, 1).double().numpy()
