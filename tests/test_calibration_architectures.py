@@ -312,3 +312,50 @@ def test_sampled_fisher_converges_to_the_exact_one_with_softcap_and_windows():
         for r in ("k", "v"):
             se, sx = e[r].sum(dim=(0, 2)), x[r].sum(dim=(0, 2))  # per head, as kvc uses them
             assert float(((se - sx).abs() / sx).max()) < 0.2, r
+
+
+def test_attention_metadata_round_trips_and_is_parsed_strictly(tmp_path):
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from kvcodec.codecs.kvc.calibration import default_inv_freq
+    from kvcodec.errors import FormatError
+    from kvcodec.format import safetensors_io as sio
+
+    rng = np.random.default_rng(1)
+    att = [LayerAttention("rotary", default_inv_freq(8, 1e4)[:2], offset=4, style="interleaved", window=5, softcap=3.0),
+           LayerAttention("none"), LayerAttention("unknown")]
+    st = QueryStats([np.ones((2, 8), np.float32)] * 3, [rng.normal(size=(2, 3, 8)).astype(np.float32)] * 3,
+                    q_position=4, attention=att)
+    p = tmp_path / "q.safetensors"
+    save_query_statistics(st, p)
+    back = load_query_statistics(p)
+    assert back.attention == att and np.array_equal(back.attention[0].inv_freq, att[0].inv_freq)
+    tensors = load_file(str(p))
+    meta = sio.read_raw_header(sio.as_source(p.read_bytes())).metadata
+    items = json.loads(meta["attention"])
+
+    def bad(meta_patch=None, drop=None, extra=None, entry=None):
+        m = {**meta, **(meta_patch or {})}
+        if entry is not None:
+            m["attention"] = json.dumps([entry] + items[1:])
+        t = {k: v for k, v in tensors.items() if k != drop}
+        t.update(extra or {})
+        save_file(t, str(tmp_path / "bad.safetensors"), metadata=m)
+        with pytest.raises(FormatError):
+            load_query_statistics(tmp_path / "bad.safetensors")
+
+    bad(meta_patch={"format": "kvcodec.qstats/3"})  # the new facts need /4
+    bad(meta_patch={"attention": "[1, 2"})
+    bad(meta_patch={"attention": json.dumps(items[:2])})  # one layer short
+    bad(entry={**items[0], "window": -1})
+    bad(entry={**items[0], "window": True})
+    bad(entry={**items[0], "softcap": float("inf")})
+    bad(entry={**items[0], "style": "spiral"})
+    bad(entry={**items[0], "offset": 6})  # 6 + 4 rotary channels > 8
+    bad(entry={**items[0], "extra": 1})
+    bad(entry={"rope": "bogus", "window": 0, "softcap": 0.0})
+    bad(drop="layers.0.rope_inv_freq")  # rotary without its frequencies
+    bad(extra={"layers.1.rope_inv_freq": np.ones(2, np.float32)})  # frequencies on a "none" layer
+    bad(extra={"layers.0.rope_inv_freq": np.full(2, np.nan, np.float32)})
