@@ -93,8 +93,10 @@ def build(src: Path) -> dict[str, bytes]:
     out["eval_code_cpython-3.11.7_fractions.txt"] = (stdlib / "fractions.py").read_bytes()
 
     # technical documentation: pydoc topics from two different reST documents
-    sys.path.insert(0, str(stdlib))
-    from pydoc_data.topics import topics  # noqa: E402
+    # the topics module of the extracted stdlib, executed as data (not imported from the path)
+    ns: dict = {}
+    exec(compile((stdlib / "pydoc_data" / "topics.py").read_text(), "topics.py", "exec"), ns)  # noqa: S102
+    topics = ns["topics"]
 
     fmt = topics["formatstrings"]  # Doc/library/string.rst
     flines = fmt.split("\n")

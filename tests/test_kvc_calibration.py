@@ -189,7 +189,7 @@ def test_background_attention_estimates_give_the_same_file(tmp_path, monkeypatch
     codec = kvcodec.get_codec({"id": "kvc-near", "calibration": str(p)})
     threaded = codec.encode(cache)
     orig = kvc_mod.KVCCodec._calibration_plan
-    monkeypatch.setattr(kvc_mod.KVCCodec, "_calibration_plan", lambda self, c, st, pool=None: orig(self, c, st, None))
+    monkeypatch.setattr(kvc_mod.KVCCodec, "_calibration_plan", lambda self, c, st, pool=None, params=None: orig(self, c, st, None, params))
     assert codec.encode(cache) == threaded
     monkeypatch.setattr(kvc_mod.KVCCodec, "_calibration_plan", orig)
 

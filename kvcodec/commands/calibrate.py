@@ -1,12 +1,16 @@
-"""``kvcodec calibrate``: record a model's query statistics for the ``kvc`` encoder.
+"""``kvcodec calibrate``: measure a model's kvc profile (and its query statistics).
 
-The file is optional input to the encoder only (``{"id": "kvc", ..., "calibration": FILE}``); the
-decoder never needs it. Calibrate on text you do not evaluate on.
+The file is input to the encoder only (``{"id": "kvc-near", "calibration": FILE}``, or
+``{"id": "kvc", "target_kl": 0.005, "calibration": FILE}``); the decoder never needs it. By
+default the command runs the closed loop of :mod:`kvcodec.harness.profile` on the built-in
+calibration text (four domains, none of it evaluated on): every quality level, and any target,
+then maps to steps measured on this model. ``--no-profile`` writes the statistics only.
 
 Example::
 
-    kvcodec calibrate --skip-tokens 8192 --out smollm2.qstats.safetensors   # built-in model and text
-    kvcodec calibrate --model ./my-model --text other.txt --context 2048 --out my.qstats.safetensors
+    kvcodec calibrate --out smollm2.profile.safetensors                        # built-in model and text
+    kvcodec calibrate --model qwen2.5-coder-0.5b --out qwen.profile.safetensors
+    kvcodec calibrate --model ./my-model --text other.txt --out my.profile.safetensors
 """
 
 from __future__ import annotations
@@ -22,26 +26,37 @@ from . import print_json
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "calibrate",
-        help="record query statistics of a model for the kvc encoder (calibration file)",
-        description="Prefill a transformers decoder model on a calibration text and write per-layer "
-        "query statistics (channel energy, sampled queries) and, scoring the next tokens on top of "
-        "that cache, each layer and head's sensitivity (the Fisher information of the next-token "
-        "distribution) as safetensors. kvc uses them, when named by its 'calibration' parameter, "
-        "to weight K channels, set per-token steps and give sensitive heads finer steps. "
-        "Needs the [eval] extra.",
+        help="measure a model's kvc profile: its quality levels mapped to steps (calibration file)",
+        description="Prefill a transformers decoder model on a calibration text; record per-layer "
+        "query statistics and each layer and head's sensitivity (the Fisher information of the "
+        "next-token distribution); then, closed loop, encode the cache at several step scales and "
+        "score the real next-token KL until each quality level (kvc-transparent 0.002, kvc-near "
+        "0.01, kvc-aggressive 0.05) is met with a margin, and check it on a second window of the "
+        "text. kvc reads the profile when named by its 'calibration' parameter: the level "
+        "presets, and any {\"id\": \"kvc\", \"target_kl\": T}, then code with this model's steps. "
+        "About 1 minute for SmolLM2-135M and 5 for a 0.5B model on 2 cores. Needs the [eval] extra.",
     )
     p.add_argument("--model", default=None,
                    help="a known model (smollm2-135m, qwen2.5-coder-0.5b), a local model directory or a .gguf file (default: built-in SmolLM2-135M-Instruct)")
-    p.add_argument("--text", default=None, help="UTF-8 text file (default: built-in Jargon File excerpt)")
-    p.add_argument("--context", type=int, default=1536, help="calibration tokens (default 1536)")
+    p.add_argument("--text", default=None,
+                   help="UTF-8 text file (default: the built-in calibration text: prose, code, documentation "
+                   "and dialogue that no evaluation scores)")
+    p.add_argument("--context", type=int, default=None,
+                   help="cached tokens per window (default 1024 for a profile, 1536 with --no-profile)")
     p.add_argument("--skip-tokens", type=int, default=0,
                    help="skip this many tokens of the text first (keep evaluation text out)")
     p.add_argument("--samples", type=int, default=64, help="queries sampled per layer and head (default 64)")
-    p.add_argument("--sensitivity", type=int, default=4, metavar="DRAWS",
-                   help="Fisher draws for the per-(layer, head) sensitivities (default 4, ~10 s each for "
-                   "SmolLM2 on one CPU core; 0 = skip: a query-only file as before)")
-    p.add_argument("--continuation", type=int, default=512,
-                   help="scored tokens after the context for the sensitivities (default 512)")
+    p.add_argument("--sensitivity", type=int, default=2, metavar="DRAWS",
+                   help="Fisher draws for the per-(layer, head) sensitivities (default 2; 0 = skip, "
+                   "only with --no-profile)")
+    p.add_argument("--continuation", type=int, default=256,
+                   help="scored tokens after the context (sensitivities and the KL the search measures; default 256)")
+    p.add_argument("--no-profile", action="store_true",
+                   help="write the query statistics only (no closed-loop search; the level presets then "
+                   "code with their fixed steps)")
+    p.add_argument("--margin", type=float, default=None,
+                   help="a step meets a target when the mean KL over the search windows is at most this "
+                   "fraction of it (and the worst window at most the target; default 0.8)")
     p.add_argument("--out", required=True, help="safetensors file to write (atomically)")
     p.add_argument("--json", action="store_true", help="print a JSON summary to stdout")
     p.set_defaults(func=run)
@@ -54,29 +69,61 @@ def run(args: argparse.Namespace) -> int:
     from ..harness.models import load_model, require_eval
 
     require_eval()
+    if args.context is None:
+        args.context = 1536 if args.no_profile else 1024
     if (args.context < 2 or args.skip_tokens < 0 or args.samples < 1 or args.sensitivity < 0
             or args.continuation < 1):
         raise InputError("--context must be >= 2, --skip-tokens >= 0, --samples >= 1, --sensitivity >= 0 "
                          "and --continuation >= 1")
-    text = read_text(args.text)
+    if not args.no_profile and (args.sensitivity < 1 or args.skip_tokens):
+        raise InputError("a profile needs --sensitivity >= 1 and no --skip-tokens (cut the text instead), "
+                         "or give --no-profile")
+    if args.margin is not None and not 0 < args.margin <= 1:
+        raise InputError(f"--margin must be in (0, 1], got {args.margin}")
+    if args.text is None:
+        from ..harness.texts import CALIBRATION_DOMAINS, calibration_text
+
+        text_name = "built-in calibration texts"
+        # statistics only: the mixed text; a profile: one text per domain (a window of each searched)
+        text = calibration_text() if args.no_profile else {d: calibration_text(d) for d in CALIBRATION_DOMAINS}
+    else:
+        text, text_name = read_text(args.text), os.path.basename(args.text)
     t0 = time.perf_counter()
     model, tok = load_model(args.model)
-    def progress(done: int, total: int) -> None:
-        if not args.json:
-            print(f"\rsensitivity: draw {done}/{total} ({time.perf_counter() - t0:.0f} s)",
-                  end="\n" if done == total else "", file=sys.stderr, flush=True)
 
-    stats = query_statistics(model, tok, text, context=args.context, skip_tokens=args.skip_tokens,
-                             samples=args.samples, sensitivity_samples=args.sensitivity,
-                             continuation=args.continuation, progress=progress)
+    def say(msg: str) -> None:
+        if not args.json:
+            print(f"calibrate: {msg}", file=sys.stderr, flush=True)
+
+    def progress(done: int, total: int) -> None:
+        say(f"sensitivity draw {done}/{total} ({time.perf_counter() - t0:.0f} s)")
+
+    if args.no_profile:
+        assert isinstance(text, str)
+        stats = query_statistics(model, tok, text, context=args.context, skip_tokens=args.skip_tokens,
+                                 samples=args.samples, sensitivity_samples=args.sensitivity,
+                                 continuation=args.continuation, progress=progress)
+    else:
+        from ..harness.profile import DEFAULT_MARGIN, build_profile
+
+        stats = build_profile(model, tok, text, context=args.context, continuation=args.continuation,
+                              samples=args.samples, sensitivity_samples=args.sensitivity,
+                              margin=args.margin or DEFAULT_MARGIN, text_name=text_name, progress=say)
     save_query_statistics(stats, args.out)
     summary = {"output": os.fspath(args.out), "layers": stats.num_layers, "context": args.context,
                "skip_tokens": args.skip_tokens, "samples": args.samples,
                "sensitivity_draws": args.sensitivity, "continuation": args.continuation if args.sensitivity else 0,
                "rope_theta": stats.rope_theta, "seconds": round(time.perf_counter() - t0, 2)}
+    if stats.profile is not None:
+        summary["profile"] = {"kv_ratio": stats.profile["kv_ratio"], "margin": stats.profile["search_margin"],
+                              "levels": stats.profile["levels"]}
     if args.json:
         print_json(summary)
     else:
         print(f"wrote {summary['output']}: {stats.num_layers} layers, {args.context} tokens "
-              f"after {args.skip_tokens}", file=sys.stderr)
+              f"after {args.skip_tokens}, {summary['seconds']:.0f} s", file=sys.stderr)
+        for row in (stats.profile or {}).get("levels", []):
+            print(f"  kvc-{row['name']}: KL <= {row['target_kl']:g}: k_step {row['k_step']:.4f}, v_step "
+                  f"{row['v_step']:.4f}, {row['bits']:.3f} b; KL {row['kl_search']:.5f} (search), "
+                  f"{row['kl_holdout']:.5f} (held out, mean over windows)", file=sys.stderr)
     return 0

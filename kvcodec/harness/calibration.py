@@ -224,6 +224,7 @@ def query_statistics(
     sensitivity_samples: int = 0,
     continuation: int = 512,
     progress: Any = None,
+    token_ids: torch.Tensor | None = None,
 ) -> QueryStats:
     """Prefill ``context`` tokens of ``text`` (after skipping ``skip_tokens``; a BOS token is put
     first when the tokenizer has one) and return the query statistics of every layer.
@@ -244,7 +245,12 @@ def query_statistics(
     extra = continuation if sensitivity_samples > 0 else 0
     if sensitivity_samples < 0 or (sensitivity_samples and continuation < 1):
         raise InputError("sensitivity_samples must be >= 0 and continuation >= 1")
-    ids = tokenize(tokenizer, text, skip_tokens + context + extra)
+    if token_ids is not None:  # a window the caller cut (kvcodec.harness.profile): used as given
+        if token_ids.ndim != 1 or token_ids.numel() < context + extra or skip_tokens:
+            raise InputError(f"token_ids must be 1-D with >= {context + extra} ids (and no skip_tokens)")
+        ids = token_ids[: context + extra].to(torch.int64)
+    else:
+        ids = tokenize(tokenizer, text, skip_tokens + context + extra)
     bos = getattr(tokenizer, "bos_token_id", None)
     ids = ids[skip_tokens:] if skip_tokens else ids
     if bos is not None and skip_tokens:

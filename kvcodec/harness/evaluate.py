@@ -132,6 +132,7 @@ class Evaluator:
         cache_dtype: torch.dtype = torch.float16,
         attn_queries: int | None = 64,
         text_name: str = "custom",
+        token_ids: torch.Tensor | None = None,
     ) -> None:
         from .capture import capture, tokenize
 
@@ -142,7 +143,12 @@ class Evaluator:
         self.cache_dtype = cache_dtype
         self.text_info = {"name": text_name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
                           "chars": len(text)}
-        ids = tokenize(tokenizer, text, context + continuation + 1)
+        if token_ids is None:
+            ids = tokenize(tokenizer, text, context + continuation + 1)
+        else:  # a window the caller cut (calibration windows): used as given
+            if token_ids.ndim != 1 or token_ids.numel() < context + continuation + 1:
+                raise InputError(f"token_ids must be 1-D with >= {context + continuation + 1} ids")
+            ids = token_ids[: context + continuation + 1].to(torch.int64)
         self.token_ids = ids
         t0 = time.perf_counter()
         self.reference = capture(model, tokenizer, token_ids=ids[:context], dtype=cache_dtype)
@@ -256,6 +262,23 @@ class Evaluator:
         rec["attention"] = _mean_over_layers(per_layer)
         rec["per_layer"] = per_layer
 
+    def score_next_token(self, codec: str | dict[str, Any] | Codec) -> dict[str, Any]:
+        """Encode, decode and score only the next-token distributions (no per-layer attention
+        metrics): ``{"bits_per_element", "bytes", "next_token": {...}}``. The closed-loop
+        calibration (:mod:`kvcodec.harness.profile`) calls this many times.
+
+        Raises:
+            KVCodecError: the codec cannot encode this cache.
+        """
+        codec = get_codec(codec)
+        blob = codec.encode(self.reference)
+        decoded = codec.decode(blob)
+        if decoded.dtype != self.cache_dtype:
+            decoded = decoded.to(self.cache_dtype)
+        nt = next_token_metrics(self.ref_logits, self._continue(decoded), self.targets)
+        return {"bytes": len(blob), "bits_per_element": 8.0 * len(blob) / self.reference.num_elements,
+                "next_token": {k: float(v) for k, v in nt.items()}}
+
     def describe(self) -> dict[str, Any]:
         """The run's fixed facts: model identity, text, lengths, reference perplexity."""
         ref = self.reference
@@ -314,7 +337,7 @@ FAMILY_KNOBS: dict[str, set[str]] = {
     "kivi": {"bits"},
     "kivi-ans": {"bits"},
     "fp8": {"format"},
-    "kvc": {"k_step", "v_step", "rho", "k_gamma"},
+    "kvc": {"k_step", "v_step", "rho", "k_gamma", "target_kl", "fallback"},
     "cachegen": {"levels", "anchor_levels"},
     "cachegen-lmcache": {"early_bins", "late_bins"},
 }

@@ -32,6 +32,7 @@ from ...quant.deadzone import (
 )
 from ...transforms.allocation import weighted_steps
 from .calibration import Calibration, QueryStats, attention_estimate
+from .profile import parse_profile, steps_for_target
 from .plan import _layer_calib
 from .sinks import detect_sinks
 from .steps import _attn_factor, _checked_codes, _checked_recon, _quantize_tokens, _sens_multipliers, recency_factor, token_steps
@@ -97,6 +98,16 @@ class KVCCodec(Codec):
             does not identify them); given explicitly, a file with another hash is refused.
         k_qgamma, v_attn, k_attn, attn_clip, attn_coarse: how the calibrated encoder uses it
             (inert without).
+        target_kl: the mean next-token KL to meet (0 = off). With a calibration file that holds a
+            profile (``kvcodec calibrate``), the steps and every other quality parameter come from
+            the profile's measured curve for this target on the profile's model
+            (:mod:`kvcodec.codecs.kvc.profile`) and are recorded in the file's config. The level
+            presets set it; without a profile they code with their own fixed steps (and the
+            file records no target).
+        fallback: what ``target_kl`` does without a profile: ``"refuse"`` (the default:
+            ConfigError, as the target cannot be kept) or ``"steps"`` (code with ``k_step`` and
+            ``v_step`` as given; the level presets, whose steps were measured on SmolLM2 and
+            Qwen2.5-Coder-0.5B).
         sens, sens_clip, sens_coarse: per-(layer, head) steps from the file's sensitivities, when
             it has them: multiplier ``(s / geometric mean) ** (-sens / 2)`` clipped to
             ``[1/sens_clip, sens_coarse]`` (see :func:`_sens_multipliers`; 0 = off).
@@ -114,7 +125,8 @@ class KVCCodec(Codec):
         "precision": 12, "n_tables": 8, "rows_per_stream": 16, "chunk": 4096,
         "calibration": "", "k_qgamma": 1.5, "v_attn": 0.5, "k_attn": 1.0, "attn_clip": 2.0, "attn_coarse": 1.5,
         "sens": 1.0, "sens_clip": 2.0, "sens_coarse": 1.5, "recent_ramp": 0, "recent_fine": 1.0,
-        "delta": 1, "calibration_sha256": "", "ctx": [], "k_recon": 0, "pack": 2,
+        "delta": 1, "calibration_sha256": "", "ctx": [], "k_recon": 0, "pack": 2, "target_kl": 0.0,
+        "fallback": "refuse",
     }
 
     def check_params(self) -> None:
@@ -155,6 +167,10 @@ class KVCCodec(Codec):
             raise ConfigError(f"kvc pack must be 0, 1 or 2, got {p['pack']!r}")
         if not isinstance(p["delta"], int) or p["delta"] not in (0, 1, 2):
             raise ConfigError(f"kvc delta must be 0, 1 or 2, got {p['delta']!r}")
+        if not 0.0 <= p["target_kl"] <= 10.0:
+            raise ConfigError(f"kvc target_kl must be in [0, 10] (0 = off), got {p['target_kl']}")
+        if p["fallback"] not in ("refuse", "steps"):
+            raise ConfigError(f"kvc fallback must be 'refuse' or 'steps', got {p['fallback']!r}")
         if not 0.0 <= p["sens"] <= 4.0 or not 1.0 <= p["sens_clip"] <= 256.0 or not 1.0 <= p["sens_coarse"] <= 256.0:
             raise ConfigError("kvc sens must be in [0, 4], sens_clip and sens_coarse in [1, 256]")
         try:
@@ -175,7 +191,15 @@ class KVCCodec(Codec):
             ConfigError: it is for another model, or its hash differs from ``calibration_sha256``.
         """
         config = self.get_config()
+        target = self.params["target_kl"]
+        refuse = self.params["fallback"] == "refuse"
+        if not target or not self.params["calibration"]:
+            # files without a measured target keep the config they always had
+            del config["target_kl"], config["fallback"]
         if not self.params["calibration"]:
+            if target and refuse:
+                raise ConfigError(f"kvc target_kl {target} needs a profile of your model: run `kvcodec calibrate "
+                                  f"--model M --out F` and give 'calibration': F (or fallback 'steps')")
             return Prepared(config, {})
         cal = Calibration.load(self.params["calibration"])
         given = self.params["calibration_sha256"]
@@ -183,21 +207,41 @@ class KVCCodec(Codec):
             raise ConfigError(f"kvc calibration {self.params['calibration']!r} has SHA-256 {cal.sha256}, "
                               f"the config names {given}")
         config["calibration_sha256"] = cal.sha256  # recorded in the file's codec config
+        params = dict(self.params)
+        if target:
+            if cal.stats.profile is None:
+                if refuse:
+                    raise ConfigError(f"kvc target_kl: {self.params['calibration']!r} holds query statistics but no "
+                                      f"profile; run `kvcodec calibrate` again (this version writes one)")
+                del config["target_kl"], config["fallback"]  # statistics only: fixed steps as before
+            else:
+                over = steps_for_target(parse_profile(cal.stats.profile, self.params["calibration"]), target)
+                try:
+                    type(self)(**{**{k: v for k, v in config.items() if k != "id"}, **over})
+                except ConfigError as e:
+                    raise FormatError(f"{self.params['calibration']}: profile settings: {e}") from None
+                config.update(over)
+                params.update(over)
         # the attention estimates (the calibrated encoder's costliest part) run on a second
         # thread, a layer ahead of the coding, which mostly waits in C and releases the GIL
         from concurrent.futures import ThreadPoolExecutor
 
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-attn")
         try:
-            state = self._calibration_plan(cache, cal.stats, pool)
+            state: dict[Any, Any] = self._calibration_plan(cache, cal.stats, pool, params)
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
+        if params != dict(self.params):
+            state["params"] = params  # the profile's settings, read by encode_planes
         return Prepared(config, state, lambda: pool.shutdown(wait=True, cancel_futures=True))
 
-    def _calibration_plan(self, cache: KVCache, stats: QueryStats, pool: Any = None) -> dict[int, dict[str, Any]]:
+    def _calibration_plan(self, cache: KVCache, stats: QueryStats, pool: Any = None,
+                          params: Any = None) -> dict[Any, dict[str, Any]]:
         """Per layer: ``q_energy``, ``attn`` (with ``pool``, an executor, a future of it, resolved
-        by :func:`_layer_calib`), ``k_mult`` / ``v_mult``."""
+        by :func:`_layer_calib`), ``k_mult`` / ``v_mult``; ``params`` (default: the codec's) are
+        the settings they follow."""
+        p = self.params if params is None else params
         if stats.num_layers != cache.num_layers:
             raise ConfigError(f"kvc calibration {self.params['calibration']!r} has {stats.num_layers} "
                               f"layers, the cache {cache.num_layers}: it is for another model")
@@ -213,7 +257,7 @@ class KVCCodec(Codec):
                     raise ConfigError(f"kvc calibration: layer {i} query energy is {list(e.shape)}, "
                                       f"K heads x channels {list(k.shape[1:])}")
                 entry["q_energy"] = e.astype(np.float64)
-            if self.params["v_attn"] > 0 or self.params["k_attn"] > 0:
+            if p["v_attn"] > 0 or p["k_attn"] > 0:
                 if pool is not None:
                     entry["attn"] = pool.submit(lambda i=i, k=k: attention_estimate(stats, i, k.float().numpy()))
                 else:
@@ -221,10 +265,10 @@ class KVCCodec(Codec):
                     if a is not None:
                         entry["attn"] = a
             plan[i] = entry
-        if self.params["sens"] > 0:
+        if p["sens"] > 0:
             for role in ("k", "v"):
-                for i, m in enumerate(_sens_multipliers(stats.sensitivity(role), cache, role, self.params["sens"],
-                                                         self.params["sens_clip"], self.params["sens_coarse"])):
+                for i, m in enumerate(_sens_multipliers(stats.sensitivity(role), cache, role, p["sens"],
+                                                         p["sens_clip"], p["sens_coarse"])):
                     if m is not None and i in plan:
                         plan[i][role + "_mult"] = m
         return plan
@@ -236,8 +280,8 @@ class KVCCodec(Codec):
         return float(max(0.05, np.log2(4.1327 / a)))
 
     # ------------------------------------------------------------------ encode
-    def _per_channel(self, ctx: TensorContext) -> bool:
-        return ctx.role in ("k", "kv") or self.params["v_scale"] == "head"
+    def _per_channel(self, ctx: TensorContext, p: Any = None) -> bool:
+        return ctx.role in ("k", "kv") or (self.params if p is None else p)["v_scale"] == "head"
 
     def encode_globals(self, cache: KVCache) -> dict[str, np.ndarray]:
         """With ``sink_v_ratio > 0``: the detected sink tokens of every layer, ``int32 [N, 2]``
@@ -277,7 +321,7 @@ class KVCCodec(Codec):
 
     def encode_planes(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
         """One tensor's planes and params, each plane on its own (see the module docstring)."""
-        p = self.params
+        p = (ctx.state or {}).get("params", self.params)  # a profile's settings, else the codec's
         t, h, d = x.shape
         where = f"layers.{ctx.layer}.{ctx.role}"
         s = min(p["sinks"], t)
@@ -322,7 +366,7 @@ class KVCCodec(Codec):
         side = np.zeros((2, h, d), dtype=np.float16)
         side[0] = mean.astype(np.float16)
         rec = recency_factor(t, ~mask, p["recent_ramp"], p["recent_fine"]) if n else None
-        if self._per_channel(ctx):
+        if self._per_channel(ctx, p):
             lv = p["k_recon"] if (is_k and n) else 0  # levels with reconstruction offsets
             step_rel = p["k_step"] if is_k else p["v_step"]
             base = head_rms(z, acc)  # [H]
@@ -385,7 +429,7 @@ class KVCCodec(Codec):
             base = np.median(sc, axis=0).astype(np.int64) if n else np.zeros(h, np.int64)
             params["step_base"] = [int(b) for b in base]
             tok[:, h * d:] = sc - base[None]
-        if self._per_channel(ctx) or p["v_center"]:
+        if self._per_channel(ctx, p) or p["v_center"]:
             planes["side"] = side  # token-mode V without centring has no side data: no plane
         use = delta_rows(tok, min_gain_bits=1024.0 if p["delta"] == 1 else 0.0) if p["delta"] and n > 1 else None
         if use is not None and use.any():  # rows coded as token deltas (lossless, see delta_rows)

@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""kvc's quality levels met by measurement: profiles on each model, scored on unseen text.
+
+For each model (SmolLM2-135M, Qwen2.5-Coder-0.5B by default):
+
+1. ``kvcodec calibrate`` (the closed loop of :mod:`kvcodec.harness.profile`) on the built-in
+   calibration text, timed; or ``--profile-dir`` with profiles made before.
+2. For each evaluation domain (texts that calibration never saw: :mod:`kvcodec.harness.texts`)
+   and each context: the fp16 cache of the first ``context`` tokens, then next-token KL, top-1
+   agreement and ΔPPL over the next ``--continuation`` tokens, bits all-in, for
+   * the level presets with the profile (``{"id": "kvc-near", "calibration": profile}``),
+   * the level presets without it (their fixed steps, issue 20 item 4),
+   * the baselines fp8-e4m3, nvfp4, kivi-4-ans and cachegen.
+
+The verdicts: each level's mean KL over the domains within its target and its worst window at
+most 1.2x the target; near-lossless bits against the best baseline at equal or lower KL.
+
+Writes ``<out>.json`` and ``<out>.md`` (default ``eval/results/kvc_profile``).
+
+Usage:
+    python eval/studies/kvc_profile.py                                        # both models, ctx 1536 and 4096
+    python eval/studies/kvc_profile.py --models smollm2-135m --contexts 1536  # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcodec.harness.results import provenance, write_result
+
+LEVELS = {"kvc-transparent": 0.002, "kvc-near": 0.01, "kvc-aggressive": 0.05}
+BASELINES = ["fp8-e4m3", "nvfp4", "kivi-4-ans", "cachegen"]
+
+
+def _profile(model_name: str, model: Any, tok: Any, out_dir: Path, log: Any) -> tuple[Path, float | None]:
+    from kvcodec.codecs.kvc.calibration import save_query_statistics
+    from kvcodec.harness.profile import build_profile
+    from kvcodec.harness.texts import CALIBRATION_DOMAINS, calibration_text
+
+    path = out_dir / f"{model_name}.profile.safetensors"
+    if path.is_file():
+        log(f"{model_name}: using {path}")
+        return path, None
+    t0 = time.perf_counter()
+    texts = {d: calibration_text(d) for d in CALIBRATION_DOMAINS}
+    stats = build_profile(model, tok, texts, text_name="built-in calibration texts", progress=lambda m: log(f"  {m}"))
+    secs = time.perf_counter() - t0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_query_statistics(stats, path)
+    return path, secs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
+    ap.add_argument("--contexts", default="1536,4096")
+    ap.add_argument("--domains", default="prose,code,docs")
+    ap.add_argument("--continuation", type=int, default=512)
+    ap.add_argument("--profile-dir", default=str(Path.home() / ".cache" / "kvcodec" / "profiles"),
+                    help="profiles are read from here when present, else made and saved here")
+    ap.add_argument("--fixed", action="store_true", default=True, help="also score the presets without a profile")
+    ap.add_argument("--no-fixed", dest="fixed", action="store_false")
+    ap.add_argument("--baselines", default=",".join(BASELINES))
+    ap.add_argument("--out", default="eval/results/kvc_profile")
+    args = ap.parse_args(argv)
+    prov = provenance(argv)
+    from kvcodec.harness.evaluate import Evaluator
+    from kvcodec.harness.models import load_model
+    from kvcodec.harness.texts import eval_text
+
+    torch.set_num_threads(2)
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.0f} s] {msg}", flush=True)
+
+    rows: list[dict[str, Any]] = []
+    profiles: dict[str, Any] = {}
+    baselines = [b for b in args.baselines.split(",") if b]
+    for model_name in args.models.split(","):
+        model, tok = load_model(model_name)
+        path, secs = _profile(model_name, model, tok, Path(args.profile_dir), log)
+        from kvcodec.codecs.kvc.calibration import Calibration
+
+        prof = Calibration.load(path).stats.profile
+        profiles[model_name] = {"path": str(path), "calibration_seconds": secs, "levels": prof["levels"],
+                                "kv_ratio": prof["kv_ratio"], "margin": prof["margin"],
+                                "profile_seconds": prof.get("seconds")}
+        for ctx in [int(c) for c in args.contexts.split(",")]:
+            for domain in args.domains.split(","):
+                t0 = time.perf_counter()
+                ev = Evaluator(model, tok, eval_text(domain), ctx, args.continuation, attn_queries=1,
+                               text_name=f"eval-{domain}")
+                log(f"{model_name} ctx {ctx} {domain}: reference in {time.perf_counter() - t0:.0f} s")
+                codecs: list[tuple[str, str, Any]] = [
+                    (name, "profile", {"id": name, "calibration": str(path)}) for name in LEVELS]
+                if args.fixed and ctx == int(args.contexts.split(",")[0]):  # the first context only (time)
+                    codecs += [(name, "fixed", name) for name in LEVELS]
+                codecs += [(b, "baseline", b) for b in baselines]
+                for name, kind, cfg in codecs:
+                    t1 = time.perf_counter()
+                    r = ev.score_next_token(cfg)
+                    nt = r["next_token"]
+                    row = {"model": model_name, "context": ctx, "domain": domain, "codec": name, "kind": kind,
+                           "target_kl": LEVELS.get(name), "bits": r["bits_per_element"], "kl_mean": nt["kl_mean"],
+                           "kl_p99": nt["kl_p99"], "top1": nt["top1_agreement"], "delta_ppl": nt["delta_ppl"],
+                           "ppl_ref": nt["ppl_ref"], "seconds": time.perf_counter() - t1}
+                    rows.append(row)
+                    log(f"  {name:16s} {kind:8s} {row['bits']:.3f} b  KL {row['kl_mean']:.5f}  top1 {row['top1']:.4f}"
+                        f"  dPPL {100 * row['delta_ppl'] / row['ppl_ref']:+.2f} %")
+                del ev
+            # partial results survive an interrupted run
+            doc = {"models": args.models.split(","), "contexts": [int(c) for c in args.contexts.split(",")],
+                   "domains": args.domains.split(","), "continuation": args.continuation, "profiles": profiles,
+                   "rows": rows, "verdicts": verdicts(rows), "complete": False}
+            write_result(args.out, doc, report(doc), prov=prov)
+        del model, tok
+    doc = {"models": args.models.split(","), "contexts": [int(c) for c in args.contexts.split(",")],
+           "domains": args.domains.split(","), "continuation": args.continuation, "profiles": profiles,
+           "rows": rows, "verdicts": verdicts(rows), "complete": True}
+    write_result(args.out, doc, report(doc), prov=prov, echo=True)
+    return 0
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (model, context, codec with a target, kind): mean and worst KL over the domains against
+    the target; for the profile levels also the bits against the best baseline at equal or lower KL."""
+    out = []
+    keys = sorted({(r["model"], r["context"], r["codec"], r["kind"]) for r in rows if r["target_kl"]})
+    for model, ctx, codec, kind in keys:
+        sel = [r for r in rows if (r["model"], r["context"], r["codec"], r["kind"]) == (model, ctx, codec, kind)]
+        t = sel[0]["target_kl"]
+        mean_kl = sum(r["kl_mean"] for r in sel) / len(sel)
+        worst = max(r["kl_mean"] for r in sel)
+        bits = sum(r["bits"] for r in sel) / len(sel)
+        base = [r for r in rows if r["model"] == model and r["context"] == ctx and r["kind"] == "baseline"]
+        # a baseline beats kvc only where it is at least as good on average over the same windows
+        best = None
+        for b in sorted({r["codec"] for r in base}):
+            br = [r for r in base if r["codec"] == b]
+            bkl = sum(r["kl_mean"] for r in br) / len(br)
+            bb = sum(r["bits"] for r in br) / len(br)
+            if bkl <= mean_kl and (best is None or bb < best[1]):
+                best = (b, bb, bkl)
+        out.append({"model": model, "context": ctx, "codec": codec, "kind": kind, "target_kl": t,
+                    "windows": len(sel), "kl_mean": mean_kl, "kl_worst": worst, "bits": bits,
+                    "met": mean_kl <= t and worst <= 1.2 * t,
+                    "best_baseline_at_equal_kl": None if best is None else
+                    {"codec": best[0], "bits": best[1], "kl_mean": best[2], "ratio": best[1] / bits}})
+    return out
+
+
+def report(doc: dict[str, Any]) -> str:
+    lines = ["# kvc quality levels met by measurement (profiles), on unseen text", "",
+             *([] if doc.get("complete", True) else ["**Partial: the run was interrupted; the rows below are all it measured.**", ""]),
+             f"Models {', '.join(doc['models'])}; evaluation domains {', '.join(doc['domains'])} "
+             f"(kvcodec.harness.texts, never used by calibration); contexts {doc['contexts']}; "
+             f"{doc['continuation']} scored tokens; KL against the fp16 cache; bits all-in.", "",
+             "## Profiles", "",
+             "| model | calibration s | v/k | margin | level | k_step | search KL | held-out KL | bits |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for m, p in doc["profiles"].items():
+        for lv in p["levels"]:
+            secs = p["calibration_seconds"]
+            lines.append(f"| {m} | {'-' if secs is None else f'{secs:.0f}'} | {p['kv_ratio']:.2f} | {p['margin']} | "
+                         f"{lv['name']} | {lv['k_step']:.4f} | {lv['kl_search']:.5f} | {lv['kl_holdout']:.5f} | "
+                         f"{lv['bits']:.3f} |")
+    lines += ["", "## Verdicts (mean over the domains; worst window at most 1.2x the target)", "",
+              "| model | ctx | codec | kind | target | mean KL | worst KL | bits | met | best baseline at <= KL |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for v in doc["verdicts"]:
+        b = v["best_baseline_at_equal_kl"]
+        bs = "none" if b is None else f"{b['codec']} {b['bits']:.2f} b ({b['ratio']:.2f}x)"
+        lines.append(f"| {v['model']} | {v['context']} | {v['codec']} | {v['kind']} | {v['target_kl']} | "
+                     f"{v['kl_mean']:.5f} | {v['kl_worst']:.5f} | {v['bits']:.3f} | {'yes' if v['met'] else 'NO'} | {bs} |")
+    lines += ["", "## Every window", "",
+              "| model | ctx | domain | codec | kind | bits | KL | KL p99 | top-1 | ΔPPL (relative) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        lines.append(f"| {r['model']} | {r['context']} | {r['domain']} | {r['codec']} | {r['kind']} | {r['bits']:.3f} | "
+                     f"{r['kl_mean']:.5f} | {r['kl_p99']:.4f} | {r['top1']:.4f} | {100 * r['delta_ppl'] / r['ppl_ref']:+.2f} % |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,281 @@
+"""Closed-loop calibration: a model's kvc profile, measured on that model.
+
+kvc's steps are fractions of an RMS; how much next-token KL a step costs depends on the model
+(SmolLM2 and Qwen2.5-Coder differ by 2-5x at the same step). :func:`build_profile` measures it:
+
+1. **Statistics** (:func:`~kvcodec.harness.calibration.query_statistics`) on a search window of
+   the calibration text: query energies and samples, and per (layer, head) Fisher sensitivities.
+2. **K/V balance** from the sensitivities: with ``g_K``, ``g_V`` the geometric means of the K and
+   V sensitivities (in kvc's step units), the steps that minimise the summed weighted error at a
+   given rate have ``v_step / k_step = sqrt(g_K / g_V)`` (reverse water-filling at high rate;
+   the per-head multipliers inside each role come from the same sensitivities).
+3. **Closed loop**: for each target, encode each search window's fp16 cache (one window of each
+   calibration domain by default: prose, code, documentation, dialogue) at an overall scale, run
+   the model on the next tokens with the decoded cache, measure the mean next-token KL against
+   the fp16 cache, and move the scale (secant steps on log KL against log step) until the mean
+   over the windows sits just under ``margin * target`` and the worst window under the target. Every scored encode becomes a point of the
+   profile's curve, so any later ``target_kl`` maps to steps by interpolation.
+4. **Held-out check**: each level's steps are scored once more on windows the search did not
+   use (each domain text's second window); the profile reports that KL beside the search KL.
+
+The result is the statistics file with a ``profile`` (:mod:`kvcodec.codecs.kvc.profile`); the
+encoder reads it when ``target_kl`` is set (the level presets set it).
+
+Example:
+    >>> from kvcodec.harness import load_model                               # doctest: +SKIP
+    >>> from kvcodec.harness.texts import calibration_text                   # doctest: +SKIP
+    >>> model, tok = load_model("qwen2.5-coder-0.5b")                        # doctest: +SKIP
+    >>> texts = {d: calibration_text(d) for d in ("prose", "code", "docs", "dialogue")}  # doctest: +SKIP
+    >>> stats = build_profile(model, tok, texts)                             # doctest: +SKIP
+    >>> save_query_statistics(stats, "qwen.profile.safetensors")            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..codecs.kvc.calibration import QueryStats, save_query_statistics
+from ..codecs.kvc.codec import KVCCodec
+from ..codecs.kvc.profile import LEVELS, PROFILE_VERSION, QUALITY_PARAMS, parse_profile
+from ..errors import InputError
+
+#: The quality settings the search codes with (besides the steps): the calibrated encoder's
+#: (query-weighted K channels, per-head sensitivities, attention-weighted per-token steps that
+#: only ever refine, finer steps for the latest tokens, K reconstruction offsets).
+SEARCH_SETTINGS: dict[str, Any] = {
+    "k_qgamma": 1.5, "v_attn": 0.5, "k_attn": 1.0, "attn_clip": 3.0, "attn_coarse": 1.0,
+    "sens": 1.0, "sens_clip": 2.0, "sens_coarse": 1.5, "recent_ramp": 128, "recent_fine": 4.0, "k_recon": 4,
+}
+#: Entropy settings of the search's encodes (lossless: they change the bits it reports, not the KL).
+SEARCH_ENTROPY: dict[str, Any] = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chunk": 2048, "sink_v_ratio": 0.0,
+                                  "max_level": 32}
+#: A step meets a target ``t`` when the mean KL over the search windows is at most
+#: ``DEFAULT_MARGIN * t`` and the worst window's at most ``t``: text the search did not see
+#: scatters around the search windows' KL (eval/results/kvc_profile.md measures how much).
+DEFAULT_MARGIN = 0.8
+
+
+def kv_ratio(stats: QueryStats) -> float | None:
+    """``v_step / k_step`` from the statistics' sensitivities (``sqrt(g_K / g_V)``, see the module
+    docstring), clipped to [0.25, 16]; None without sensitivities."""
+    def gmean(arrs: list[np.ndarray | None]) -> float | None:
+        logs = [np.log(np.maximum(np.asarray(a, dtype=np.float64).mean(axis=1), 1e-30)) for a in arrs if a is not None]
+        return float(np.exp(np.concatenate(logs).mean())) if logs else None
+
+    gk, gv = gmean(stats.sensitivity("k")), gmean(stats.sensitivity("v"))
+    if gk is None or gv is None:
+        return None
+    return float(np.clip(math.sqrt(gk / gv), 0.25, 16.0))
+
+
+def _next_step(points: list[tuple[float, float, float]], aim: float) -> float:
+    """The next scale to try: log-linear between the nearest measured points either side of
+    the aim when it is bracketed (slope clipped to [1, 4]), else from the nearest point with
+    the slope of its neighbour (one point: slope 2, the high-rate law); at most a factor e**1.5
+    from the nearest point."""
+    pts = sorted(points)
+    below = [p for p in pts if p[1] <= aim]
+    above = [p for p in pts if p[1] > aim]
+    if below and above and max(below)[0] < min(above)[0]:
+        (s0, k0), (s1, k1) = max(below)[:2], min(above)[:2]
+    else:
+        near = sorted(pts, key=lambda p: abs(math.log(max(p[1], 1e-12) / aim)))
+        s0, k0 = near[0][:2]
+        s1, k1 = near[1][:2] if len(near) > 1 else (s0, k0)
+    k0, k1 = max(k0, 1e-12), max(k1, 1e-12)
+    slope = 2.0
+    if abs(math.log(s1 / s0)) > 1e-6:
+        slope = float(np.clip(math.log(k1 / k0) / math.log(s1 / s0), 1.0, 4.0))
+    step = math.log(aim / k0) / slope
+    return s0 * math.exp(float(np.clip(step, -1.5, 1.5)))
+
+
+def _windows(tokenizer: Any, text: str, context: int, continuation: int, count: int) -> list[torch.Tensor]:
+    """Up to ``count`` disjoint, consecutive token windows of ``context + continuation + 1`` ids
+    (each starts with the BOS token when the tokenizer has one, as the text's first does)."""
+    from .capture import tokenize
+
+    n = context + continuation + 1
+    ids = tokenize(tokenizer, text, n)  # raises when not even one window fits
+    try:
+        ids = tokenize(tokenizer, text, count * n)
+    except InputError:
+        ids = tokenize(tokenizer, text, n * (len(tokenizer(text)["input_ids"]) // n))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    out = [ids[:n]]
+    for i in range(1, ids.numel() // n):
+        w = ids[i * n:(i + 1) * n].clone()
+        out.append(torch.cat([torch.tensor([bos]), w[:-1]]) if bos is not None else w)
+    return out[:count]
+
+
+def split_windows(tokenizer: Any, texts: dict[str, str], context: int, continuation: int,
+                  max_search: int = 4) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """Search and held-out windows: from several texts, each text's first window searches and its
+    second (when the text is long enough) is held out; from one text, its windows alternate.
+
+    Raises:
+        InputError: a text is shorter than one window, or no window is left to hold out.
+    """
+    search: list[tuple[str, torch.Tensor]] = []
+    held: list[tuple[str, torch.Tensor]] = []
+    for name, text in texts.items():
+        try:
+            wins = _windows(tokenizer, text, context, continuation, 2 * max_search if len(texts) == 1 else 2)
+        except InputError as e:
+            raise InputError(f"calibration text {name!r} is shorter than one window of "
+                             f"{context + continuation + 1} tokens ({e})") from None
+        for i, w in enumerate(wins):
+            (search if i % 2 == 0 else held).append((f"{name}[{i}]", w))
+    if not held:
+        raise InputError(f"the calibration text needs at least two windows of {context + continuation + 1} tokens "
+                         "(one searched, one held out)")
+    return search[:max_search], held[:max_search]
+
+
+def build_profile(
+    model: Any,
+    tokenizer: Any,
+    texts: str | dict[str, str],
+    *,
+    context: int = 1024,
+    continuation: int = 256,
+    samples: int = 64,
+    sensitivity_samples: int = 2,
+    margin: float = DEFAULT_MARGIN,
+    levels: dict[str, float] | None = None,
+    max_evals: int = 5,
+    max_windows: int = 4,
+    text_name: str = "custom",
+    progress: Callable[[str], None] | None = None,
+) -> QueryStats:
+    """Measure ``model``'s kvc profile (see the module docstring) on ``texts`` (one text, or a
+    text per domain: :func:`kvcodec.harness.texts.calibration_texts`): the query statistics of
+    the first search window with a ``profile`` for each level of ``levels`` (default
+    :data:`~kvcodec.codecs.kvc.profile.LEVELS`).
+
+    A step meets a target when, over the search windows, the mean KL is at most ``margin *
+    target`` and the worst window's at most ``target``.
+
+    Raises:
+        InputError: a text is shorter than a window, or bad arguments.
+    """
+    from .calibration import query_statistics
+    from .evaluate import Evaluator
+
+    levels = dict(LEVELS if levels is None else levels)
+    if not 0 < margin <= 1 or max_evals < 1 or max_windows < 1 or not levels or min(levels.values()) <= 0:
+        raise InputError("margin must be in (0, 1], max_evals and max_windows >= 1 and every level > 0")
+    if isinstance(texts, str):
+        texts = {text_name: texts}
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    search, held = split_windows(tokenizer, texts, context, continuation, max_windows)
+
+    def fisher_progress(done: int, total: int) -> None:
+        say(f"sensitivity draw {done}/{total} ({time.perf_counter() - t0:.0f} s)")
+
+    say(f"query statistics and sensitivities on {context} + {continuation} tokens of {search[0][0]}")
+    stats = query_statistics(model, tokenizer, "", context=context, samples=samples,
+                             sensitivity_samples=sensitivity_samples, continuation=continuation,
+                             progress=fisher_progress, token_ids=search[0][1])
+    ratio_measured = kv_ratio(stats)
+    ratio = ratio_measured if ratio_measured is not None else 3.0
+    say(f"K/V balance v_step / k_step = {ratio:.3f}" + (" (measured)" if ratio_measured else " (no sensitivities)"))
+    evs = [Evaluator(model, tokenizer, "", context, continuation, attn_queries=1, token_ids=w) for _, w in search]
+    say(f"{len(search)} search windows ({', '.join(n for n, _ in search)}) ready ({time.perf_counter() - t0:.0f} s)")
+    tmp = tempfile.NamedTemporaryFile(prefix="kvcodec-profile-", suffix=".safetensors", delete=False)
+    tmp.close()
+    points: list[tuple[float, float, float]] = []
+    detail: dict[float, list[float]] = {}
+    try:
+        save_query_statistics(stats, tmp.name)
+
+        def config(k_step: float) -> dict[str, Any]:
+            return {"id": "kvc", **SEARCH_ENTROPY, **SEARCH_SETTINGS, "k_step": k_step, "v_step": k_step * ratio,
+                    "calibration": tmp.name}
+
+        def score(evaluators: list[Any], k_step: float) -> tuple[float, list[float], float]:
+            """``(criterion, per-window KL, mean bits)``: the criterion ``max(mean / margin, worst)``
+            meets a target ``t`` when it is at most ``t``."""
+            rs = [ev.score_next_token(config(k_step)) for ev in evaluators]
+            kls = [float(r["next_token"]["kl_mean"]) for r in rs]
+            return (max(float(np.mean(kls)) / margin, max(kls)), kls,
+                    float(np.mean([r["bits_per_element"] for r in rs])))
+
+        chosen: dict[str, dict[str, Any]] = {}
+        for name, target in sorted(levels.items(), key=lambda kv: -kv[1]):  # coarse first: cheap encodes
+            s = _next_step(points, 0.9 * target) if points else 0.5
+            for _ in range(max_evals):
+                if any(abs(math.log(s / p[0])) < 1e-3 for p in points):
+                    break  # already scored: the curve cannot tell more here
+                crit, kls, bits = score(evs, s)
+                points.append((s, crit, bits))
+                detail[s] = kls
+                say(f"{name} (KL <= {target:g}): k_step {s:.4f} -> mean KL {np.mean(kls):.5f}, worst {max(kls):.5f}, "
+                    f"{bits:.3f} b ({time.perf_counter() - t0:.0f} s)")
+                if 0.8 * target <= crit <= target:
+                    break
+                s = _next_step(points, 0.9 * target)
+            if not [p for p in points if p[1] <= target]:  # none met it: halve from the finest until one does (bounded)
+                s = min(points)[0]
+                for _ in range(4):
+                    s *= 0.5
+                    crit, kls, bits = score(evs, s)
+                    points.append((s, crit, bits))
+                    detail[s] = kls
+                    if crit <= target:
+                        break
+        for name, target in levels.items():  # chosen from every point measured, so monotone in the target
+            # the coarsest measured step that meets the target with every finer step meeting it too
+            best = min(points)
+            for p in sorted(points):
+                if p[1] > target:
+                    break
+                best = p
+            chosen[name] = {"target_kl": target, "k_step": best[0], "v_step": best[0] * ratio,
+                            "kl_search": float(np.mean(detail[best[0]])), "kl_search_worst": max(detail[best[0]]),
+                            "bits": best[2]}
+        del evs
+        say(f"held-out windows ({', '.join(n for n, _ in held)}) ({time.perf_counter() - t0:.0f} s)")
+        evs_h = [Evaluator(model, tokenizer, "", context, continuation, attn_queries=1, token_ids=w) for _, w in held]
+        for name, row in chosen.items():
+            _, kls, bits = score(evs_h, row["k_step"])
+            row["kl_holdout"], row["kl_holdout_worst"], row["bits_holdout"] = float(np.mean(kls)), max(kls), bits
+            say(f"{name}: held-out mean KL {np.mean(kls):.5f}, worst {max(kls):.5f} (target {row['target_kl']:g}), "
+                f"{bits:.3f} b")
+    finally:
+        os.unlink(tmp.name)
+    from .capture import model_identity
+
+    ident = model_identity(model, tokenizer)
+    stats.profile = {
+        "version": PROFILE_VERSION,
+        "settings": {k: v for k, v in KVCCodec(**SEARCH_SETTINGS).params.items() if k in QUALITY_PARAMS
+                     and k not in ("k_step", "v_step")},  # every quality parameter the search coded with
+        "kv_ratio": ratio,
+        "kv_ratio_measured": ratio_measured,
+        "margin": 1.0,  # the points already hold the criterion below
+        "search_margin": margin,
+        "criterion": f"max(mean KL / {margin}, worst window KL) over the search windows",
+        "points": [[float(s), float(c), float(b)] for s, c, b in sorted(points)],
+        "window_kl": [[float(s), [float(x) for x in detail[s]]] for s in sorted(detail)],
+        "levels": [{"name": n, **{k: float(v) for k, v in r.items()}} for n, r in chosen.items()],
+        "model": ident.to_dict() if hasattr(ident, "to_dict") else str(ident),
+        "text": {"name": text_name, "context": context, "continuation": continuation,
+                 "search_windows": [n for n, _ in search], "holdout_windows": [n for n, _ in held]},
+        "sensitivity_samples": sensitivity_samples,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    parse_profile(stats.profile, "build_profile")  # what we write, the encoder accepts
+    return stats
+
+
+__all__ = ["DEFAULT_MARGIN", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "build_profile", "kv_ratio", "split_windows"]
