@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fixed", action="store_true", default=True, help="also score the presets without a profile")
     ap.add_argument("--no-fixed", dest="fixed", action="store_false")
     ap.add_argument("--baselines", default=",".join(BASELINES))
+    ap.add_argument("--no-profile", dest="with_profile", action="store_false",
+                    help="score no profile (nor make one): the fixed presets and baselines only")
     ap.add_argument("--out", default="eval/results/kvc_profile")
     args = ap.parse_args(argv)
     prov = provenance(argv)
@@ -84,13 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     baselines = [b for b in args.baselines.split(",") if b]
     for model_name in args.models.split(","):
         model, tok = load_model(model_name)
-        path, secs = _profile(model_name, model, tok, Path(args.profile_dir), log)
-        from kvcodec.codecs.kvc.calibration import Calibration
+        if args.with_profile:
+            path, secs = _profile(model_name, model, tok, Path(args.profile_dir), log)
+            from kvcodec.codecs.kvc.calibration import Calibration
 
-        prof = Calibration.load(path).stats.profile
-        profiles[model_name] = {"path": str(path), "calibration_seconds": secs, "levels": prof["levels"],
-                                "kv_ratio": prof["kv_ratio"], "margin": prof["margin"],
-                                "profile_seconds": prof.get("seconds")}
+            prof = Calibration.load(path).stats.profile
+            profiles[model_name] = {"path": str(path), "calibration_seconds": secs, "levels": prof["levels"],
+                                    "kv_ratio": prof["kv_ratio"], "margin": prof.get("search_margin", prof["margin"]),
+                                    "profile_seconds": prof.get("seconds")}
         for ctx in [int(c) for c in args.contexts.split(",")]:
             for domain in args.domains.split(","):
                 t0 = time.perf_counter()
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                                text_name=f"eval-{domain}")
                 log(f"{model_name} ctx {ctx} {domain}: reference in {time.perf_counter() - t0:.0f} s")
                 codecs: list[tuple[str, str, Any]] = [
-                    (name, "profile", {"id": name, "calibration": str(path)}) for name in LEVELS]
+                    (name, "profile", {"id": name, "calibration": str(path)}) for name in LEVELS if args.with_profile]
                 if args.fixed and ctx == int(args.contexts.split(",")[0]):  # the first context only (time)
                     codecs += [(name, "fixed", name) for name in LEVELS]
                 codecs += [(b, "baseline", b) for b in baselines]

@@ -50,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="dtype of the reference cache the codecs compress (default float16)")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="calibration file (kvcodec calibrate) for the kvc presets tuned for one (names ending "
-                   "in -cal); without it those presets are left out of 'all', and naming one is an error")
+                   "in -cal); without it those presets are left out of 'all', and naming one is an error. "
+                   "When it holds a profile, each kvc level preset is also scored with it ('+profile')")
     p.add_argument("--out", default=None, help="run directory (default runs/eval-<UTC time>)")
     p.add_argument("--stem", default="results", help="file name stem in the run directory")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")

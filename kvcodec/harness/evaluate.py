@@ -417,7 +417,8 @@ def with_calibration(
     settings: list[tuple[str, Codec]], calibration: str | None, skip_uncalibrated: bool = False
 ) -> tuple[list[tuple[str, Codec]], list[str]]:
     """Give the presets that require a calibration file (kvc's ``-cal`` presets) that file:
-    ``(settings, skipped)``. They are renamed ``<name> +calibration``. Without a file and with
+    ``(settings, skipped)``; when the file holds a profile (``kvcodec calibrate``), each level
+    preset (``target_kl``) is scored twice: as named (its fixed steps) and ``<name> +profile``. They are renamed ``<name> +calibration``. Without a file and with
     ``skip_uncalibrated`` they are left out (their steps assume the calibrated encoder: plain,
     they miss their bars) and their names returned in ``skipped``; without either, ConfigError.
 
@@ -428,8 +429,21 @@ def with_calibration(
     """
     out: list[tuple[str, Codec]] = []
     skipped: list[str] = []
+    profile = False
+    if calibration:
+        from ..codecs.kvc.calibration import Calibration
+
+        try:
+            profile = Calibration.load(calibration).stats.profile is not None
+        except KVCodecError:
+            profile = False  # an unreadable file: the codecs given it report that when they encode
     for name, codec in settings:
-        if "calibration" not in codec.requires or codec.params["calibration"]:
+        if (profile and codec.params.get("target_kl") and not codec.params.get("calibration")
+                and "calibration" not in codec.requires):
+            # a level preset: as it codes without a profile, and with the model's profile
+            out.append((name, codec))
+            out.append((name + " +profile", get_codec({**codec.get_config(), "calibration": calibration})))
+        elif "calibration" not in codec.requires or codec.params["calibration"]:
             out.append((name, codec))
         elif calibration:
             out.append((name + " +calibration", get_codec({**codec.get_config(), "calibration": calibration})))

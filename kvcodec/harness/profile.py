@@ -140,6 +140,59 @@ def split_windows(tokenizer: Any, texts: dict[str, str], context: int, continuat
     return search[:max_search], held[:max_search]
 
 
+def search_levels(score: Callable[[float], tuple[float, list[float], float]], levels: dict[str, float],
+                  ratio: float, max_evals: int = 5, say: Callable[[str], None] = lambda m: None,
+                  t0: float | None = None) -> tuple[list[tuple[float, float, float]], dict[float, list[float]],
+                                                    dict[str, dict[str, Any]]]:
+    """The closed loop of :func:`build_profile`: ``score(k_step) -> (criterion, per-window KL,
+    bits)``; for each level (coarsest first) secant steps until the criterion sits in [0.8, 1]
+    times the target (at most ``max_evals`` scores, then up to 4 halvings if none met it).
+    Returns ``(points, window KLs by step, chosen)``: each level's coarsest measured step that
+    meets its target with every finer measured step meeting it too (so a smaller target never
+    gets a coarser step).
+    """
+    t0 = time.perf_counter() if t0 is None else t0
+    points: list[tuple[float, float, float]] = []
+    detail: dict[float, list[float]] = {}
+    chosen: dict[str, dict[str, Any]] = {}
+
+    def run(s: float) -> float:
+        crit, kls, bits = score(s)
+        points.append((s, crit, bits))
+        detail[s] = kls
+        return crit
+
+    for name, target in sorted(levels.items(), key=lambda kv: -kv[1]):  # coarse first: cheap encodes
+        s = _next_step(points, 0.9 * target) if points else 0.5
+        for _ in range(max_evals):
+            if any(abs(math.log(s / p[0])) < 1e-3 for p in points):
+                break  # already scored: the curve cannot tell more here
+            crit = run(s)
+            kls, bits = detail[s], points[-1][2]
+            say(f"{name} (KL <= {target:g}): k_step {s:.4f} -> mean KL {np.mean(kls):.5f}, worst {max(kls):.5f}, "
+                f"{bits:.3f} b ({time.perf_counter() - t0:.0f} s)")
+            if 0.8 * target <= crit <= target:
+                break
+            s = _next_step(points, 0.9 * target)
+        if not [p for p in points if p[1] <= target]:  # none met it: halve from the finest until one does (bounded)
+            s = min(points)[0]
+            for _ in range(4):
+                s *= 0.5
+                if run(s) <= target:
+                    break
+    for name, target in levels.items():  # chosen from every point measured, so monotone in the target
+        # the coarsest measured step that meets the target with every finer step meeting it too
+        best = min(points)
+        for p in sorted(points):
+            if p[1] > target:
+                break
+            best = p
+        chosen[name] = {"target_kl": target, "k_step": best[0], "v_step": best[0] * ratio,
+                        "kl_search": float(np.mean(detail[best[0]])), "kl_search_worst": max(detail[best[0]]),
+                        "bits": best[2]}
+    return points, detail, chosen
+
+
 def build_profile(
     model: Any,
     tokenizer: Any,
@@ -193,8 +246,6 @@ def build_profile(
     say(f"{len(search)} search windows ({', '.join(n for n, _ in search)}) ready ({time.perf_counter() - t0:.0f} s)")
     tmp = tempfile.NamedTemporaryFile(prefix="kvcodec-profile-", suffix=".safetensors", delete=False)
     tmp.close()
-    points: list[tuple[float, float, float]] = []
-    detail: dict[float, list[float]] = {}
     try:
         save_query_statistics(stats, tmp.name)
 
@@ -210,39 +261,7 @@ def build_profile(
             return (max(float(np.mean(kls)) / margin, max(kls)), kls,
                     float(np.mean([r["bits_per_element"] for r in rs])))
 
-        chosen: dict[str, dict[str, Any]] = {}
-        for name, target in sorted(levels.items(), key=lambda kv: -kv[1]):  # coarse first: cheap encodes
-            s = _next_step(points, 0.9 * target) if points else 0.5
-            for _ in range(max_evals):
-                if any(abs(math.log(s / p[0])) < 1e-3 for p in points):
-                    break  # already scored: the curve cannot tell more here
-                crit, kls, bits = score(evs, s)
-                points.append((s, crit, bits))
-                detail[s] = kls
-                say(f"{name} (KL <= {target:g}): k_step {s:.4f} -> mean KL {np.mean(kls):.5f}, worst {max(kls):.5f}, "
-                    f"{bits:.3f} b ({time.perf_counter() - t0:.0f} s)")
-                if 0.8 * target <= crit <= target:
-                    break
-                s = _next_step(points, 0.9 * target)
-            if not [p for p in points if p[1] <= target]:  # none met it: halve from the finest until one does (bounded)
-                s = min(points)[0]
-                for _ in range(4):
-                    s *= 0.5
-                    crit, kls, bits = score(evs, s)
-                    points.append((s, crit, bits))
-                    detail[s] = kls
-                    if crit <= target:
-                        break
-        for name, target in levels.items():  # chosen from every point measured, so monotone in the target
-            # the coarsest measured step that meets the target with every finer step meeting it too
-            best = min(points)
-            for p in sorted(points):
-                if p[1] > target:
-                    break
-                best = p
-            chosen[name] = {"target_kl": target, "k_step": best[0], "v_step": best[0] * ratio,
-                            "kl_search": float(np.mean(detail[best[0]])), "kl_search_worst": max(detail[best[0]]),
-                            "bits": best[2]}
+        points, detail, chosen = search_levels(lambda k: score(evs, k), levels, ratio, max_evals, say, t0)
         del evs
         say(f"held-out windows ({', '.join(n for n, _ in held)}) ({time.perf_counter() - t0:.0f} s)")
         evs_h = [Evaluator(model, tokenizer, "", context, continuation, attn_queries=1, token_ids=w) for _, w in held]
@@ -278,4 +297,5 @@ def build_profile(
     return stats
 
 
-__all__ = ["DEFAULT_MARGIN", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "build_profile", "kv_ratio", "split_windows"]
+__all__ = ["DEFAULT_MARGIN", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "build_profile", "kv_ratio", "search_levels",
+           "split_windows"]
