@@ -31,6 +31,8 @@ TARGETS=$(cat <<'END'
 smollm2_default|kvcodec eval --suite eval/suites/default.json --out eval/results --stem smollm2_default
 smollm2_sweep|kvcodec eval --suite eval/suites/sweep.json --out eval/results --stem smollm2_sweep
 kvc_fixed_steps|python eval/studies/kvc_fixed_steps.py --out eval/results/kvc_fixed_steps
+kvc_prerope|python eval/studies/kvc_prerope.py --out eval/results/kvc_prerope
+kvc_cal_domain|python eval/studies/kvc_cal_domain.py --out eval/results/kvc_cal_domain
 kvc_profile|python eval/studies/kvc_profile.py --out eval/results/kvc_profile
 qwen_coder_baseline|kvcodec eval --model qwen2.5-coder-0.5b --codecs fp8-e4m3,nvfp4,kivi-4-ans,cachegen,kvc-transparent,kvc-near,kvc-aggressive --context 1536 --continuation 512 --out eval/results --stem qwen_coder_baseline --quiet
 bench_smollm2|kvcodec bench --context 1536 --repeat 5 --calibration "$(cal 1536)" --out eval/results/bench_smollm2

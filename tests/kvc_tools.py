@@ -55,3 +55,42 @@ def rewrite(
     if header is not None:
         header(h)
     return join(h, data)
+
+
+def small_cache(layers: int = 2, t: int = 96, h: int = 2, d: int = 16, seed: int = 0):
+    """A small fp16 cache with K per-channel offsets and scales and V per-token scales, like real
+    caches (the kvc calibration and profile tests)."""
+    import torch
+
+    import kvcodec
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(layers):
+        k = torch.randn(t, h, d, generator=g) * (torch.rand(1, h, d, generator=g) * 3) + 4 * torch.randn(1, h, d, generator=g)
+        v = torch.randn(t, h, d, generator=g) * (0.5 + torch.rand(t, h, 1, generator=g))
+        out.append((k.half(), v.half()))
+    return kvcodec.KVCache.from_tensors(out)
+
+
+def encode_routes(config: Any, cache: Any, tmp_path: Any, chunk: int = 0) -> dict[str, bytes]:
+    """The bytes every encode route writes for ``config`` (a name, JSON text or dict), by route:
+    ``Codec.encode``, ``encode(path=)``, ``format.write_file`` and the CLI's ``kvcodec encode``."""
+    import kvcodec
+    from kvcodec.cli import main
+    from kvcodec.format import write_file
+
+    raw = tmp_path / "raw.safetensors"
+    cache.to_safetensors(raw)
+    codec = kvcodec.get_codec(config)
+    out = {"Codec.encode": codec.encode(cache, tokens_per_chunk=chunk)}
+    codec.encode(cache, tmp_path / "a.kvc", tokens_per_chunk=chunk)
+    out["encode(path=)"] = (tmp_path / "a.kvc").read_bytes()
+    write_file(codec, cache, tmp_path / "b.kvc", tokens_per_chunk=chunk)
+    out["format.write_file"] = (tmp_path / "b.kvc").read_bytes()
+    args = ["encode", str(raw), str(tmp_path / "c.kvc"), "--codec",
+            config if isinstance(config, str) else json.dumps(config), "--tokens-per-chunk", str(chunk)]
+    assert main(args) == 0
+    out["kvcodec encode"] = (tmp_path / "c.kvc").read_bytes()
+    return out
+

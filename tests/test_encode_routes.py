@@ -19,6 +19,7 @@ from kvcodec.errors import ConfigError, FormatError, InputError
 from kvcodec import open as open_kvc
 from kvcodec.format import write_file
 from kvcodec.testing import spelled_out
+from kvc_tools import encode_routes as _routes
 
 
 def _cache(layers=2, t=40, h=2, d=16, seed=0):
@@ -38,23 +39,6 @@ def _calibration(cache, path, seed=1):
                                      [rng.normal(size=(4, 6, d)).astype(np.float32) for _ in cache.layers],
                                      q_position=100, rope_theta=10000.0), path)
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _routes(config, cache, tmp_path, chunk=0):
-    """The bytes of every route, by name."""
-    raw = tmp_path / "raw.safetensors"
-    cache.to_safetensors(raw)
-    codec = kvcodec.get_codec(config)
-    out = {"Codec.encode": codec.encode(cache, tokens_per_chunk=chunk)}
-    codec.encode(cache, tmp_path / "a.kvc", tokens_per_chunk=chunk)
-    out["encode(path=)"] = (tmp_path / "a.kvc").read_bytes()
-    write_file(codec, cache, tmp_path / "b.kvc", tokens_per_chunk=chunk)
-    out["format.write_file"] = (tmp_path / "b.kvc").read_bytes()
-    args = ["encode", str(raw), str(tmp_path / "c.kvc"), "--codec", config if isinstance(config, str) else
-            __import__("json").dumps(config), "--tokens-per-chunk", str(chunk)]
-    assert main(args) == 0
-    out["kvcodec encode"] = (tmp_path / "c.kvc").read_bytes()
-    return out
 
 
 @pytest.mark.parametrize("chunk", [0, 16])

@@ -19,16 +19,7 @@ from kvcodec.harness.calibration import (
     save_query_statistics,
 )
 from kvcodec.quant.deadzone import step_from_code
-
-
-def _cache(layers=2, t=96, h=2, d=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(layers):
-        k = torch.randn(t, h, d, generator=g) * (torch.rand(1, h, d, generator=g) * 3) + 4 * torch.randn(1, h, d, generator=g)
-        v = torch.randn(t, h, d, generator=g) * (0.5 + torch.rand(t, h, 1, generator=g))
-        out.append((k.half(), v.half()))
-    return kvcodec.KVCache.from_tensors(out)
+from kvc_tools import small_cache as _cache
 
 
 def _stats(cache, hq=4, n=8, seed=1, theta=10000.0) -> QueryStats:

@@ -24,6 +24,7 @@ from kvcodec.codecs.kvc.calibration import QueryStats, save_query_statistics
 from kvcodec.codecs.kvc.profile import QUALITY_PARAMS, k_step_for, parse_profile, steps_for_target
 from kvcodec.errors import ConfigError, FormatError
 from kvcodec.format import write_file
+from kvc_tools import small_cache as _cache, encode_routes as _routes
 
 # ------------------------------------------------------------------------------ fixtures
 
@@ -42,16 +43,6 @@ def _profile(**over) -> dict:
     }
     prof.update(over)
     return prof
-
-
-def _cache(layers=2, t=96, h=2, d=16, seed=0) -> kvcodec.KVCache:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(layers):
-        k = torch.randn(t, h, d, generator=g) * (torch.rand(1, h, d, generator=g) * 3) + 4 * torch.randn(1, h, d, generator=g)
-        v = torch.randn(t, h, d, generator=g) * (0.5 + torch.rand(t, h, 1, generator=g))
-        out.append((k.half(), v.half()))
-    return kvcodec.KVCache.from_tensors(out)
 
 
 def _stats_file(cache, path, profile=None, seed=1) -> str:
@@ -269,22 +260,6 @@ def test_monotone_in_the_target_across_a_level():
 
 
 # ------------------------------------------------------------------------------ 3. the codec
-
-
-def _routes(config: dict, cache, tmp_path, chunk: int = 0) -> dict[str, bytes]:
-    """The bytes of every encode route, by name (as tests/test_encode_routes.py)."""
-    raw = tmp_path / "raw.safetensors"
-    cache.to_safetensors(raw)
-    codec = kvcodec.get_codec(config)
-    out = {"Codec.encode": codec.encode(cache, tokens_per_chunk=chunk)}
-    codec.encode(cache, tmp_path / "a.kvc", tokens_per_chunk=chunk)
-    out["encode(path=)"] = (tmp_path / "a.kvc").read_bytes()
-    write_file(codec, cache, tmp_path / "b.kvc", tokens_per_chunk=chunk)
-    out["format.write_file"] = (tmp_path / "b.kvc").read_bytes()
-    assert main(["encode", str(raw), str(tmp_path / "c.kvc"), "--codec", json.dumps(config),
-                 "--tokens-per-chunk", str(chunk)]) == 0
-    out["kvcodec encode"] = (tmp_path / "c.kvc").read_bytes()
-    return out
 
 
 @pytest.mark.parametrize("chunk", [0, 32])

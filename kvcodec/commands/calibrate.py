@@ -49,8 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sensitivity", type=int, default=2, metavar="DRAWS",
                    help="Fisher draws for the per-(layer, head) sensitivities (default 2; 0 = skip, "
                    "only with --no-profile)")
-    p.add_argument("--continuation", type=int, default=256,
-                   help="scored tokens after the context (sensitivities and the KL the search measures; default 256)")
+    p.add_argument("--continuation", type=int, default=512,
+                   help="scored tokens after the context (sensitivities and the KL the search measures, as "
+                   "the levels are defined: default 512)")
     p.add_argument("--no-profile", action="store_true",
                    help="write the query statistics only (no closed-loop search; the level presets then "
                    "code with their fixed steps)")

@@ -16,7 +16,14 @@ kvc's steps are fractions of an RMS; how much next-token KL a step costs depends
    over the windows sits just under ``margin * target`` and the worst window under the target. Every scored encode becomes a point of the
    profile's curve, so any later ``target_kl`` maps to steps by interpolation.
 4. **Held-out check**: each level's steps are scored once more on windows the search did not
-   use (each domain text's second window); the profile reports that KL beside the search KL.
+   use (the second windows of the first two domain texts); the profile reports that KL beside
+   the search KL.
+
+The windows follow the levels' definition, 512 scored tokens after the cached ones (the tokens
+nearest the cache, which a shorter continuation scores alone, lose most; with 256 the steps
+chosen came out 2-2.5x below the targets on the evaluation texts, commit 76e7ad4's
+eval/results/kvc_profile.md). 1024 cached tokens keep a 0.5B model's calibration under 10
+minutes on 2 cores.
 
 The result is the statistics file with a ``profile`` (:mod:`kvcodec.codecs.kvc.profile`); the
 encoder reads it when ``target_kl`` is set (the level presets set it).
@@ -117,7 +124,8 @@ def _windows(tokenizer: Any, text: str, context: int, continuation: int, count: 
 
 
 def split_windows(tokenizer: Any, texts: dict[str, str], context: int, continuation: int,
-                  max_search: int = 4) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+                  max_search: int = 4, max_held: int | None = None,
+                  ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
     """Search and held-out windows: from several texts, each text's first window searches and its
     second (when the text is long enough) is held out; from one text, its windows alternate.
 
@@ -137,7 +145,7 @@ def split_windows(tokenizer: Any, texts: dict[str, str], context: int, continuat
     if not held:
         raise InputError(f"the calibration text needs at least two windows of {context + continuation + 1} tokens "
                          "(one searched, one held out)")
-    return search[:max_search], held[:max_search]
+    return search[:max_search], held[:max_search if max_held is None else max(1, max_held)]
 
 
 def search_levels(score: Callable[[float], tuple[float, list[float], float]], levels: dict[str, float],
@@ -199,13 +207,14 @@ def build_profile(
     texts: str | dict[str, str],
     *,
     context: int = 1024,
-    continuation: int = 256,
+    continuation: int = 512,
     samples: int = 64,
     sensitivity_samples: int = 2,
     margin: float = DEFAULT_MARGIN,
     levels: dict[str, float] | None = None,
     max_evals: int = 5,
     max_windows: int = 4,
+    max_held: int = 2,
     text_name: str = "custom",
     progress: Callable[[str], None] | None = None,
 ) -> QueryStats:
@@ -230,7 +239,7 @@ def build_profile(
         texts = {text_name: texts}
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    search, held = split_windows(tokenizer, texts, context, continuation, max_windows)
+    search, held = split_windows(tokenizer, texts, context, continuation, max_windows, max_held)
 
     def fisher_progress(done: int, total: int) -> None:
         say(f"sensitivity draw {done}/{total} ({time.perf_counter() - t0:.0f} s)")

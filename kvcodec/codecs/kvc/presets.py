@@ -1,5 +1,6 @@
-"""kvc's named presets. Their steps were chosen on measured windows (docs/kvc-design.md,
-eval/results/kvc_presets*.md); the -cal presets require a calibration file.
+"""kvc's named presets: quality levels (met by measurement with a profile of the user's model,
+else with fixed steps measured on SmolLM2-135M and Qwen2.5-Coder-0.5B) and the -cal presets,
+which require a calibration file (docs/kvc-design.md, eval/results/kvc_fixed_steps.md).
 """
 
 from __future__ import annotations
@@ -9,24 +10,31 @@ from ...codec import register_preset
 
 
 register_preset("kvc", {"id": "kvc"}, "kvc transform codec, default settings")
-# The steps are the largest that kept every tuning window of SmolLM2 within 90 % of each bar; the
-# entropy settings are lossless and only trade file size. How each was chosen, with the numbers:
-# docs/kvc-design.md (measurements in eval/results/kvc_presets*.md). These bars were tuned on one
-# model: issue 20 moves them to measurement on the user's model.
-# The quality each level promises (kvcodec codecs --json shows it). Met on SmolLM2 today; issue 20
-# makes them targets met by measurement on the user's model.
+# The level presets promise a quality (kvcodec codecs --json: "target"). With a profile of the
+# user's model (kvcodec calibrate; the file named by "calibration") they meet it by measurement:
+# target_kl picks that model's steps (kvcodec/codecs/kvc/profile.py). Without one they code with
+# the fixed steps below (fallback "steps"): the finest steps either real model we have needed to
+# meet the level on one window of each calibration domain (mean KL <= 0.8x the target, the worst
+# window <= the target; 1024 cached tokens, 256 scored; Qwen2.5-Coder-0.5B needed the finer at
+# every level): `python eval/studies/kvc_fixed_steps.py`, eval/results/kvc_fixed_steps.md. They
+# cost about a bit more per element than a profile's steps and promise nothing for other models:
+# calibrate. Until issue 20 the steps were SmolLM2's (0.224 / 0.418 / 0.897), 2-5x too coarse
+# for Qwen. The entropy settings are lossless and only trade file size (docs/kvc-design.md).
 _TRANSPARENT = {"kl_mean": 0.002}
 _NEAR = {"kl_mean": 0.01, "dppl": 0.01}
 _AGGRESSIVE = {"kl_mean": 0.05}
 _RAMP = {"recent_ramp": 128, "recent_fine": 4.0, "precision": 14}  # finer steps for the latest tokens
 _WIDE = {"max_level": 48}  # escape threshold: table size against escapes
 _NARROW = {"max_level": 16}
-register_preset("kvc-transparent", {"id": "kvc", "target_kl": 0.002, "fallback": "steps", "k_step": 0.224, "v_step": 0.672, **_RAMP, **_WIDE},
-                "kvc at about FP8 quality (target mean KL <= 0.002)", target=_TRANSPARENT)
-register_preset("kvc-near", {"id": "kvc", "target_kl": 0.01, "fallback": "steps", "k_step": 0.418, "v_step": 0.99, **_RAMP},
-                "kvc near-lossless (target mean KL <= 0.01, dPPL <= 1%)", target=_NEAR)
-register_preset("kvc-aggressive", {"id": "kvc", "target_kl": 0.05, "fallback": "steps", "k_step": 0.897, "v_step": 2.691, **_RAMP, **_NARROW},
-                "kvc aggressive (target mean KL <= 0.05)", target=_AGGRESSIVE)
+register_preset("kvc-transparent", {"id": "kvc", "target_kl": 0.002, "fallback": "steps", "k_step": 0.0638, "v_step": 0.1915, **_RAMP, **_WIDE},
+                "kvc at about FP8 quality (mean KL <= 0.002; met by measurement with a profile from kvcodec calibrate, "
+                "else fixed steps)", target=_TRANSPARENT)
+register_preset("kvc-near", {"id": "kvc", "target_kl": 0.01, "fallback": "steps", "k_step": 0.1759, "v_step": 0.4167, **_RAMP},
+                "kvc near-lossless (mean KL <= 0.01, dPPL <= 1%; met by measurement with a profile from kvcodec "
+                "calibrate, else fixed steps)", target=_NEAR)
+register_preset("kvc-aggressive", {"id": "kvc", "target_kl": 0.05, "fallback": "steps", "k_step": 0.4538, "v_step": 1.3613, **_RAMP, **_NARROW},
+                "kvc aggressive (mean KL <= 0.05; met by measurement with a profile from kvcodec calibrate, else "
+                "fixed steps)", target=_AGGRESSIVE)
 # The -cal presets are tuned for the calibrated encoder (a file from ``kvcodec calibrate``) and
 # refuse to encode without one (requires=). Sink detection off (attention estimates already give
 # sinks fine steps), magnitude contexts on (formats/ANS.md §3.1; eval/results/kvc_ctx*.md),
