@@ -34,6 +34,7 @@ kvc_fixed_steps|python eval/studies/kvc_fixed_steps.py --out eval/results/kvc_fi
 kvc_prerope|python eval/studies/kvc_prerope.py --out eval/results/kvc_prerope
 kvc_cal_domain|python eval/studies/kvc_cal_domain.py --out eval/results/kvc_cal_domain
 kvc_profile|python eval/studies/kvc_profile.py --out eval/results/kvc_profile
+bench_profile_smollm2|kvcodec bench --context 1536 --repeat 3 --codecs cachegen,kvc-transparent,kvc-near,kvc-aggressive --calibration "$HOME/.cache/kvcodec/profiles/smollm2-135m.profile.safetensors" --out eval/results/bench_profile_smollm2
 qwen_coder_baseline|kvcodec eval --model qwen2.5-coder-0.5b --codecs fp8-e4m3,nvfp4,kivi-4-ans,cachegen,kvc-transparent,kvc-near,kvc-aggressive --context 1536 --continuation 512 --out eval/results --stem qwen_coder_baseline --quiet
 bench_smollm2|kvcodec bench --context 1536 --repeat 5 --calibration "$(cal 1536)" --out eval/results/bench_smollm2
 bench_smollm2_ctx4096|kvcodec bench --context 4096 --repeat 5 --calibration "$(cal 4096)" --out eval/results/bench_smollm2_ctx4096
