@@ -80,3 +80,21 @@ def test_layer_infos_from_config():
     assert kinds == [("sliding", 16), ("full", 0), ("sliding", 16)]
     assert all(li.kind == "full" for li in tfi.layer_infos(transformers.GPT2Config(n_layer=2), 2))
     assert KVCache  # imported for the doctest namespace
+
+
+def test_layer_infos_follow_how_each_family_builds_its_masks():
+    """Mistral-style configs (a sliding_window, no layer_types) slide on every layer; layer_types
+    name each layer; use_sliding_window False or no window means full attention."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    from kvcodec.integrations.transformers import layer_infos
+
+    tiny = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=3, vocab_size=64)
+    mistral = layer_infos(MistralConfig(sliding_window=8, **tiny), 3)
+    assert [(i.kind, i.window) for i in mistral] == [("sliding", 8)] * 3
+    assert [i.kind for i in layer_infos(MistralConfig(sliding_window=None, **tiny), 3)] == ["full"] * 3
+    assert [i.kind for i in layer_infos(LlamaConfig(**tiny), 3)] == ["full"] * 3
+    q = Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=1, **tiny)
+    assert [i.kind for i in layer_infos(q, 3)] == ["full" if t == "full_attention" else "sliding" for t in q.layer_types]
+    assert [i.kind for i in layer_infos(Qwen2Config(use_sliding_window=False, sliding_window=16, **tiny), 3)] == ["full"] * 3

@@ -132,13 +132,24 @@ def output_cache(outputs: Any) -> Any:
 
 
 def layer_infos(config: Any, num_layers: int) -> list[LayerInfo]:
-    """:class:`LayerInfo` per layer from a transformers config (``layer_types``, ``sliding_window``)."""
+    """:class:`LayerInfo` per layer from a transformers config (``layer_types``, ``sliding_window``).
+
+    With ``layer_types`` each layer is what it names. Without them, a config with a
+    ``sliding_window`` (Mistral, Mixtral, Starcoder2, Phi-3) slides on every layer, as those
+    models build one sliding-window mask for all layers, unless ``use_sliding_window`` is False.
+
+    Example:
+        >>> from types import SimpleNamespace as N
+        >>> [i.kind for i in layer_infos(N(sliding_window=8), 2)], layer_infos(N(), 1)[0].kind
+        (['sliding', 'sliding'], 'full')
+    """
     config = getattr(config, "text_config", None) or config
     types = getattr(config, "layer_types", None)
     window = int(getattr(config, "sliding_window", 0) or 0)
+    default = "sliding_attention" if window and getattr(config, "use_sliding_window", True) else "full_attention"
     infos = []
     for i in range(num_layers):
-        t = types[i] if types is not None and i < len(types) else "full_attention"
+        t = types[i] if types is not None and i < len(types) else default
         if "sliding" in str(t) and window:
             infos.append(LayerInfo(kind="sliding", window=window))
         else:
