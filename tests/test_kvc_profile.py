@@ -634,3 +634,14 @@ def test_calibrate_argument_errors_exit_1_before_any_model_loads(args, needle, c
     assert main(["calibrate", *args, "--out", str(out)]) == 1
     _one_line_error(capsys, needle)
     assert not out.exists()
+
+
+def test_cli_encode_says_when_a_level_preset_has_no_profile(tmp_path, capsys):
+    cache = _cache()
+    raw = tmp_path / "raw.safetensors"
+    cache.to_safetensors(raw)
+    assert main(["encode", str(raw), str(tmp_path / "a.kvc"), "--codec", "kvc-near"]) == 0
+    err = capsys.readouterr().err
+    assert "kvc-near has no profile" in err and "kvcodec calibrate" in err
+    assert main(["encode", str(raw), str(tmp_path / "b.kvc"), "--codec", "fp8-e4m3"]) == 0
+    assert "profile" not in capsys.readouterr().err

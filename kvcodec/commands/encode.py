@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 from . import print_json
@@ -26,6 +27,12 @@ def run(args: argparse.Namespace) -> int:
     from ..format import write_file
 
     codec = get_codec(args.codec)
+    if (codec.params.get("target_kl") and not codec.params.get("calibration")
+            and codec.params.get("fallback") == "steps" and "calibration" not in codec.requires):
+        # a level preset without a profile: its fixed steps, not a measurement on this model
+        print(f"kvcodec encode: note: {codec.preset or codec.codec_id} has no profile of this model, so it codes "
+              f"with fixed steps (measured on SmolLM2-135M and Qwen2.5-Coder-0.5B only); for a level met on your "
+              f"model run `kvcodec calibrate --model M --out F` and add \"calibration\": F", file=sys.stderr)
     cache = KVCache.from_safetensors(args.input)
     t0 = time.perf_counter()
     # streams layer by layer into a spool beside the output, then renames atomically
