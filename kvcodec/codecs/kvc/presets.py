@@ -27,14 +27,11 @@ _RAMP = {"recent_ramp": 128, "recent_fine": 4.0, "precision": 14}  # finer steps
 _WIDE = {"max_level": 48}  # escape threshold: table size against escapes
 _NARROW = {"max_level": 16}
 register_preset("kvc-transparent", {"id": "kvc", "target_kl": 0.002, "fallback": "steps", "k_step": 0.0638, "v_step": 0.1915, **_RAMP, **_WIDE},
-                "kvc at about FP8 quality (mean KL <= 0.002; met by measurement with a profile from kvcodec calibrate, "
-                "else fixed steps)", target=_TRANSPARENT)
+                "kvc at about FP8 quality: mean KL <= 0.002 (measured with a profile, else fixed steps)", target=_TRANSPARENT)
 register_preset("kvc-near", {"id": "kvc", "target_kl": 0.01, "fallback": "steps", "k_step": 0.1759, "v_step": 0.4167, **_RAMP},
-                "kvc near-lossless (mean KL <= 0.01, dPPL <= 1%; met by measurement with a profile from kvcodec "
-                "calibrate, else fixed steps)", target=_NEAR)
+                "kvc near-lossless: mean KL <= 0.01, dPPL <= 1% (measured with a profile, else fixed steps)", target=_NEAR)
 register_preset("kvc-aggressive", {"id": "kvc", "target_kl": 0.05, "fallback": "steps", "k_step": 0.4538, "v_step": 1.3613, **_RAMP, **_NARROW},
-                "kvc aggressive (mean KL <= 0.05; met by measurement with a profile from kvcodec calibrate, else "
-                "fixed steps)", target=_AGGRESSIVE)
+                "kvc aggressive: mean KL <= 0.05 (measured with a profile, else fixed steps)", target=_AGGRESSIVE)
 # The -cal presets are tuned for the calibrated encoder (a file from ``kvcodec calibrate``) and
 # refuse to encode without one (requires=). Sink detection off (attention estimates already give
 # sinks fine steps), magnitude contexts on (formats/ANS.md §3.1; eval/results/kvc_ctx*.md),
