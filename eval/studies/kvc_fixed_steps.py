@@ -22,7 +22,6 @@ import argparse
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvcodec.harness.results import provenance, write_result
@@ -42,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     import kvcodec
     from kvcodec.harness.evaluate import Evaluator
     from kvcodec.harness.models import load_model
-    from kvcodec.harness.profile import DEFAULT_MARGIN, search_levels, split_windows
+    from kvcodec.harness.profile import DEFAULT_MARGIN, score_windows, search_levels, split_windows
     from kvcodec.harness.texts import CALIBRATION_DOMAINS, calibration_text
 
     torch.set_num_threads(2)
@@ -65,17 +64,15 @@ def main(argv: list[str] | None = None) -> int:
             ratio = cfg["v_step"] / cfg["k_step"]
 
             def score(k: float, cfg: dict[str, Any] = cfg, ratio: float = ratio) -> tuple[float, list[float], float]:
-                rs = [ev.score_next_token({**cfg, "k_step": k, "v_step": k * ratio}) for ev in evs]
-                kls = [float(r["next_token"]["kl_mean"]) for r in rs]
-                return (max(float(np.mean(kls)) / DEFAULT_MARGIN, max(kls)), kls,
-                        float(np.mean([r["bits_per_element"] for r in rs])))
+                return score_windows(evs, {**cfg, "k_step": k, "v_step": k * ratio}, DEFAULT_MARGIN)
 
             points, detail, chosen = search_levels(score, {preset: target}, ratio, args.max_evals,
                                                    lambda m: log(f"  {model_name} {m}"), t0)
             per_model[model_name][preset] = {**chosen[preset], "ratio": ratio, "shipped_k_step": cfg["k_step"],
                                              "points": [list(p) for p in sorted(points)],
                                              "window_kl": {str(k): v for k, v in detail.items()}}
-        del evs, model, tok
+        evs.clear()
+        del model, tok
     fixed = {p: {"k_step": min(m[p]["k_step"] for m in per_model.values()),
                  "ratio": next(iter(per_model.values()))[p]["ratio"]} for p in LEVELS}
     for p in fixed:

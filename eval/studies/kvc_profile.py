@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--continuation", type=int, default=512)
     ap.add_argument("--profile-dir", default=str(Path.home() / ".cache" / "kvcodec" / "profiles"),
                     help="profiles are read from here when present, else made and saved here")
-    ap.add_argument("--fixed", action="store_true", default=True, help="also score the presets without a profile")
-    ap.add_argument("--no-fixed", dest="fixed", action="store_false")
+    ap.add_argument("--no-fixed", dest="fixed", action="store_false",
+                    help="do not score the presets without a profile (scored at the first context by default)")
     ap.add_argument("--baselines", default=",".join(BASELINES))
     ap.add_argument("--no-profile", dest="with_profile", action="store_false",
                     help="score no profile (nor make one): the fixed presets and baselines only")
@@ -84,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     profiles: dict[str, Any] = {}
     baselines = [b for b in args.baselines.split(",") if b]
+
+    def save(complete: bool) -> None:
+        """Write what was measured so far (after each model and context: an interrupted run keeps it)."""
+        doc = {"models": args.models.split(","), "contexts": [int(c) for c in args.contexts.split(",")],
+               "domains": args.domains.split(","), "continuation": args.continuation, "profiles": profiles,
+               "rows": rows, "verdicts": verdicts(rows), "complete": complete}
+        write_result(args.out, doc, report(doc), prov=prov, echo=complete)
     for model_name in args.models.split(","):
         model, tok = load_model(model_name)
         if args.with_profile:
@@ -118,15 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"  dPPL {100 * row['delta_ppl'] / row['ppl_ref']:+.2f} %")
                 del ev
             # partial results survive an interrupted run
-            doc = {"models": args.models.split(","), "contexts": [int(c) for c in args.contexts.split(",")],
-                   "domains": args.domains.split(","), "continuation": args.continuation, "profiles": profiles,
-                   "rows": rows, "verdicts": verdicts(rows), "complete": False}
-            write_result(args.out, doc, report(doc), prov=prov)
+            save(complete=False)
         del model, tok
-    doc = {"models": args.models.split(","), "contexts": [int(c) for c in args.contexts.split(",")],
-           "domains": args.domains.split(","), "continuation": args.continuation, "profiles": profiles,
-           "rows": rows, "verdicts": verdicts(rows), "complete": True}
-    write_result(args.out, doc, report(doc), prov=prov, echo=True)
+    save(complete=True)
     return 0
 
 

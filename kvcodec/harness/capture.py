@@ -57,8 +57,8 @@ def read_text(path: str | os.PathLike[str] | None) -> str:
         raise InputError(f"cannot read text file {os.fspath(path)}: {e}") from None
 
 
-def tokenize(tokenizer: Any, text: str, num_tokens: int) -> torch.Tensor:
-    """The first ``num_tokens`` token ids of ``text`` as int64 ``[num_tokens]``.
+def tokenize(tokenizer: Any, text: str, num_tokens: int | None) -> torch.Tensor:
+    """The first ``num_tokens`` token ids of ``text`` as int64 ``[num_tokens]`` (``None``: all).
 
     A BOS token is prepended when the tokenizer defines one and does not add it itself, so the
     model sees text the way it was trained to (an attention sink at position 0).
@@ -70,6 +70,8 @@ def tokenize(tokenizer: Any, text: str, num_tokens: int) -> torch.Tensor:
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is not None and (not ids or ids[0] != bos):
         ids = [bos] + ids
+    if num_tokens is None:
+        num_tokens = len(ids)
     if len(ids) < num_tokens:
         raise InputError(f"the text has {len(ids)} tokens; {num_tokens} are needed")
     return torch.tensor(ids[:num_tokens], dtype=torch.int64)

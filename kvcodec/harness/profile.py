@@ -82,6 +82,14 @@ def kv_ratio(stats: QueryStats) -> float | None:
     return float(np.clip(math.sqrt(gk / gv), 0.25, 16.0))
 
 
+def score_windows(evaluators: list[Any], config: dict[str, Any], margin: float) -> tuple[float, list[float], float]:
+    """Encode and score ``config`` on every window: ``(criterion, per-window KL, mean bits)``, the
+    criterion ``max(mean KL / margin, worst KL)`` meeting a target ``t`` when it is at most ``t``."""
+    rs = [ev.score_next_token(config) for ev in evaluators]
+    kls = [float(r["next_token"]["kl_mean"]) for r in rs]
+    return max(float(np.mean(kls)) / margin, max(kls)), kls, float(np.mean([r["bits_per_element"] for r in rs]))
+
+
 def _next_step(points: list[tuple[float, float, float]], aim: float) -> float:
     """The next scale to try: log-linear between the nearest measured points either side of
     the aim when it is bracketed (slope clipped to [1, 4]), else from the nearest point with
@@ -110,11 +118,9 @@ def _windows(tokenizer: Any, text: str, context: int, continuation: int, count: 
     from .capture import tokenize
 
     n = context + continuation + 1
-    ids = tokenize(tokenizer, text, n)  # raises when not even one window fits
-    try:
-        ids = tokenize(tokenizer, text, count * n)
-    except InputError:
-        ids = tokenize(tokenizer, text, n * (len(tokenizer(text)["input_ids"]) // n))
+    ids = tokenize(tokenizer, text, None)
+    if ids.numel() < n:
+        raise InputError(f"the text has {ids.numel()} tokens; {n} are needed")
     bos = getattr(tokenizer, "bos_token_id", None)
     out = [ids[:n]]
     for i in range(1, ids.numel() // n):
@@ -262,20 +268,13 @@ def build_profile(
             return {"id": "kvc", **SEARCH_ENTROPY, **SEARCH_SETTINGS, "k_step": k_step, "v_step": k_step * ratio,
                     "calibration": tmp.name}
 
-        def score(evaluators: list[Any], k_step: float) -> tuple[float, list[float], float]:
-            """``(criterion, per-window KL, mean bits)``: the criterion ``max(mean / margin, worst)``
-            meets a target ``t`` when it is at most ``t``."""
-            rs = [ev.score_next_token(config(k_step)) for ev in evaluators]
-            kls = [float(r["next_token"]["kl_mean"]) for r in rs]
-            return (max(float(np.mean(kls)) / margin, max(kls)), kls,
-                    float(np.mean([r["bits_per_element"] for r in rs])))
-
-        points, detail, chosen = search_levels(lambda k: score(evs, k), levels, ratio, max_evals, say, t0)
-        del evs
+        points, detail, chosen = search_levels(lambda k: score_windows(evs, config(k), margin), levels, ratio,
+                                               max_evals, say, t0)
+        evs.clear()  # free the search windows before the held-out ones
         say(f"held-out windows ({', '.join(n for n, _ in held)}) ({time.perf_counter() - t0:.0f} s)")
         evs_h = [Evaluator(model, tokenizer, "", context, continuation, attn_queries=1, token_ids=w) for _, w in held]
         for name, row in chosen.items():
-            _, kls, bits = score(evs_h, row["k_step"])
+            _, kls, bits = score_windows(evs_h, config(row["k_step"]), margin)
             row["kl_holdout"], row["kl_holdout_worst"], row["bits_holdout"] = float(np.mean(kls)), max(kls), bits
             say(f"{name}: held-out mean KL {np.mean(kls):.5f}, worst {max(kls):.5f} (target {row['target_kl']:g}), "
                 f"{bits:.3f} b")
@@ -296,7 +295,7 @@ def build_profile(
         "points": [[float(s), float(c), float(b)] for s, c, b in sorted(points)],
         "window_kl": [[float(s), [float(x) for x in detail[s]]] for s in sorted(detail)],
         "levels": [{"name": n, **{k: float(v) for k, v in r.items()}} for n, r in chosen.items()],
-        "model": ident.to_dict() if hasattr(ident, "to_dict") else str(ident),
+        "model": ident.to_dict(),
         "text": {"name": text_name, "context": context, "continuation": continuation,
                  "search_windows": [n for n, _ in search], "holdout_windows": [n for n, _ in held]},
         "sensitivity_samples": sensitivity_samples,
@@ -306,5 +305,5 @@ def build_profile(
     return stats
 
 
-__all__ = ["DEFAULT_MARGIN", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "build_profile", "kv_ratio", "search_levels",
-           "split_windows"]
+__all__ = ["DEFAULT_MARGIN", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "build_profile", "kv_ratio", "score_windows",
+           "search_levels", "split_windows"]
