@@ -508,7 +508,7 @@ def test_build_profile_on_a_tiny_model(monkeypatch, tmp_path):
     search = [x for x in scored if x[3] < 2]
     held = [x for x in scored if x[3] >= 2]
     assert scored[-len(held):] == held and len(held) == 2 * len(levels)
-    # every point is a measurement: its criterion max(mean / margin, worst) over the search
+    # every point is a measurement: its criterion max(mean / margin, worst / 1.2) over the search
     # windows' KL at that step, and the mean bits; the encoder then aims at the target itself
     assert p.margin == 1.0 and str(margin) in raw["criterion"]
     assert len(search) == 2 * len(p.points) and len(p.points) >= len(levels)
@@ -518,10 +518,10 @@ def test_build_profile_on_a_tiny_model(monkeypatch, tmp_path):
         assert sorted(x[3] for x in at) == [0, 1], (k, scored)
         kls = [x[1] for x in sorted(at, key=lambda x: x[3])]
         assert window_kl[k] == kls
-        assert crit == pytest.approx(max(np.mean(kls) / margin, max(kls)), rel=1e-12)
+        assert crit == pytest.approx(max(np.mean(kls) / margin, max(kls) / hp.WORST_FACTOR), rel=1e-12)
         assert bits == pytest.approx(np.mean([x[2] for x in at]), rel=1e-12)
     # each level: a measured point that meets its target (mean KL within margin * target, the
-    # worst window within the target), or the finest step tried
+    # worst window within 1.2x the target), or the finest step tried
     assert {lv["name"] for lv in raw["levels"]} == set(levels)
     finest = min(k for k, _, _ in p.points)
     for lv in raw["levels"]:
@@ -531,7 +531,7 @@ def test_build_profile_on_a_tiny_model(monkeypatch, tmp_path):
         assert lv["kl_search"] == pytest.approx(np.mean(window_kl[lv["k_step"]]), rel=1e-12)
         assert lv["kl_search_worst"] == max(window_kl[lv["k_step"]])
         assert lv["v_step"] == pytest.approx(lv["k_step"] * p.kv_ratio)
-        met = lv["kl_search"] <= margin * t * (1 + 1e-12) and lv["kl_search_worst"] <= t
+        met = lv["kl_search"] <= margin * t * (1 + 1e-12) and lv["kl_search_worst"] <= 1.2 * t * (1 + 1e-12)
         assert met or lv["k_step"] == finest, lv
         # the held-out windows were scored at the level's steps
         at = [x[1] for x in held if x[0] == lv["k_step"]][:2]

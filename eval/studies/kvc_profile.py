@@ -37,6 +37,20 @@ LEVELS = {"kvc-transparent": 0.002, "kvc-near": 0.01, "kvc-aggressive": 0.05}
 BASELINES = ["fp8-e4m3", "nvfp4", "kivi-4-ans", "cachegen"]
 
 
+def _current(path: Path) -> bool:
+    """Whether the profile at ``path`` was searched with today's settings and criterion."""
+    from kvcodec.codecs.kvc.calibration import load_query_statistics
+    from kvcodec.codecs.kvc.codec import KVCCodec
+    from kvcodec.codecs.kvc.profile import QUALITY_PARAMS
+    from kvcodec.harness.profile import DEFAULT_MARGIN, SEARCH_SETTINGS, WORST_FACTOR
+
+    prof = load_query_statistics(path).profile or {}
+    want = {k: v for k, v in KVCCodec(**SEARCH_SETTINGS).params.items() if k in QUALITY_PARAMS
+            and k not in ("k_step", "v_step")}
+    return (prof.get("settings") == want and prof.get("search_margin") == DEFAULT_MARGIN
+            and prof.get("search_worst", 1.0) == WORST_FACTOR)
+
+
 def _profile(model_name: str, model: Any, tok: Any, out_dir: Path, log: Any) -> tuple[Path, float | None]:
     from kvcodec.codecs.kvc.calibration import save_query_statistics
     from kvcodec.harness.profile import build_profile
@@ -44,8 +58,10 @@ def _profile(model_name: str, model: Any, tok: Any, out_dir: Path, log: Any) -> 
 
     path = out_dir / f"{model_name}.profile.safetensors"
     if path.is_file():
-        log(f"{model_name}: using {path}")
-        return path, None
+        if _current(path):
+            log(f"{model_name}: using {path}")
+            return path, None
+        log(f"{model_name}: {path} was made with other search settings or criterion: remaking it")
     t0 = time.perf_counter()
     texts = {d: calibration_text(d) for d in CALIBRATION_DOMAINS}
     stats = build_profile(model, tok, texts, text_name="built-in calibration texts", progress=lambda m: log(f"  {m}"))

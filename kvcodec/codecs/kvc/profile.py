@@ -14,7 +14,7 @@ The profile is a JSON object stored in the calibration file's metadata (``profil
 * ``kv_ratio``: ``v_step / k_step`` (the K/V balance, from the model's measured sensitivities).
 * ``margin``: a step meets a target ``t`` when its point's KL is at most ``margin * t`` (1.0 in
   the profiles ``kvcodec calibrate`` writes: their points already hold its criterion, ``max(mean
-  KL / 0.8, worst window KL)`` over the search windows; see ``criterion``).
+  KL / 0.8, worst window KL / 1.2)`` over the search windows; see ``criterion``).
 * ``points``: ``[[k_step, kl, bits_per_element], ...]``, every encode the search scored (``kl``
   as ``criterion`` says; ``window_kl`` has each window's).
 * ``levels``: ``[{"target_kl", "k_step", "v_step", "kl_search", "kl_holdout", "bits"}, ...]``:
