@@ -497,7 +497,7 @@ def test_build_profile_on_a_tiny_model(monkeypatch, tmp_path):
     msgs: list[str] = []
     # one text of 4 windows (81 tokens each): windows 0 and 2 search, 1 and 3 are held out
     st = hp.build_profile(model, tok, text, context=64, continuation=16, samples=16, sensitivity_samples=1,
-                          levels=levels, margin=margin, max_windows=2, progress=msgs.append)
+                          levels=levels, margin=margin, max_windows=2, max_held=2, progress=msgs.append)
     raw = st.profile
     p = parse_profile(json.loads(json.dumps(raw)), "built")  # what it writes, through JSON, parses
     assert raw["version"] == 1 and {k: p.settings[k] for k in hp.SEARCH_SETTINGS} == hp.SEARCH_SETTINGS

@@ -16,15 +16,15 @@ kvc's steps are fractions of an RMS; how much next-token KL a step costs depends
    over the windows sits just under ``margin * target`` and the worst window under 1.2x the
    target (what a level promises: eval/results/kvc_profile.md holds the profiles to it). Every scored encode becomes a point of the
    profile's curve, so any later ``target_kl`` maps to steps by interpolation.
-4. **Held-out check**: each level's steps are scored once more on windows the search did not
-   use (the second windows of the first two domain texts); the profile reports that KL beside
-   the search KL.
+4. **Held-out check**: each level's steps are scored once more on a window the search did not
+   use (the second window of the first domain text long enough for two; ``max_held`` for more);
+   the profile reports that KL beside the search KL.
 
 The windows follow the levels' definition, 512 scored tokens after the cached ones (the tokens
 nearest the cache, which a shorter continuation scores alone, lose most; with 256 the steps
 chosen came out 2-2.5x below the targets on the evaluation texts, commit 76e7ad4's
-eval/results/kvc_profile.md). 1024 cached tokens keep a 0.5B model's calibration under 10
-minutes on 2 cores.
+eval/results/kvc_profile.md). 1024 cached tokens and one held-out window keep a 0.5B model's
+calibration near 8 minutes on 2 cores (each scored step costs a model run per search window).
 
 The result is the statistics file with a ``profile`` (:mod:`kvcodec.codecs.kvc.profile`); the
 encoder reads it when ``target_kl`` is set (the level presets set it).
@@ -233,7 +233,7 @@ def build_profile(
     levels: dict[str, float] | None = None,
     max_evals: int = 5,
     max_windows: int = 4,
-    max_held: int = 2,
+    max_held: int = 1,
     text_name: str = "custom",
     progress: Callable[[str], None] | None = None,
 ) -> QueryStats:
