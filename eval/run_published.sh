@@ -34,6 +34,7 @@ kvc_fixed_steps|python eval/studies/kvc_fixed_steps.py --out eval/results/kvc_fi
 kvc_prerope|python eval/studies/kvc_prerope.py --out eval/results/kvc_prerope
 kvc_cal_domain|python eval/studies/kvc_cal_domain.py --out eval/results/kvc_cal_domain
 kvc_profile|python eval/studies/kvc_profile.py --out eval/results/kvc_profile
+kvc_profile_ctx1024|python eval/studies/kvc_profile.py --contexts 1024 --no-fixed --baselines "" --out eval/results/kvc_profile_ctx1024
 kvc_alloc|python eval/studies/kvc_alloc.py --variants "search settings,sens clip 4/4,sens clip 8/8,sens clip 4/2,attn coarse 1.5,k_qgamma 2" --out eval/results/kvc_alloc
 kvc_alloc2|python eval/studies/kvc_alloc.py --variants "search settings,sens clip 4/1.5,sens clip 8/2,sens 4/2 + v/k x0.7,sens 4/2 + v/k x1.4,sens 4/2 + k_qgamma 1" --out eval/results/kvc_alloc2
 kvc_alloc3|python eval/studies/kvc_alloc.py --variants 'search settings,sens 8/2 + k_qgamma 1,sens 8/1.5 + k_qgamma 1,sens 8/2 + k_qgamma 1 + v/k x1.4' --out eval/results/kvc_alloc3
