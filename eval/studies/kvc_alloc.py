@@ -101,14 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvcodec.codecs.kvc.calibration import load_query_statistics
     from kvcodec.harness.evaluate import Evaluator
     from kvcodec.harness.models import load_model
-    from kvcodec.harness.profile import SEARCH_ENTROPY, SEARCH_SETTINGS, split_windows
-    from kvcodec.harness.models import cache_dir
+    from kvcodec.harness.profile import SEARCH_ENTROPY, SEARCH_SETTINGS, score_windows, split_windows
+    from kvcodec.harness.studies import profile_dir
     from kvcodec.harness.texts import CALIBRATION_DOMAINS, calibration_text
 
     torch.set_num_threads(2)
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
-        path = str(cache_dir() / "profiles" / f"{name}.profile.safetensors")  # eval/studies/kvc_profile.py's
+        path = str(profile_dir() / f"{name}.profile.safetensors")  # made by eval/studies/kvc_profile.py
         prof = load_query_statistics(path).profile
         first = dict(kv.split("=") for kv in args.k_steps.split(","))[name]
         ratio = float(prof["kv_ratio"])
@@ -124,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in (float(first), float(first) * args.factor):
                 cfg = {"id": "kvc", **SEARCH_ENTROPY, **SEARCH_SETTINGS, **over, "k_step": s,
                        "v_step": s * vk, "calibration": path}
-                rs = [ev.score_next_token(cfg) for ev in evs]
-                kls = [float(r["next_token"]["kl_mean"]) for r in rs]
-                bits = float(np.mean([r["bits_per_element"] for r in rs]))
+                _, kls, bits = score_windows(evs, cfg, 1.0)
                 pts.append((float(np.mean(kls)), bits))
                 rows.append({"model": name, "variant": var, "k_step": s, "kl_mean": float(np.mean(kls)),
                              "kl_worst": max(kls), "kl_windows": kls, "bits": bits})

@@ -40,14 +40,10 @@ BASELINES = ["fp8-e4m3", "nvfp4", "kivi-4-ans", "cachegen"]
 def _current(path: Path) -> bool:
     """Whether the profile at ``path`` was searched with today's settings and criterion."""
     from kvcodec.codecs.kvc.calibration import load_query_statistics
-    from kvcodec.codecs.kvc.codec import KVCCodec
-    from kvcodec.codecs.kvc.profile import QUALITY_PARAMS
-    from kvcodec.harness.profile import DEFAULT_MARGIN, SEARCH_SETTINGS, WORST_FACTOR
+    from kvcodec.harness.profile import DEFAULT_MARGIN, WORST_FACTOR, search_settings
 
     prof = load_query_statistics(path).profile or {}
-    want = {k: v for k, v in KVCCodec(**SEARCH_SETTINGS).params.items() if k in QUALITY_PARAMS
-            and k not in ("k_step", "v_step")}
-    return (prof.get("settings") == want and prof.get("search_margin") == DEFAULT_MARGIN
+    return (prof.get("settings") == search_settings() and prof.get("search_margin") == DEFAULT_MARGIN
             and prof.get("search_worst", 1.0) == WORST_FACTOR)
 
 
@@ -77,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="1536,4096")
     ap.add_argument("--domains", default="prose,code,docs")
     ap.add_argument("--continuation", type=int, default=512)
-    ap.add_argument("--profile-dir", default=str(Path.home() / ".cache" / "kvcodec" / "profiles"),
-                    help="profiles are read from here when present, else made and saved here")
+    ap.add_argument("--profile-dir", default=None,
+                    help="profiles are read from here when present, else made and saved here (default: "
+                    "the kvcodec cache dir's profiles/, kvcodec.harness.studies.profile_dir)")
     ap.add_argument("--no-fixed", dest="fixed", action="store_false",
                     help="do not score the presets without a profile (scored at the first context by default)")
     ap.add_argument("--baselines", default=",".join(BASELINES))
@@ -89,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance(argv)
     from kvcodec.harness.evaluate import Evaluator
     from kvcodec.harness.models import load_model
+    from kvcodec.harness.studies import profile_dir
     from kvcodec.harness.texts import eval_text
 
     torch.set_num_threads(2)
@@ -110,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     for model_name in args.models.split(","):
         model, tok = load_model(model_name)
         if args.with_profile:
-            path, secs = _profile(model_name, model, tok, Path(args.profile_dir), log)
+            path, secs = _profile(model_name, model, tok, Path(args.profile_dir) if args.profile_dir else profile_dir(),
+                                  log)
             from kvcodec.codecs.kvc.calibration import Calibration
 
             prof = Calibration.load(path).stats.profile

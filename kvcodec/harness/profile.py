@@ -78,6 +78,13 @@ DEFAULT_MARGIN = 0.8
 WORST_FACTOR = 1.2
 
 
+def search_settings() -> dict[str, Any]:
+    """Every quality parameter the search codes with besides the steps (``SEARCH_SETTINGS`` over
+    kvc's defaults): what a profile records as its ``settings``."""
+    return {k: v for k, v in KVCCodec(**SEARCH_SETTINGS).params.items() if k in QUALITY_PARAMS
+            and k not in ("k_step", "v_step")}
+
+
 def kv_ratio(stats: QueryStats) -> float | None:
     """``v_step / k_step`` from the statistics' sensitivities (``sqrt(g_K / g_V)``, see the module
     docstring), clipped to [0.25, 16]; None without sensitivities."""
@@ -300,8 +307,7 @@ def build_profile(
     ident = model_identity(model, tokenizer)
     stats.profile = {
         "version": PROFILE_VERSION,
-        "settings": {k: v for k, v in KVCCodec(**SEARCH_SETTINGS).params.items() if k in QUALITY_PARAMS
-                     and k not in ("k_step", "v_step")},  # every quality parameter the search coded with
+        "settings": search_settings(),  # every quality parameter the search coded with
         "kv_ratio": ratio,
         "kv_ratio_measured": ratio_measured,
         "margin": 1.0,  # the points already hold the criterion below
@@ -322,4 +328,4 @@ def build_profile(
 
 
 __all__ = ["DEFAULT_MARGIN", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "WORST_FACTOR", "build_profile", "kv_ratio", "score_windows",
-           "search_levels", "split_windows"]
+           "search_levels", "search_settings", "split_windows"]

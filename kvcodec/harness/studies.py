@@ -24,6 +24,14 @@ def calibration_path(context: int) -> Path:
     return cache_dir() / "calibration" / f"smollm2-eval-text-skip{CALIB_SKIP}-ctx{context}.qstats.safetensors"
 
 
+def profile_dir() -> Path:
+    """Where eval/studies/kvc_profile.py keeps each model's profile (``<model>.profile.safetensors``,
+    under the kvcodec cache dir); eval/studies/kvc_alloc.py reads them there."""
+    from .models import cache_dir
+
+    return cache_dir() / "profiles"
+
+
 def held_out_calibration(context: int) -> Path:
     """The calibration file the studies share: SmolLM2 on the built-in text from token 8192
     (after the evaluated windows), ``context`` tokens, 4 sensitivity draws over 512 tokens — the
