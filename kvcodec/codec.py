@@ -173,8 +173,9 @@ class Codec(ABC):
         return 16.0
 
     # ------------------------------------------------------------------ tensor coding
-    def encode_globals(self, cache: KVCache) -> dict[str, np.ndarray]:
-        """File-level planes (calibration, shared tables) computed from the whole cache."""
+    def encode_globals(self, cache: KVCache, state: Any = None) -> dict[str, np.ndarray]:
+        """File-level planes (calibration, shared tables) computed from the whole cache
+        (``state``: what :meth:`prepare` returned for it, when the caller prepared)."""
         return {}
 
     @abstractmethod
@@ -227,7 +228,7 @@ class Codec(ABC):
                 raise InputError(f"layers.{i}.{role} holds NaN or Inf values; refusing to encode")
         prep = self.prepare(cache)
         try:
-            globals_ = {k: np.ascontiguousarray(v) for k, v in self.encode_globals(cache).items()}
+            globals_ = {k: np.ascontiguousarray(v) for k, v in self.encode_globals(cache, prep.state).items()}
         except BaseException:
             if prep.close is not None:
                 prep.close()

@@ -282,7 +282,7 @@ def test_target_kl_encodes_with_the_profiles_steps_on_every_route(tmp_path, caps
     # entropy and file-level settings stay the caller's (the codec's defaults here)
     defaults = kvcodec.get_codec({"id": "kvc"}).get_config()
     for k in ("ctx", "rows_per_stream", "chunk", "max_level", "precision", "sinks", "sink_v_ratio", "pack"):
-        assert cfg[k] == defaults[k], k
+        assert cfg[k] == defaults[k], k  # (this profile's settings leave sink_v_ratio to the caller)
     # the codec object is left as configured
     assert kvcodec.get_codec(config).params["k_step"] == defaults["k_step"]
     # the profile's steps are what coded the tensors: the same steps spelled out with the same
@@ -645,3 +645,27 @@ def test_cli_encode_says_when_a_level_preset_has_no_profile(tmp_path, capsys):
     assert "kvc-near has no profile" in err and "kvcodec calibrate" in err
     assert main(["encode", str(raw), str(tmp_path / "b.kvc"), "--codec", "fp8-e4m3"]) == 0
     assert "profile" not in capsys.readouterr().err
+
+
+def test_a_profiles_sink_v_ratio_decides_sink_detection(tmp_path):
+    """The search measures without sink detection (sink_v_ratio 0 in its settings): a profile
+    that says so codes no V-small token exactly whatever the caller's ratio; a profile without
+    the setting leaves the caller's (kvc's default 0.3) to store them exactly."""
+    cache = _cache()
+    for layer in cache.layers:  # a V-small token at position 5 in every layer: a sink at ratio 0.3
+        layer["v"][5] *= 0.01
+    got = {}
+    for name, settings in (("caller's", {"k_qgamma": 1.0}), ("profile's", {"k_qgamma": 1.0, "sink_v_ratio": 0.0})):
+        f = tmp_path / f"{len(settings)}.safetensors"
+        _stats_file(cache, f, _profile(settings=settings))
+        blob = kvcodec.get_codec({"id": "kvc", "target_kl": 0.005, "calibration": str(f)}).encode(cache)
+        cfg = _manifest_codec(blob)
+        with open_kvc(blob) as r:
+            sinks = r.globals().get("kvc_sinks")
+        got[name] = (cfg["sink_v_ratio"], sinks, kvcodec.decode(blob))
+    ratio, sinks, out = got["caller's"]
+    assert ratio == 0.3 and sinks is not None and {tuple(r) for r in sinks.tolist()} >= {(i, 5) for i in range(len(cache.layers))}
+    assert all(torch.equal(o["v"][5], c["v"][5]) for o, c in zip(out.layers, cache.layers))
+    ratio, sinks, out = got["profile's"]
+    assert ratio == 0.0 and sinks is None
+    assert not all(torch.equal(o["v"][5], c["v"][5]) for o, c in zip(out.layers, cache.layers))

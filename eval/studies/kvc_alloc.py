@@ -46,6 +46,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sens 8/2 + k_qgamma 1": {"sens_clip": 8.0, "sens_coarse": 2.0, "k_qgamma": 1.0},
     "sens 8/1.5 + k_qgamma 1": {"sens_clip": 8.0, "sens_coarse": 1.5, "k_qgamma": 1.0},
     "sens 8/2 + k_qgamma 1 + v/k x1.4": {"sens_clip": 8.0, "sens_coarse": 2.0, "k_qgamma": 1.0, "_ratio": 1.4},
+    "recent off": {"recent_ramp": 0},
+    "recent ramp 64": {"recent_ramp": 64},
+    "recent ramp 256": {"recent_ramp": 256},
+    "recent fine 2": {"recent_fine": 2.0},
+    "recent fine 8": {"recent_fine": 8.0},
 }
 
 

@@ -37,36 +37,6 @@ LEVELS = {"kvc-transparent": 0.002, "kvc-near": 0.01, "kvc-aggressive": 0.05}
 BASELINES = ["fp8-e4m3", "nvfp4", "kivi-4-ans", "cachegen"]
 
 
-def _current(path: Path) -> bool:
-    """Whether the profile at ``path`` was searched with today's settings and criterion."""
-    from kvcodec.codecs.kvc.calibration import load_query_statistics
-    from kvcodec.harness.profile import DEFAULT_MARGIN, WORST_FACTOR, search_settings
-
-    prof = load_query_statistics(path).profile or {}
-    return (prof.get("settings") == search_settings() and prof.get("search_margin") == DEFAULT_MARGIN
-            and prof.get("search_worst", 1.0) == WORST_FACTOR)
-
-
-def _profile(model_name: str, model: Any, tok: Any, out_dir: Path, log: Any) -> tuple[Path, float | None]:
-    from kvcodec.codecs.kvc.calibration import save_query_statistics
-    from kvcodec.harness.profile import build_profile
-    from kvcodec.harness.texts import CALIBRATION_DOMAINS, calibration_text
-
-    path = out_dir / f"{model_name}.profile.safetensors"
-    if path.is_file():
-        if _current(path):
-            log(f"{model_name}: using {path}")
-            return path, None
-        log(f"{model_name}: {path} was made with other search settings or criterion: remaking it")
-    t0 = time.perf_counter()
-    texts = {d: calibration_text(d) for d in CALIBRATION_DOMAINS}
-    stats = build_profile(model, tok, texts, text_name="built-in calibration texts", progress=lambda m: log(f"  {m}"))
-    secs = time.perf_counter() - t0
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_query_statistics(stats, path)
-    return path, secs
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
@@ -86,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance(argv)
     from kvcodec.harness.evaluate import Evaluator
     from kvcodec.harness.models import load_model
-    from kvcodec.harness.studies import profile_dir
+    from kvcodec.harness.studies import model_profile, profile_dir
     from kvcodec.harness.texts import eval_text
 
     torch.set_num_threads(2)
@@ -108,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     for model_name in args.models.split(","):
         model, tok = load_model(model_name)
         if args.with_profile:
-            path, secs = _profile(model_name, model, tok, Path(args.profile_dir) if args.profile_dir else profile_dir(),
+            path, secs = model_profile(model_name, model, tok, Path(args.profile_dir) if args.profile_dir else profile_dir(),
                                   log)
             from kvcodec.codecs.kvc.calibration import Calibration
 

@@ -234,7 +234,7 @@ class CacheGenCodec(Codec):
         out = np.array([[lv[min(g - 1, i * g // max(1, num_layers))]] * 2 for i in range(num_layers)], dtype=np.int32)
         return out.reshape(num_layers, 2)
 
-    def encode_globals(self, cache: KVCache) -> dict[str, np.ndarray]:
+    def encode_globals(self, cache: KVCache, state: Any = None) -> dict[str, np.ndarray]:
         return {"cachegen_levels": self.layer_levels(cache.num_layers)}
 
     def encode_tensor(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
@@ -371,7 +371,7 @@ class CacheGenLMCacheCodec(Codec):
         v = [p["early_bins"] if i < p["v_early_layers"] else p["late_bins"] for i in range(num_layers)]
         return np.array([k, v], dtype=np.int32).T.reshape(num_layers, 2)
 
-    def encode_globals(self, cache: KVCache) -> dict[str, np.ndarray]:
+    def encode_globals(self, cache: KVCache, state: Any = None) -> dict[str, np.ndarray]:
         return {"cachegen_bins": self.layer_bins(cache.num_layers)}
 
     def _stage(self) -> EntropyStage:

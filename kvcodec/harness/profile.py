@@ -65,10 +65,10 @@ from ..errors import InputError
 SEARCH_SETTINGS: dict[str, Any] = {
     "k_qgamma": 1.0, "v_attn": 0.5, "k_attn": 1.0, "attn_clip": 3.0, "attn_coarse": 1.0,
     "sens": 1.0, "sens_clip": 8.0, "sens_coarse": 1.5, "recent_ramp": 128, "recent_fine": 4.0, "k_recon": 4,
+    "sink_v_ratio": 0.0,
 }
 #: Entropy settings of the search's encodes (lossless: they change the bits it reports, not the KL).
-SEARCH_ENTROPY: dict[str, Any] = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chunk": 2048, "sink_v_ratio": 0.0,
-                                  "max_level": 32}
+SEARCH_ENTROPY: dict[str, Any] = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chunk": 2048, "max_level": 32}
 #: A step meets a target ``t`` when the mean KL over the search windows is at most
 #: ``DEFAULT_MARGIN * t`` and the worst window's at most ``WORST_FACTOR * t``: what a level
 #: promises (mean KL within the target, no text more than 1.2x it), with a margin on the mean

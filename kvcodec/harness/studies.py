@@ -9,7 +9,9 @@ Example:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 #: The calibration text starts at this token of the built-in text, after every evaluated window
 #: (eval/studies/kvc_rd.py's ``--calib-skip`` default).
@@ -30,6 +32,42 @@ def profile_dir() -> Path:
     from .models import cache_dir
 
     return cache_dir() / "profiles"
+
+
+def profile_current(path: Path) -> bool:
+    """Whether the profile at ``path`` was searched with today's settings and criterion."""
+    from ..codecs.kvc.calibration import load_query_statistics
+    from .profile import DEFAULT_MARGIN, WORST_FACTOR, search_settings
+
+    prof = load_query_statistics(path).profile or {}
+    return (prof.get("settings") == search_settings() and prof.get("search_margin") == DEFAULT_MARGIN
+            and prof.get("search_worst", 1.0) == WORST_FACTOR)
+
+
+def model_profile(model_name: str, model: Any, tok: Any, out_dir: Path | None = None,
+                  log: Callable[[str], None] = print) -> tuple[Path, float | None]:
+    """``model``'s profile on the built-in calibration texts, as ``kvcodec calibrate`` makes it:
+    the file under ``out_dir`` (default :func:`profile_dir`) when it was searched with today's
+    settings, else made there (minutes). Returns its path and the seconds it took (None when
+    reused)."""
+    from ..codecs.kvc.calibration import save_query_statistics
+    from .profile import build_profile
+    from .texts import CALIBRATION_DOMAINS, calibration_text
+
+    out_dir = profile_dir() if out_dir is None else out_dir
+    path = out_dir / f"{model_name}.profile.safetensors"
+    if path.is_file():
+        if profile_current(path):
+            log(f"{model_name}: using {path}")
+            return path, None
+        log(f"{model_name}: {path} was made with other search settings or criterion: remaking it")
+    t0 = time.perf_counter()
+    texts = {d: calibration_text(d) for d in CALIBRATION_DOMAINS}
+    stats = build_profile(model, tok, texts, text_name="built-in calibration texts", progress=lambda m: log(f"  {m}"))
+    secs = time.perf_counter() - t0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_query_statistics(stats, path)
+    return path, secs
 
 
 def held_out_calibration(context: int) -> Path:

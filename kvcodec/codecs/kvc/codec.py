@@ -283,14 +283,15 @@ class KVCCodec(Codec):
     def _per_channel(self, ctx: TensorContext, p: Any = None) -> bool:
         return ctx.role in ("k", "kv") or (self.params if p is None else p)["v_scale"] == "head"
 
-    def encode_globals(self, cache: KVCache) -> dict[str, np.ndarray]:
-        """With ``sink_v_ratio > 0``: the detected sink tokens of every layer, ``int32 [N, 2]``
-        rows ``(layer, position)`` (see :func:`detect_sinks`)."""
-        thr = self.params["sink_v_ratio"]
+    def encode_globals(self, cache: KVCache, state: Any = None) -> dict[str, np.ndarray]:
+        """With ``sink_v_ratio > 0`` (a profile's, else the codec's): the detected sink tokens of
+        every layer, ``int32 [N, 2]`` rows ``(layer, position)`` (see :func:`detect_sinks`)."""
+        p = (state or {}).get("params", self.params)
+        thr = p["sink_v_ratio"]
         if thr <= 0:
             return {}
         rows = [(i, int(pos)) for i, layer in enumerate(cache.layers) if "v" in layer
-                for pos in detect_sinks(layer["v"], thr, self.params["sinks"])]
+                for pos in detect_sinks(layer["v"], thr, p["sinks"])]
         return {"kvc_sinks": np.array(rows, dtype=np.int32).reshape(-1, 2)}
 
     def _mask(self, ctx: TensorContext, s: int, r: int, where: str) -> np.ndarray:

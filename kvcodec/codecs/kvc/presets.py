@@ -26,6 +26,12 @@ _AGGRESSIVE = {"kl_mean": 0.05}
 _RAMP = {"recent_ramp": 128, "recent_fine": 4.0, "precision": 14}  # finer steps for the latest tokens
 _WIDE = {"max_level": 48}  # escape threshold: table size against escapes
 _NARROW = {"max_level": 16}
+# Magnitude contexts (formats/ANS.md §3.1) in streams of 64 rows of at most 2048 tokens: with a
+# profile's per-token steps they save 4-12 % of the file (eval/results/kvc_ctx*.md, and the
+# level presets' own measurement in eval/results/kvc_entropy_levels.md); on the fixed steps
+# without a profile they cost 0.0-0.4 %.
+_CTX = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chunk": 2048}
+_CTX_LOW = {"ctx": [2, 5, 12], "rows_per_stream": 64, "chunk": 2048}
 register_preset("kvc-transparent", {"id": "kvc", "target_kl": 0.002, "fallback": "steps", "k_step": 0.0638, "v_step": 0.1915, **_RAMP, **_WIDE},
                 "kvc at about FP8 quality: mean KL <= 0.002 (measured with a profile, else fixed steps)", target=_TRANSPARENT)
 register_preset("kvc-near", {"id": "kvc", "target_kl": 0.01, "fallback": "steps", "k_step": 0.1759, "v_step": 0.4167, **_RAMP},
@@ -38,8 +44,6 @@ register_preset("kvc-aggressive", {"id": "kvc", "target_kl": 0.05, "fallback": "
 # reconstruction offsets on K where they helped (eval/results/kvc_recon.md), ANS streams of at
 # most 2048 tokens (eval/results/kvc_chunk.md).
 _KREC = {"k_recon": 4}
-_CTX = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chunk": 2048}
-_CTX_LOW = {"ctx": [2, 5, 12], "rows_per_stream": 64, "chunk": 2048}
 register_preset("kvc-transparent-cal", {"id": "kvc", "target_kl": 0.002, "fallback": "steps", "k_step": 0.2912, "v_step": 0.9984, "k_qgamma": 1.0,
                                         "sink_v_ratio": 0.0, "attn_clip": 3.0, "attn_coarse": 2.0, **_RAMP, **_CTX,
                                         **_KREC},
