@@ -144,5 +144,7 @@ def test_family_labels_show_only_settings_that_differ_from_the_codec_defaults():
     import kvcodec
     from kvcodec.harness.evaluate import family_of
 
-    assert family_of(kvcodec.get_codec("kvc-near")) == "kvc(precision=14,recent_fine=4.0,recent_ramp=128)"
+    assert family_of(kvcodec.get_codec({"id": "kvc", "precision": 14, "ctx": []})) == "kvc(precision=14)"
+    assert family_of(kvcodec.get_codec("kvc-near")) == ("kvc(chunk=2048,ctx=[3, 8, 20],precision=14,recent_fine=4.0,"
+                                                        "recent_ramp=128,rows_per_stream=64)")
     assert "ctx=[3, 8, 20]" in family_of(kvcodec.get_codec("kvc-near-cal"))

@@ -32,11 +32,13 @@ _NARROW = {"max_level": 16}
 # without a profile they cost 0.0-0.4 %.
 _CTX = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chunk": 2048}
 _CTX_LOW = {"ctx": [2, 5, 12], "rows_per_stream": 64, "chunk": 2048}
-register_preset("kvc-transparent", {"id": "kvc", "target_kl": 0.002, "fallback": "steps", "k_step": 0.0638, "v_step": 0.1915, **_RAMP, **_WIDE},
+register_preset("kvc-transparent", {"id": "kvc", "target_kl": 0.002, "fallback": "steps", "k_step": 0.0638, "v_step": 0.1915, **_RAMP, **_WIDE,
+                                    **_CTX},
                 "kvc at about FP8 quality: mean KL <= 0.002 (measured with a profile, else fixed steps)", target=_TRANSPARENT)
-register_preset("kvc-near", {"id": "kvc", "target_kl": 0.01, "fallback": "steps", "k_step": 0.1759, "v_step": 0.4167, **_RAMP},
+register_preset("kvc-near", {"id": "kvc", "target_kl": 0.01, "fallback": "steps", "k_step": 0.1759, "v_step": 0.4167, **_RAMP, **_CTX},
                 "kvc near-lossless: mean KL <= 0.01, dPPL <= 1% (measured with a profile, else fixed steps)", target=_NEAR)
-register_preset("kvc-aggressive", {"id": "kvc", "target_kl": 0.05, "fallback": "steps", "k_step": 0.4538, "v_step": 1.3613, **_RAMP, **_NARROW},
+register_preset("kvc-aggressive", {"id": "kvc", "target_kl": 0.05, "fallback": "steps", "k_step": 0.4538, "v_step": 1.3613, **_RAMP, **_NARROW,
+                                     **_CTX_LOW},
                 "kvc aggressive: mean KL <= 0.05 (measured with a profile, else fixed steps)", target=_AGGRESSIVE)
 # The -cal presets are tuned for the calibrated encoder (a file from ``kvcodec calibrate``) and
 # refuse to encode without one (requires=). Sink detection off (attention estimates already give
