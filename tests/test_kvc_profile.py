@@ -564,6 +564,38 @@ def test_the_search_never_scores_the_same_step_twice():
     # its points before scoring and stops there; test_a_search_that_cannot_meet_its_aim_returns_bounded)
 
 
+def _search(crit_of, refine_s=1e9):
+    from kvcodec.harness.profile import search_levels
+
+    calls = []
+
+    def score(k):
+        calls.append(k)
+        c = crit_of(k)
+        return c, [c], 4.0 - math.log2(k)
+
+    _, _, chosen = search_levels(score, {"near": 0.01}, 2.0, refine_s=refine_s)
+    return calls, chosen["near"]
+
+
+def test_a_level_met_low_in_its_band_gets_one_score_closer_to_its_target():
+    # KL = 0.0332 k^2: the first try (0.5) meets 0.01 at 0.83x; one more, aimed at 0.96x with
+    # the high-rate slope, lands inside [0.9, 1] and is what the level keeps
+    calls, lv = _search(lambda k: 0.0332 * k * k)
+    assert len(calls) == 2 and calls[1] == pytest.approx(0.5 * math.sqrt(0.96 / 0.83), rel=1e-6)
+    assert lv["k_step"] == calls[1] and 0.009 <= lv["kl_search"] <= 0.01
+    # no time left (or refinement off): the first met step stands
+    for refine_s in (None, -1.0):
+        calls, lv = _search(lambda k: 0.0332 * k * k, refine_s)
+        assert calls == [0.5] and lv["k_step"] == 0.5
+
+
+def test_a_refinement_that_misses_keeps_the_met_step_and_stops():
+    calls, lv = _search(lambda k: 0.0083 if k <= 0.5 else 0.02)  # a cliff just past the met step
+    assert len(calls) == 2 and calls[1] > 0.5
+    assert lv["k_step"] == 0.5 and lv["kl_search"] == 0.0083
+
+
 class _FakeEvaluator:
     """An Evaluator whose KL never falls below a floor (a model no step can satisfy)."""
 
