@@ -28,8 +28,8 @@ _WIDE = {"max_level": 48}  # escape threshold: table size against escapes
 _NARROW = {"max_level": 16}
 # Magnitude contexts (formats/ANS.md §3.1) in streams of 64 rows of at most 2048 tokens: with a
 # profile's per-token steps they save 4-12 % of the file (eval/results/kvc_ctx*.md, and the
-# level presets' own measurement in eval/results/kvc_entropy_levels.md); on the fixed steps
-# without a profile they cost 0.0-0.4 %.
+# level presets' own measurement in eval/results/kvc_entropy_levels.md: 2.5-12 %); on the fixed
+# steps without a profile they changed the files by -1 to +0.8 % (eval/results/kvc_profile.md).
 _CTX = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chunk": 2048}
 _CTX_LOW = {"ctx": [2, 5, 12], "rows_per_stream": 64, "chunk": 2048}
 register_preset("kvc-transparent", {"id": "kvc", "target_kl": 0.002, "fallback": "steps", "k_step": 0.0638, "v_step": 0.1915, **_RAMP, **_WIDE,
