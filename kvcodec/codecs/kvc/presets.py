@@ -27,13 +27,14 @@ _RAMP = {"recent_ramp": 128, "recent_fine": 4.0, "precision": 14}  # finer steps
 _WIDE = {"max_level": 48}  # escape threshold: table size against escapes
 _NARROW = {"max_level": 16}
 # Magnitude contexts (formats/ANS.md §3.1) in streams of 64 rows of at most 2048 tokens: with a
-# profile's per-token steps they save 4-12 % of the file (eval/results/kvc_ctx*.md, and the
-# level presets' own measurement in eval/results/kvc_entropy_levels.md: 2.5-12 %); on the fixed
-# steps without a profile they changed the files by -1 to +0.8 % (eval/results/kvc_profile.md).
+# profile's per-token steps they save 2.5-12 % of the file (eval/results/kvc_entropy_levels.md),
+# for 10-50 % more encode and 30-45 % more decode time (eval/results/kvc_ctx_levels.md). On for
+# near-lossless (-3.8 to -7 %) and aggressive (-6 to -12 %); off for transparent, where they
+# saved 2.5 % for 50 % more encode time (2.4x cachegen's). On the fixed steps without a profile
+# they change the file by -1 to +0.8 % for the same time: calibrate.
 _CTX = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chunk": 2048}
 _CTX_LOW = {"ctx": [2, 5, 12], "rows_per_stream": 64, "chunk": 2048}
-register_preset("kvc-transparent", {"id": "kvc", "target_kl": 0.002, "fallback": "steps", "k_step": 0.0638, "v_step": 0.1915, **_RAMP, **_WIDE,
-                                    **_CTX},
+register_preset("kvc-transparent", {"id": "kvc", "target_kl": 0.002, "fallback": "steps", "k_step": 0.0638, "v_step": 0.1915, **_RAMP, **_WIDE},
                 "kvc at about FP8 quality: mean KL <= 0.002 (measured with a profile, else fixed steps)", target=_TRANSPARENT)
 register_preset("kvc-near", {"id": "kvc", "target_kl": 0.01, "fallback": "steps", "k_step": 0.1759, "v_step": 0.4167, **_RAMP, **_CTX},
                 "kvc near-lossless: mean KL <= 0.01, dPPL <= 1% (measured with a profile, else fixed steps)", target=_NEAR)
