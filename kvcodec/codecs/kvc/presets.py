@@ -28,10 +28,10 @@ _WIDE = {"max_level": 48}  # escape threshold: table size against escapes
 _NARROW = {"max_level": 16}
 # Magnitude contexts (formats/ANS.md §3.1) in streams of 64 rows of at most 2048 tokens: with a
 # profile's per-token steps they save 2.5-12 % of the file (eval/results/kvc_entropy_levels.md),
-# for 10-50 % more encode and 30-45 % more decode time (eval/results/kvc_ctx_levels.md). On for
+# for 30-50 % more encode and 20-45 % more decode time (eval/results/kvc_ctx_levels.md). On for
 # near-lossless (-3.8 to -7 %) and aggressive (-6 to -12 %); off for transparent, where they
-# saved 2.5 % for 50 % more encode time (2.4x cachegen's). On the fixed steps without a profile
-# they change the file by -1 to +0.8 % for the same time: calibrate.
+# saved 2.5 % for 42-51 % more encode time (1.65x to 2.4x cachegen's in two runs). On the fixed
+# steps without a profile they change the file by -1 to +0.8 % for the same time: calibrate.
 _CTX = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chunk": 2048}
 _CTX_LOW = {"ctx": [2, 5, 12], "rows_per_stream": 64, "chunk": 2048}
 register_preset("kvc-transparent", {"id": "kvc", "target_kl": 0.002, "fallback": "steps", "k_step": 0.0638, "v_step": 0.1915, **_RAMP, **_WIDE},
