@@ -4,8 +4,10 @@
 #     for its CPython 3.12 on x86_64 Linux;
 #   * a real SmolLM2-135M KV cache (1024 tokens of the built-in text, fp16, ~24 MB), which
 #     tests/test_cuda_kernels.py::test_real_cache_decode_on_cuda decodes with every GPU codec;
-#   * a kvc calibration file (query statistics and sensitivities from 1024 tokens of the text
-#     8192 tokens on), with which that test also codes the calibrated kvc presets.
+#   * a kvc calibration profile of the built-in model on the built-in calibration text (query
+#     statistics, sensitivities and the closed-loop steps of the three levels, as `kvcodec
+#     calibrate` writes by default; ~4 minutes here), with which that test also codes the
+#     calibrated kvc presets.
 # Run it here (package registries reachable, [eval] extra installed), then carry .whl to the
 # device:  bash eval/gpu_prepare.sh && <device run> "bash eval/gpu_check.sh" with carry [".whl"]
 set -euo pipefail
@@ -19,6 +21,6 @@ PY=${PYTHON:-python3}
 [ -f .whl/real_cache_smollm2_1024.safetensors ] || \
   "$PY" -m kvcodec.cli capture --context 1024 --out .whl/real_cache_smollm2_1024.safetensors
 [ -f .whl/calib_smollm2.qstats.safetensors ] || \
-  "$PY" -m kvcodec.cli calibrate --context 1024 --skip-tokens 8192 --out .whl/calib_smollm2.qstats.safetensors
+  "$PY" -m kvcodec.cli calibrate --out .whl/calib_smollm2.qstats.safetensors
 ls -la .whl
 du -sh .whl
