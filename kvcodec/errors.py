@@ -55,5 +55,9 @@ class DependencyError(KVCodecError, ImportError):
     """An optional dependency is missing; the message names the extra to install."""
 
 
+class StoreError(KVCodecError, OSError):
+    """A store (Redis, Mooncake Store, a filesystem) could not be reached or refused an operation."""
+
+
 class DeviceError(KVCodecError, RuntimeError):
     """A GPU path was asked for but no usable device or CUDA bindings are present."""

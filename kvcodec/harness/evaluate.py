@@ -272,12 +272,19 @@ class Evaluator:
         """
         codec = get_codec(codec)
         blob = codec.encode(self.reference)
-        decoded = codec.decode(blob)
+        return {"bytes": len(blob), "bits_per_element": 8.0 * len(blob) / self.reference.num_elements,
+                "next_token": self.score_cache(codec.decode(blob))}
+
+    def score_cache(self, decoded: KVCache) -> dict[str, float]:
+        """Next-token metrics of the continuation on top of ``decoded`` (a cache of the reference's
+        geometry, however it was coded: whole, in chunks, through a store) against the reference."""
+        if decoded.num_layers != self.reference.num_layers or decoded.num_tokens != self.reference.num_tokens:
+            raise InputError(f"a cache of {decoded.num_layers} layers x {decoded.num_tokens} tokens, the reference "
+                             f"has {self.reference.num_layers} x {self.reference.num_tokens}")
         if decoded.dtype != self.cache_dtype:
             decoded = decoded.to(self.cache_dtype)
         nt = next_token_metrics(self.ref_logits, self._continue(decoded), self.targets)
-        return {"bytes": len(blob), "bits_per_element": 8.0 * len(blob) / self.reference.num_elements,
-                "next_token": {k: float(v) for k, v in nt.items()}}
+        return {k: float(v) for k, v in nt.items()}
 
     def describe(self) -> dict[str, Any]:
         """The run's fixed facts: model identity, text, lengths, reference perplexity."""

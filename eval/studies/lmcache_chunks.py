@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""What LMCache's chunking costs each codec: the whole cache as one object against 1024-, 512- and
+256-token chunks, each chunk an independent object (a kvcodec chunk frame, formats/lmcache-frame.md,
+as the LMCache serde stores it, variable size), bits all-in and next-token KL.
+
+For each model and evaluation domain (kvcodec.harness.texts, never used by calibration): a cache of
+``--context`` tokens from the text's start, ``--continuation`` scored tokens after it; each codec
+codes the cache whole and in chunks; the chunks' frames are decoded, concatenated and scored
+against the fp16 cache. The kvc levels use each model's profile (kvc-<level> with
+``calibration``: the cached profiles of eval/studies/kvc_profile.py, or ``kvcodec calibrate``).
+
+Writes ``<out>.json`` and ``<out>.md`` (default ``eval/results/lmcache_chunks``).
+
+Usage:
+    python eval/studies/lmcache_chunks.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--chunks 0,1024,512,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcodec.harness.results import provenance, write_result
+
+BASELINES = ["fp8-e4m3", "kivi-4-ans", "cachegen", "cachegen-lmcache"]
+LEVELS = ["kvc-transparent", "kvc-near", "kvc-aggressive"]
+
+
+def report(doc: dict[str, Any]) -> str:
+    """The markdown of a result ``doc``."""
+    chunks = doc["chunks"]
+    head = ["whole" if c == 0 else f"{c}-token chunks" for c in chunks]
+    lines = ["# LMCache chunking: bits and KL, whole cache against independent chunks", "",
+             f"Context {doc['context']} tokens from the start of each evaluation text ({', '.join(doc['domains'])}), "
+             f"{doc['continuation']} scored tokens; each chunk one kvcodec chunk frame (32-byte header + KVC file, "
+             "variable size), bits all-in over the whole cache; KL against the fp16 cache. kvc levels with the "
+             "model's profile. Mean over the domains: bits, mean KL, and the bits' overhead against the whole "
+             "cache.", ""]
+    by: dict[tuple, list] = {}
+    for r in doc["rows"]:
+        by.setdefault((r["model"], r["codec"], r["chunk"]), []).append(r)
+    for m in doc["models"]:
+        lines += [f"## {m}", "", "| codec | " + " | ".join(head) + " |", "|---|" + "---|" * len(chunks)]
+        for c in doc["codecs"]:
+            whole = by.get((m, c, chunks[0]))
+            base = float(np.mean([r["bits"] for r in whole])) if whole else None
+            cells = []
+            for n in chunks:
+                rs = by.get((m, c, n), [])
+                if not rs:
+                    cells.append("")
+                    continue
+                b = float(np.mean([r["bits"] for r in rs]))
+                kl = float(np.mean([r["kl"] for r in rs]))
+                extra = f", {b / base - 1:+.1%}" if base and n != chunks[0] else ""
+                cells.append(f"{b:.3f} b, KL {kl:.5f}{extra}")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["Every window:", "", "| model | domain | codec | chunk | bits | KL | top-1 |", "|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        lines.append(f"| {r['model']} | {r['domain']} | {r['codec']} | {r['chunk'] or 'whole'} | {r['bits']:.3f} | "
+                     f"{r['kl']:.5f} | {r['top1']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def code_in_chunks(cache: Any, coder: Any, chunk: int) -> tuple[int, Any]:
+    """Total frame bytes and the decoded cache when ``cache`` is stored as independent chunks of
+    ``chunk`` tokens (0: one object)."""
+    from kvcodec.integrations.lmcache import from_chunks, to_chunks
+
+    parts = to_chunks(cache, chunk or cache.num_tokens)
+    total, decoded = 0, []
+    for part in parts:
+        frame = coder.encode(part)
+        total += len(frame)
+        out = torch.empty_like(part)
+        coder.decode_into(frame, out)
+        decoded.append(out)
+    return total, from_chunks(decoded, coder.num_kv_heads, coder.head_dim)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
+    ap.add_argument("--chunks", default="0,1024,512,256", help="tokens per chunk; 0 = the whole cache")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--continuation", type=int, default=512)
+    ap.add_argument("--domains", default="prose,code,docs")
+    ap.add_argument("--codecs", default=",".join(BASELINES + LEVELS))
+    ap.add_argument("--out", default="eval/results/lmcache_chunks")
+    args = ap.parse_args(argv)
+    prov = provenance(argv)
+    from kvcodec.harness.evaluate import Evaluator
+    from kvcodec.harness.models import load_model
+    from kvcodec.harness.studies import profile_dir
+    from kvcodec.harness.texts import eval_text
+    from kvcodec.integrations.lmcache import ChunkCoder
+
+    torch.set_num_threads(2)
+    chunks = [int(x) for x in args.chunks.split(",")]
+    codecs = args.codecs.split(",")
+    rows: list[dict[str, Any]] = []
+    for name in args.models.split(","):
+        path = profile_dir() / f"{name}.profile.safetensors"
+        if any(c in LEVELS for c in codecs) and not path.is_file():
+            raise SystemExit(f"no profile at {path}: run eval/studies/kvc_profile.py or "
+                             f"kvcodec calibrate --model {name} --out {path}")
+        model, tok = load_model(name)
+        for dom in args.domains.split(","):
+            ev = Evaluator(model, tok, eval_text(dom), args.context, args.continuation, attn_queries=1,
+                           text_name=dom)
+            ref = ev.reference
+            heads, dim = int(ref.layers[0]["k"].shape[1]), int(ref.layers[0]["k"].shape[2])
+            for c in codecs:
+                coder = ChunkCoder(c, num_kv_heads=heads, head_dim=dim,
+                                   profile=str(path) if c in LEVELS else None, model=name)
+                for n in chunks:
+                    size, decoded = code_in_chunks(ref, coder, n)
+                    nt = ev.score_cache(decoded)
+                    rows.append({"model": name, "domain": dom, "codec": c, "chunk": n,
+                                 "bits": 8.0 * size / ref.num_elements, "kl": nt["kl_mean"],
+                                 "top1": nt["top1_agreement"]})
+                    print(json.dumps(rows[-1]), flush=True)
+            del ev
+        del model, tok
+    doc = {"models": args.models.split(","), "chunks": chunks, "context": args.context,
+           "continuation": args.continuation, "domains": args.domains.split(","), "codecs": codecs, "rows": rows}
+    write_result(args.out, doc, report(doc), prov=prov, echo=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
