@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--serdes", default=DEFAULT_SERDES,
                     help="fp8, turboquant, and CODEC@BUDGET_BITS for kvcodec (kvc levels use the model's profile)")
-    ap.add_argument("--profile", default=None, help="the model's profile (default: the kvcodec cache's)")
+    ap.add_argument("--profile", default=None, help="the model's profile (default: the kvcodec cache's, made when missing)")
     ap.add_argument("--out", default="eval/results/offload_lmcache_redis")
     args = ap.parse_args(argv)
     prov = provenance(argv)
@@ -200,13 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     import kvcodec.integrations.lmcache as kl
     from kvcodec.harness.evaluate import Evaluator
     from kvcodec.harness.models import load_model
-    from kvcodec.harness.studies import profile_dir
+    from kvcodec.harness.studies import model_profile, profile_dir
     from kvcodec.harness.texts import eval_text
 
     torch.set_num_threads(2)
     kl.register()
-    profile = args.profile or str(profile_dir() / f"{args.model}.profile.safetensors")
     model, tok = load_model(args.model)
+    profile = args.profile or str(model_profile(args.model, model, tok, profile_dir())[0])
     ev = Evaluator(model, tok, eval_text(args.domain), args.context, args.continuation, attn_queries=1,
                    text_name=args.domain)
     ref = ev.reference

@@ -7,7 +7,7 @@ For each model and evaluation domain (kvcodec.harness.texts, never used by calib
 ``--context`` tokens from the text's start, ``--continuation`` scored tokens after it; each codec
 codes the cache whole and in chunks; the chunks' frames are decoded, concatenated and scored
 against the fp16 cache. The kvc levels use each model's profile (kvc-<level> with
-``calibration``: the cached profiles of eval/studies/kvc_profile.py, or ``kvcodec calibrate``).
+``calibration``: the cached profiles of eval/studies/kvc_profile.py, made here when missing).
 
 Writes ``<out>.json`` and ``<out>.md`` (default ``eval/results/lmcache_chunks``).
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance(argv)
     from kvcodec.harness.evaluate import Evaluator
     from kvcodec.harness.models import load_model
-    from kvcodec.harness.studies import profile_dir
+    from kvcodec.harness.studies import model_profile, profile_dir
     from kvcodec.harness.texts import eval_text
     from kvcodec.integrations.lmcache import ChunkCoder
 
@@ -105,11 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     codecs = args.codecs.split(",")
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
-        path = profile_dir() / f"{name}.profile.safetensors"
-        if any(c in LEVELS for c in codecs) and not path.is_file():
-            raise SystemExit(f"no profile at {path}: run eval/studies/kvc_profile.py or "
-                             f"kvcodec calibrate --model {name} --out {path}")
         model, tok = load_model(name)
+        path, _ = model_profile(name, model, tok, profile_dir())  # reused, or made (minutes)
         for dom in args.domains.split(","):
             ev = Evaluator(model, tok, eval_text(dom), args.context, args.continuation, attn_queries=1,
                            text_name=dom)
