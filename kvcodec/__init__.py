@@ -28,6 +28,23 @@ from .errors import KVCodecError
 from . import format  # noqa: A004  (kvcodec.format: the container, planes without codecs)
 
 
+def save(cache, path, codec="kvc-near", **kwargs):  # noqa: ANN001, ANN201 - documented where it lives
+    """Encode a transformers cache (any batch, sliding-window layers too) or a :class:`KVCache` to
+    ``path``: :func:`kvcodec.integrations.transformers.save` (``model=``, ``input_ids=``)."""
+    from .integrations.transformers import save as _save
+
+    return _save(cache, path, codec, **kwargs)
+
+
+def load(path, **kwargs):  # noqa: ANN001, ANN201
+    """A transformers ``DynamicCache`` the model takes, from what :func:`save` wrote:
+    :func:`kvcodec.integrations.transformers.load` (``model=``, ``input_ids=``: the last prompt
+    token is left for ``generate`` to compute)."""
+    from .integrations.transformers import load as _load
+
+    return _load(path, **kwargs)
+
+
 __all__ = [
     "Codec",
     "EncodedTensor",
@@ -42,7 +59,9 @@ __all__ = [
     "decode",
     "get_codec",
     "list_codecs",
+    "load",
     "open",
     "register_codec",
     "register_preset",
+    "save",
 ]

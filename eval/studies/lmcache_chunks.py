@@ -35,6 +35,8 @@ def report(doc: dict[str, Any]) -> str:
     chunks = doc["chunks"]
     head = ["whole" if c == 0 else f"{c}-token chunks" for c in chunks]
     lines = ["# LMCache chunking: bits and KL, whole cache against independent chunks", "",
+             *([] if doc.get("complete", True) else ["**Incomplete: the run stopped before every model and domain "
+                                                      "was measured.**", ""]),
              f"Context {doc['context']} tokens from the start of each evaluation text ({', '.join(doc['domains'])}), "
              f"{doc['continuation']} scored tokens; each chunk one kvcodec chunk frame (32-byte header + KVC file, "
              "variable size), bits all-in over the whole cache; KL against the fp16 cache. kvc levels with the "
@@ -104,6 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     chunks = [int(x) for x in args.chunks.split(",")]
     codecs = args.codecs.split(",")
     rows: list[dict[str, Any]] = []
+
+    def save(complete: bool) -> None:
+        """Write what was measured so far (after each domain: an interrupted run keeps it)."""
+        doc = {"models": args.models.split(","), "chunks": chunks, "context": args.context,
+               "continuation": args.continuation, "domains": args.domains.split(","), "codecs": codecs,
+               "rows": rows, "complete": complete}
+        write_result(args.out, doc, report(doc), prov=prov, echo=complete)
+
     for name in args.models.split(","):
         model, tok = load_model(name)
         path, _ = model_profile(name, model, tok, profile_dir())  # reused, or made (minutes)
@@ -123,10 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "top1": nt["top1_agreement"]})
                     print(json.dumps(rows[-1]), flush=True)
             del ev
+            save(False)
         del model, tok
-    doc = {"models": args.models.split(","), "chunks": chunks, "context": args.context,
-           "continuation": args.continuation, "domains": args.domains.split(","), "codecs": codecs, "rows": rows}
-    write_result(args.out, doc, report(doc), prov=prov, echo=True)
+    save(True)
     return 0
 
 

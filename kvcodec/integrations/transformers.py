@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import torch
@@ -157,5 +158,186 @@ def layer_infos(config: Any, num_layers: int) -> list[LayerInfo]:
     return infos
 
 
-__all__ = ["cache_keyword", "cache_kwargs", "from_dynamic_cache", "layer_infos", "output_cache",
-           "to_dynamic_cache"]
+# ---------------------------------------------------------------------- save / load
+def _layer_kinds(cache: Any, model: Any, n: int) -> list[LayerInfo]:
+    if model is not None:
+        return layer_infos(model.config, n)
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or [None] * n
+    out = []
+    for layer in layers:
+        window = int(getattr(layer, "sliding_window", 0) or 0)
+        out.append(LayerInfo(kind="sliding", window=window) if getattr(layer, "is_sliding", False) and window
+                   else LayerInfo(kind="full"))
+    return out
+
+
+def _seq_length(cache: Any, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Tokens the cache covers: a sliding-window layer holds only its last ``window - 1``."""
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or []
+    seen = [int(getattr(layer, "cumulative_length", 0) or 0) for layer in layers]
+    return max([k.shape[2] for k, _ in tensors] + seen)
+
+
+def _as_batch(ids: Any, batch: int, what: str) -> torch.Tensor:
+    t = torch.as_tensor(ids)
+    if t.dim() == 1:
+        t = t[None]
+    if t.dim() != 2 or t.shape[0] != batch:
+        raise InputError(f"{what} has shape {list(t.shape)}; expected [{batch}, tokens]")
+    return t.to(torch.int64).cpu()
+
+
+def save(cache: Any, path: str | os.PathLike[str], codec: Any = "kvc-near", *, model: Any = None,
+         input_ids: Any = None) -> int:
+    """Encode a transformers cache (or a :class:`KVCache`) to ``path``; return the bytes written.
+
+    * Batch 1 writes one KVC file at ``path``; batch ``B > 1`` writes a folder ``path`` holding
+      one file per sequence (``00000.kvc``, ``00001.kvc``, ...), each a plain KVC file.
+    * Sliding-window layers hold only their last ``window - 1`` tokens in a transformers cache:
+      they are stored at the full length, the tokens outside the window repeating the first one
+      held (no query attends to them; :func:`load` drops them again).
+    * With ``model`` the file records the model's identity (name, config hash, RoPE) and its layer
+      kinds; :func:`load` with a model then refuses a cache of another one. With ``input_ids``
+      (the prompt, ``[B, T]`` or ``[T]``) it records the token ids the cache covers, which
+      :func:`load` checks against the new prompt.
+
+    Writes are atomic (a temporary file renamed over the target).
+
+    Raises:
+        InputError: the cache is empty or its layers disagree; ``input_ids`` are shorter than
+            the cache or of another batch size.
+    """
+    from ..codec import Codec, get_codec
+
+    c = codec if isinstance(codec, Codec) else get_codec(codec)
+    if isinstance(cache, KVCache):
+        return len(c.encode(cache, path))
+    caches = to_kvcaches(cache, model=model, input_ids=input_ids)
+    if len(caches) == 1:
+        return len(c.encode(caches[0], path))
+    os.makedirs(path, exist_ok=True)
+    return sum(len(c.encode(one, os.path.join(path, f"{b:05d}.kvc"))) for b, one in enumerate(caches))
+
+
+def to_kvcaches(cache: Any, *, model: Any = None, input_ids: Any = None) -> list[KVCache]:
+    """One :class:`KVCache` per sequence of a transformers cache (see :func:`save`)."""
+    from ..cache import ModelIdentity
+
+    tensors = _layer_tensors(cache)
+    for i, (k, v) in enumerate(tensors):
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            raise InputError(f"cache layer {i} has K {list(k.shape)} / V {list(v.shape)}; expected [B, H, T, D]")
+    batch, total = tensors[0][0].shape[0], _seq_length(cache, tensors)
+    if total == 0:
+        raise InputError("the cache is empty (was the model run with use_cache=True?)")
+    kinds = _layer_kinds(cache, model, len(tensors))
+    ids = None
+    if input_ids is not None:
+        ids = _as_batch(input_ids, batch, "input_ids")
+        if ids.shape[1] < total:
+            raise InputError(f"input_ids hold {ids.shape[1]} tokens, the cache covers {total}")
+        ids = ids[:, :total]
+    ident, rope_applied, rope = ModelIdentity(), True, {}
+    if model is not None:
+        from ..harness.capture import model_identity, rope_info
+
+        ident = model_identity(model)
+        rope_applied, rope = rope_info(model.config)
+    out = []
+    for b in range(batch):
+        layers = []
+        for i, (k, v) in enumerate(tensors):
+            held = k.shape[2]
+            if held != total and kinds[i].kind != "sliding":
+                raise InputError(f"cache layer {i} holds {held} tokens of {total} but is not a sliding-window layer")
+            kv = {}
+            for role, t in (("k", k), ("v", v)):
+                x = t[b].transpose(0, 1).detach().cpu()
+                if held < total:  # outside the window: never attended; repeat the first token held
+                    x = torch.cat([x[:1].expand(total - held, -1, -1), x])
+                kv[role] = x.contiguous()
+            layers.append(kv)
+        out.append(KVCache(layers=layers, layer_info=list(kinds), token_ids=None if ids is None else ids[b].clone(),
+                           model=ident, rope_applied=rope_applied, rope=rope))
+    return out
+
+
+def load(path: str | os.PathLike[str], *, model: Any = None, input_ids: Any = None,
+         device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> Any:
+    """A transformers ``DynamicCache`` from what :func:`save` wrote (a file, or a folder of them).
+
+    With ``model``: the cache is checked against the model's identity, built with its layer
+    kinds (sliding-window layers keep their window), on its device and in its dtype.
+    With ``input_ids`` (the prompt that follows up, ``[B, L]``, starting with the cached tokens):
+    the recorded token ids are checked against it, and the cache is cut to at most ``L - 1``
+    tokens, transformers' rule for ``generate``: the last prompt token must be computed again,
+    as a cache holding the whole prompt makes ``generate`` continue from the wrong state. A
+    model with sliding-window layers cannot cut its cache (those layers keep only their last
+    ``window - 1`` tokens): save the cache of the prompt without its last token, which every
+    model continues exactly, or continue with a longer prompt.
+
+    Example:
+        >>> kvcodec.save(model(ids).past_key_values, "p.kvc", model=model, input_ids=ids)   # doctest: +SKIP
+        >>> cache = kvcodec.load("p.kvc", model=model, input_ids=prompt)                      # doctest: +SKIP
+        >>> model.generate(prompt, past_key_values=cache)                                     # doctest: +SKIP
+
+    Raises:
+        InputError: a cache of another model, other tokens, or sequences that disagree.
+        FormatError: a damaged file.
+    """
+    from ..api import decode
+
+    tf = _require_transformers()
+    if os.path.isdir(path):
+        files = sorted(f for f in os.listdir(path) if f.endswith(".kvc"))
+        if not files:
+            raise InputError(f"{path} is a folder without .kvc files")
+        caches = [decode(os.path.join(path, f)) for f in files]
+    else:
+        caches = [decode(path)]
+    first = caches[0]
+    for b, c in enumerate(caches[1:], 1):
+        if c.num_layers != first.num_layers or c.num_tokens != first.num_tokens or \
+                [tuple(x["k"].shape) for x in c.layers] != [tuple(x["k"].shape) for x in first.layers]:
+            raise InputError(f"sequence {b} of {path} has another geometry than sequence 0")
+    if model is not None:
+        from ..harness.capture import model_identity
+
+        want, got = model_identity(model), first.model
+        if got.config_hash and want.config_hash and got.config_hash != want.config_hash:
+            raise InputError(f"{path} holds a cache of {got.model_id or 'another model'} (config {got.config_hash}); "
+                             f"this model is {want.model_id} (config {want.config_hash})")
+        p = next(model.parameters())
+        device = p.device if device is None else device
+        dtype = p.dtype if dtype is None else dtype
+    n = first.num_tokens
+    if input_ids is not None:
+        ids = _as_batch(input_ids, len(caches), "input_ids")
+        n = min(n, ids.shape[1] - 1)
+        for b, c in enumerate(caches):
+            if c.token_ids is not None and not torch.equal(c.token_ids[:n], ids[b, :n]):
+                raise InputError(f"sequence {b}: input_ids do not start with the {n} tokens the cache holds")
+        if n < 1:
+            raise InputError("input_ids need at least 2 tokens to continue from a cache")
+        if n < first.num_tokens:
+            for i, info in enumerate(first.layer_info):
+                if info.kind == "sliding" and info.window and first.num_tokens > info.window - 1:
+                    raise InputError(
+                        f"layer {i} has a sliding window of {info.window}: a transformers cache keeps only its "
+                        f"last {info.window - 1} tokens, so this cache of {first.num_tokens} tokens cannot be cut "
+                        f"back to {n} to continue a prompt of {ids.shape[1]}. Save the cache of the prompt "
+                        "without its last token (model(prompt[:, :-1])), or continue with a longer prompt")
+    dc = tf.DynamicCache(config=model.config) if model is not None else tf.DynamicCache()
+    for i in range(first.num_layers):
+        kv = []
+        for role in ("k", "v"):
+            t = torch.stack([c.layers[i][role][:n] for c in caches]).transpose(1, 2)
+            if dtype is not None:
+                t = t.to(dtype)
+            kv.append(t.to(device or "cpu").contiguous())
+        dc.update(kv[0], kv[1], i)
+    return dc
+
+
+__all__ = ["cache_keyword", "cache_kwargs", "from_dynamic_cache", "layer_infos", "load", "output_cache", "save",
+           "to_dynamic_cache", "to_kvcaches"]
