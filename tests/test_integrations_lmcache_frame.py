@@ -169,3 +169,18 @@ def test_wrong_geometry_is_refused():
 def test_docstring_examples():
     res = doctest.testmod(lm, optionflags=doctest.ELLIPSIS)
     assert res.attempted and res.failed == 0
+
+
+def test_chunks_are_coded_as_parts_by_default():
+    part = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16)
+    whole = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16, part=False)
+    assert (part._codec.params["sinks"], part._codec.params["recent_ramp"]) == (0, 0)
+    assert (whole._codec.params["sinks"], whole._codec.params["recent_ramp"]) == (1, 128)
+    chunk = _chunk(tokens=256)
+    fp, fw = part.encode(chunk), whole.encode(chunk)
+    assert len(fp) < len(fw)  # no exact first token, no finer last 128 tokens
+    with kvcodec.open(ChunkCoder.payload(fp)) as r:
+        assert (r.manifest["codec"]["sinks"], r.manifest["codec"]["recent_ramp"]) == (0, 0)
+    assert coder_from_kwargs({"num_kv_heads": 2, "head_dim": 16, "budget_bits": 3, "part": "false"}).part is False
+    with pytest.raises(ConfigError, match="part"):
+        coder_from_kwargs({"num_kv_heads": 2, "head_dim": 16, "budget_bits": 3, "part": "maybe"})

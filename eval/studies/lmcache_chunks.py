@@ -1,7 +1,10 @@
 #!/usr/bin/env python
 """What LMCache's chunking costs each codec: the whole cache as one object against 1024-, 512- and
 256-token chunks, each chunk an independent object (a kvcodec chunk frame, formats/lmcache-frame.md,
-as the LMCache serde stores it, variable size), bits all-in and next-token KL.
+as the LMCache serde stores it, variable size), bits all-in and next-token KL. A kvc level
+``L/part`` codes every object as a part of a longer sequence (the serde's default: no leading sink
+token stored exactly, no finer steps for the object's last tokens; ``KVCCodec.part_config``); ``L``
+codes every object as a whole cache.
 
 For each model and evaluation domain (kvcodec.harness.texts, never used by calibration): a cache of
 ``--context`` tokens from the text's start, ``--continuation`` scored tokens after it; each codec
@@ -28,6 +31,7 @@ from kvcodec.harness.results import provenance, write_result
 
 BASELINES = ["fp8-e4m3", "kivi-4-ans", "cachegen", "cachegen-lmcache"]
 LEVELS = ["kvc-transparent", "kvc-near", "kvc-aggressive"]
+PARTS = [f"{c}/part" for c in LEVELS]  # coded as parts of a longer sequence: the serde's default
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -92,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--continuation", type=int, default=512)
     ap.add_argument("--domains", default="prose,code,docs")
-    ap.add_argument("--codecs", default=",".join(BASELINES + LEVELS))
+    ap.add_argument("--codecs", default=",".join(BASELINES + LEVELS + PARTS),
+                    help="codecs; a kvc level with /part codes every object as a part of a longer sequence")
     ap.add_argument("--out", default="eval/results/lmcache_chunks")
     args = ap.parse_args(argv)
     prov = provenance(argv)
@@ -123,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             ref = ev.reference
             heads, dim = int(ref.layers[0]["k"].shape[1]), int(ref.layers[0]["k"].shape[2])
             for c in codecs:
-                coder = ChunkCoder(c, num_kv_heads=heads, head_dim=dim,
-                                   profile=str(path) if c in LEVELS else None, model=name)
+                base, part = c.removesuffix("/part"), c.endswith("/part")
+                coder = ChunkCoder(base, num_kv_heads=heads, head_dim=dim, part=part,
+                                   profile=str(path) if base in LEVELS else None, model=name)
                 for n in chunks:
                     size, decoded = code_in_chunks(ref, coder, n)
                     nt = ev.score_cache(decoded)

@@ -25,6 +25,8 @@ Serde kwargs:
         fit, with coarser steps (a larger KL target with a profile, larger steps without; logged)
         until it does. Pick the budget from the level's measured bits at your chunk size
         (eval/results/lmcache_chunks.md) with some room; a budget far below them costs quality.
+    part: code each chunk as a part of a longer sequence (default true: no per-chunk sink token
+        or recency ramp, :class:`ChunkCoder`); false codes it as a whole cache.
     max_workers: serde threads (default 1).
 
 What is stored is one *kvcodec chunk frame* (formats/lmcache-frame.md): a 32-byte header (magic
@@ -58,7 +60,7 @@ FRAME_MAGIC = b"KVCL"
 FRAME_VERSION = 1
 #: magic, version, flags, reserved, payload length, key digest
 FRAME_HEADER = struct.Struct("<4sBBHQ16s")
-_KNOWN_KWARGS = ("codec", "num_kv_heads", "head_dim", "profile", "budget_bits", "max_workers")
+_KNOWN_KWARGS = ("codec", "num_kv_heads", "head_dim", "profile", "budget_bits", "part", "max_workers")
 _COARSEN_TRIES = 12
 
 
@@ -98,6 +100,11 @@ class ChunkCoder:
 
     The LMCache-independent core of the serde: :meth:`encode` and :meth:`decode_into` work on
     plain tensors and bytes. ``budget_bits > 0`` selects the fixed-budget mode (module docstring).
+    ``part`` (the default) codes each chunk as a part of a longer sequence at an unknown position:
+    kvc then stores no leading sink token exactly and gives the chunk's last tokens no finer
+    steps, as a whole cache's first and latest tokens get (``KVCCodec.part_config``); in
+    independent 256-token chunks both cost a fifth of the bits for tokens the model does not
+    need there (eval/results/lmcache_chunks.md).
 
     Example:
         >>> import torch
@@ -116,6 +123,7 @@ class ChunkCoder:
     profile: str | None = None
     budget_bits: float = 0.0
     model: str = ""
+    part: bool = True
     _codec: Codec = field(init=False, repr=False)
     _fallback_sizes: dict = field(init=False, repr=False, default_factory=dict)
 
@@ -149,6 +157,8 @@ class ChunkCoder:
         """The codec, or (``coarser`` > 1) the same codec with coarser steps, for the budget mode."""
         codec = get_codec(self._config())
         codec.check_requirements()
+        if self.part and hasattr(codec, "part_config"):
+            codec = get_codec(codec.part_config())
         if coarser == 1.0:
             return codec
         if codec.codec_id != "kvc":
@@ -359,7 +369,16 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
                           "only objects of the size it pre-sizes, so every chunk is stored at a fixed "
                           "budget of bits per element (e.g. 3.0 for kvc-near at 256-token chunks)")
     return ChunkCoder(codec=kwargs.get("codec", "kvc-near"), num_kv_heads=_int("num_kv_heads"),
-                      head_dim=_int("head_dim"), profile=kwargs.get("profile"), budget_bits=float(budget))
+                      head_dim=_int("head_dim"), profile=kwargs.get("profile"), budget_bits=float(budget),
+                      part=_flag(kwargs.get("part", True)))
+
+
+def _flag(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("true", "false", "1", "0"):
+        return v.lower() in ("true", "1")
+    raise ConfigError(f"kvcodec serde part must be true or false, got {v!r}")
 
 
 def _positive(v: Any) -> bool:

@@ -236,6 +236,31 @@ class KVCCodec(Codec):
             state["params"] = params  # the profile's settings, read by encode_planes
         return Prepared(config, state, lambda: pool.shutdown(wait=True, cancel_futures=True))
 
+    def part_config(self) -> dict[str, Any]:
+        """This codec's config for a *part* of a longer sequence at an unknown position (an
+        independent chunk, as LMCache stores them): no leading sink tokens stored exactly and no
+        finer steps for the latest tokens, as the chunk's first token is no sequence's start
+        and its last tokens are no sequence's end. A target met with a profile is resolved to
+        the profile's steps and settings first (they are what changes; the attention
+        estimates of the calibration still apply).
+
+        Example:
+            >>> import kvcodec
+            >>> near = kvcodec.get_codec("kvc-near")
+            >>> c = kvcodec.get_codec(near.part_config())
+            >>> c.params["sinks"], c.params["recent_ramp"], c.params["k_step"] == near.params["k_step"]
+            (0, 0, True)
+        """
+        config = self.get_config()
+        target = config.get("target_kl", 0.0)
+        if target and config.get("calibration"):
+            cal = Calibration.load(config["calibration"])
+            if cal.stats.profile is not None:
+                config.update(steps_for_target(parse_profile(cal.stats.profile, config["calibration"]), target))
+                config["target_kl"] = 0.0
+        config.update(sinks=0, recent_ramp=0)
+        return config
+
     def _calibration_plan(self, cache: KVCache, stats: QueryStats, pool: Any = None,
                           params: Any = None) -> dict[Any, dict[str, Any]]:
         """Per layer: ``q_energy``, ``attn`` (with ``pool``, an executor, a future of it, resolved
