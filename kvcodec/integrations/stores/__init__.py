@@ -16,6 +16,9 @@ the KVC bytes; :meth:`Store.get_cache` fetches and decodes them (``None`` when m
 object raises :class:`~kvcodec.errors.FormatError`, it never decodes to wrong tensors: KVC files
 are checksummed, formats/SPEC.md).
 
+:mod:`kvcodec.integrations.stores.prefix` offloads a cache as chunk objects keyed by a
+prefix-hash chain (``put_prefix`` / ``get_prefix``: any stored prefix reloads on its own).
+
 :func:`open_store` picks the adapter from a URL: ``redis://`` / ``rediss://`` / ``unix://``
 (extra ``[redis]``), ``mooncake://MASTER_HOST:PORT`` (extra ``[mooncake]``), anything else a path
 or an fsspec URL (``file://``, ``memory://``, ``s3://`` with its fsspec package; extra
