@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 from importlib import resources
 from pathlib import Path
@@ -25,8 +24,9 @@ from typing import Any
 
 import torch
 
-from ..cache import DTYPE_NAMES, SOURCE_DTYPES, KVCache, ModelIdentity
+from ..cache import DTYPE_NAMES, SOURCE_DTYPES, KVCache
 from ..errors import InputError
+from ..integrations.transformers import model_identity, rope_info  # noqa: F401  (exported here too)
 
 #: File name of the vendored Jargon File excerpt (see kvcodec/data/PROVENANCE.md).
 DEFAULT_TEXT_FILE = "jargon_4.4.7_excerpt.txt"
@@ -75,42 +75,6 @@ def tokenize(tokenizer: Any, text: str, num_tokens: int | None) -> torch.Tensor:
     if len(ids) < num_tokens:
         raise InputError(f"the text has {len(ids)} tokens; {num_tokens} are needed")
     return torch.tensor(ids[:num_tokens], dtype=torch.int64)
-
-
-def model_identity(model: Any, tokenizer: Any = None) -> ModelIdentity:
-    """The :class:`ModelIdentity` of a model (set by :func:`~kvcodec.harness.models.load_model`,
-    or derived from its config for models loaded elsewhere)."""
-    ident = getattr(model, "kvcodec_identity", None)
-    if isinstance(ident, ModelIdentity):
-        return ident
-    from .models import config_hash, tokenizer_hash
-
-    cfg = model.config
-    return ModelIdentity(
-        model_id=str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "")),
-        revision=str(getattr(cfg, "_commit_hash", "") or ""),
-        config_hash=config_hash(cfg),
-        tokenizer=(f"{type(tokenizer).__name__}:{tokenizer_hash(tokenizer)}" if tokenizer else ""),
-    )
-
-
-def rope_info(config: Any) -> tuple[bool, dict[str, Any]]:
-    """``(rope_applied, rope_params)`` for a transformers config. Models with learned absolute
-    positions (GPT-2) have no RoPE: ``(False, {"type": "none"})``."""
-    config = getattr(config, "text_config", None) or config
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    theta = getattr(config, "rope_theta", None)
-    if params is None and theta is None:
-        if getattr(config, "model_type", "") in ("gpt2", "gpt_neo", "gptj", "opt", "bloom"):
-            return False, {"type": "none"}
-        return False, {"type": "unknown"}
-    d: dict[str, Any] = {}
-    if isinstance(params, dict):
-        d.update({k: v for k, v in params.items() if isinstance(v, (int, float, str, bool, dict))})
-    if theta is not None:
-        d.setdefault("rope_theta", theta)
-    # K in a transformers cache is stored after rotation.
-    return True, json.loads(json.dumps(d, default=str))
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..cache import ModelIdentity
 from ..errors import DependencyError, InputError
+from ..integrations.transformers import config_hash, tokenizer_hash  # noqa: F401  (exported here too)
 
 #: Names that select the built-in default model.
 DEFAULT_MODEL = "smollm2-135m"
@@ -307,25 +308,6 @@ def _dir_revision(path: Path) -> str:
     for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
         h.update(f"{f.name}:{f.stat().st_size};".encode())
     return "files-sha256:" + h.hexdigest()[:16]
-
-
-def config_hash(config: Any) -> str:
-    """SHA-256 (first 16 hex digits) of a model config's canonical JSON (geometry, RoPE ...)."""
-    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash"):
-        d.pop(k, None)
-    blob = json.dumps(d, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def tokenizer_hash(tok: Any) -> str:
-    """SHA-256 (first 16 hex digits) of a tokenizer's vocabulary."""
-    try:
-        vocab = tok.get_vocab()
-    except Exception:  # noqa: BLE001 - some tokenizers cannot list their vocabulary
-        return "unknown"
-    blob = json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_MODEL_ID", "cache_dir", "config_hash", "default_gguf",

@@ -20,13 +20,15 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import os
 from typing import Any
 
 import torch
 
-from ..cache import KVCache, LayerInfo
+from ..cache import KVCache, LayerInfo, ModelIdentity
 from ..errors import DependencyError, InputError
 
 
@@ -158,6 +160,60 @@ def layer_infos(config: Any, num_layers: int) -> list[LayerInfo]:
     return infos
 
 
+# ---------------------------------------------------------------------- identity
+def config_hash(config: Any) -> str:
+    """SHA-256 (first 16 hex digits) of a model config's canonical JSON (geometry, RoPE ...)."""
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash"):
+        d.pop(k, None)
+    blob = json.dumps(d, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def tokenizer_hash(tok: Any) -> str:
+    """SHA-256 (first 16 hex digits) of a tokenizer's vocabulary."""
+    try:
+        vocab = tok.get_vocab()
+    except Exception:  # noqa: BLE001 - some tokenizers cannot list their vocabulary
+        return "unknown"
+    blob = json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def model_identity(model: Any, tokenizer: Any = None) -> ModelIdentity:
+    """The :class:`ModelIdentity` of a model (set by :func:`~kvcodec.harness.models.load_model`,
+    or derived from its config for models loaded elsewhere)."""
+    ident = getattr(model, "kvcodec_identity", None)
+    if isinstance(ident, ModelIdentity):
+        return ident
+    cfg = model.config
+    return ModelIdentity(
+        model_id=str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "")),
+        revision=str(getattr(cfg, "_commit_hash", "") or ""),
+        config_hash=config_hash(cfg),
+        tokenizer=(f"{type(tokenizer).__name__}:{tokenizer_hash(tokenizer)}" if tokenizer else ""),
+    )
+
+
+def rope_info(config: Any) -> tuple[bool, dict[str, Any]]:
+    """``(rope_applied, rope_params)`` for a transformers config. Models with learned absolute
+    positions (GPT-2) have no RoPE: ``(False, {"type": "none"})``."""
+    config = getattr(config, "text_config", None) or config
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    theta = getattr(config, "rope_theta", None)
+    if params is None and theta is None:
+        if getattr(config, "model_type", "") in ("gpt2", "gpt_neo", "gptj", "opt", "bloom"):
+            return False, {"type": "none"}
+        return False, {"type": "unknown"}
+    d: dict[str, Any] = {}
+    if isinstance(params, dict):
+        d.update({k: v for k, v in params.items() if isinstance(v, (int, float, str, bool, dict))})
+    if theta is not None:
+        d.setdefault("rope_theta", theta)
+    # K in a transformers cache is stored after rotation.
+    return True, json.loads(json.dumps(d, default=str))
+
+
 # ---------------------------------------------------------------------- save / load
 def _layer_kinds(cache: Any, model: Any, n: int) -> list[LayerInfo]:
     if model is not None:
@@ -221,8 +277,6 @@ def save(cache: Any, path: str | os.PathLike[str], codec: Any = "kvc-near", *, m
 
 def to_kvcaches(cache: Any, *, model: Any = None, input_ids: Any = None) -> list[KVCache]:
     """One :class:`KVCache` per sequence of a transformers cache (see :func:`save`)."""
-    from ..cache import ModelIdentity
-
     tensors = _layer_tensors(cache)
     for i, (k, v) in enumerate(tensors):
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
@@ -239,8 +293,6 @@ def to_kvcaches(cache: Any, *, model: Any = None, input_ids: Any = None) -> list
         ids = ids[:, :total]
     ident, rope_applied, rope = ModelIdentity(), True, {}
     if model is not None:
-        from ..harness.capture import model_identity, rope_info
-
         ident = model_identity(model)
         rope_applied, rope = rope_info(model.config)
     out = []
@@ -301,8 +353,6 @@ def load(path: str | os.PathLike[str], *, model: Any = None, input_ids: Any = No
                 [tuple(x["k"].shape) for x in c.layers] != [tuple(x["k"].shape) for x in first.layers]:
             raise InputError(f"sequence {b} of {path} has another geometry than sequence 0")
     if model is not None:
-        from ..harness.capture import model_identity
-
         want, got = model_identity(model), first.model
         if got.config_hash and want.config_hash and got.config_hash != want.config_hash:
             raise InputError(f"{path} holds a cache of {got.model_id or 'another model'} (config {got.config_hash}); "
