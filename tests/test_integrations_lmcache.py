@@ -227,3 +227,35 @@ def test_damaged_or_misplaced_object_is_a_logged_miss(tmp_path, redis_port, capl
         assert hits == [0] and float((got[0].float() - data[1].float()).norm() / data[1].float().norm()) < 0.2
     finally:
         sm.close()
+
+
+def test_launcher_starts_an_lmcache_server_with_the_serde(tmp_path):
+    """`python -m kvcodec.integrations.lmcache server ...` (the kvcodec-lmcache script) registers the
+    serde before LMCache builds its storage manager; plain `lmcache server` would refuse the config
+    ("Unknown serde type 'kvcodec'")."""
+    import subprocess
+    import sys
+
+    from servers import free_port, stop, wait_port
+
+    port, http = free_port(), free_port()
+    adapter = ('{"type": "fs", "base_path": "%s", "serde": {"type": "kvcodec", "codec": "kvc-near", '
+               '"num_kv_heads": 3, "head_dim": 64, "budget_bits": 3}}' % (tmp_path / "l2"))
+    os.makedirs(tmp_path / "l2")
+    env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_LOG_LEVEL": "WARNING", "PYTHONWARNINGS": "ignore"}
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvcodec.integrations.lmcache", "server", "--host", "127.0.0.1",
+                             "--port", str(port), "--http-host", "127.0.0.1", "--http-port", str(http),
+                             "--l1-size-gb", "0.1", "--eviction-policy", "LRU", "--no-l1-use-lazy",
+                             "--l2-adapter", adapter, "--disable-observability"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        try:
+            wait_port(http, proc, timeout=120)
+        except RuntimeError as e:
+            raise AssertionError(f"{e}\n{(tmp_path / 'server.log').read_text()[-3000:]}") from None
+        assert proc.poll() is None
+    finally:
+        stop(proc)
+        log.close()
+    assert "Unknown serde" not in (tmp_path / "server.log").read_text()
