@@ -171,16 +171,21 @@ def test_docstring_examples():
     assert res.attempted and res.failed == 0
 
 
-def test_chunks_are_coded_as_parts_by_default():
-    part = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16)
-    whole = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16, part=False)
-    assert (part._codec.params["sinks"], part._codec.params["recent_ramp"]) == (0, 0)
+def test_chunks_are_coded_whole_by_default_and_as_parts_on_request():
+    whole = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16)
+    part = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16, part=True)
+    last = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16, part=True, last=True)
+    first = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16, part=True, first=True)
     assert (whole._codec.params["sinks"], whole._codec.params["recent_ramp"]) == (1, 128)
+    assert (part._codec.params["sinks"], part._codec.params["recent_ramp"]) == (0, 0)
+    assert (last._codec.params["sinks"], last._codec.params["recent_ramp"]) == (0, 128)
+    assert (first._codec.params["sinks"], first._codec.params["recent_ramp"]) == (1, 0)
     chunk = _chunk(tokens=256)
     fp, fw = part.encode(chunk), whole.encode(chunk)
     assert len(fp) < len(fw)  # no exact first token, no finer last 128 tokens
     with kvcodec.open(ChunkCoder.payload(fp)) as r:
         assert (r.manifest["codec"]["sinks"], r.manifest["codec"]["recent_ramp"]) == (0, 0)
-    assert coder_from_kwargs({"num_kv_heads": 2, "head_dim": 16, "budget_bits": 3, "part": "false"}).part is False
+    assert coder_from_kwargs({"num_kv_heads": 2, "head_dim": 16, "budget_bits": 3}).part is False
+    assert coder_from_kwargs({"num_kv_heads": 2, "head_dim": 16, "budget_bits": 3, "part": "true"}).part is True
     with pytest.raises(ConfigError, match="part"):
         coder_from_kwargs({"num_kv_heads": 2, "head_dim": 16, "budget_bits": 3, "part": "maybe"})

@@ -69,13 +69,16 @@ def test_longest_stored_prefix_reloads(store):
 
 
 def test_chunks_of_kvc_are_parts_and_a_misplaced_chunk_is_refused(store):
-    cache = make_cache(layers=2, tokens=64, heads=2, dim=16, seed=4)
+    cache = make_cache(layers=2, tokens=96, heads=2, dim=16, seed=4)
     put_prefix(store, cache, "kvc-near", chunk_tokens=32, model="m")
     keys = chunk_keys(cache.token_ids, 32, "m")
-    with kvcodec.open(store.get(keys[1])) as r:
-        assert (r.manifest["codec"]["sinks"], r.manifest["codec"]["recent_ramp"]) == (0, 0)
+    kinds = []
+    for key in keys:
+        with kvcodec.open(store.get(key)) as r:
+            kinds.append((r.manifest["codec"]["sinks"], r.manifest["codec"]["recent_ramp"]))
+    assert kinds == [(1, 0), (0, 0), (0, 128)]  # the sink in the first, the recency ramp in the last
     got = get_prefix(store, cache.token_ids, chunk_tokens=32, model="m")
-    assert got.num_tokens == 64
+    assert got.num_tokens == 96
     store.put(keys[0], store.get(keys[1]))  # chunk 1 under chunk 0's key
     with pytest.raises(FormatError, match="other tokens"):
         get_prefix(store, cache.token_ids, chunk_tokens=32, model="m")

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """What LMCache's chunking costs each codec: the whole cache as one object against 1024-, 512- and
 256-token chunks, each chunk an independent object (a kvcodec chunk frame, formats/lmcache-frame.md,
-as the LMCache serde stores it, variable size), bits all-in and next-token KL. A kvc level
-``L/part`` codes every object as a part of a longer sequence (the serde's default: no leading sink
-token stored exactly, no finer steps for the object's last tokens; ``KVCCodec.part_config``); ``L``
-codes every object as a whole cache.
+as the LMCache serde stores it, variable size), bits all-in and next-token KL. A kvc level ``L``
+codes every object as a whole cache (the serde's default: each with an exact first token and
+finer steps for its last tokens); ``L/part`` codes every object as a part of a longer sequence
+(neither: ``KVCCodec.part_config``); ``L/pos`` as parts too, but the first keeps its sink token
+and the last, which ends the cache, its recency ramp (what ``stores.prefix.put_prefix`` does).
+The whole cache (chunk 0) of ``L/part`` and ``L/pos`` is coded as ``L``.
 
 For each model and evaluation domain (kvcodec.harness.texts, never used by calibration): a cache of
 ``--context`` tokens from the text's start, ``--continuation`` scored tokens after it; each codec
@@ -31,7 +33,7 @@ from kvcodec.harness.results import provenance, write_result
 
 BASELINES = ["fp8-e4m3", "kivi-4-ans", "cachegen", "cachegen-lmcache"]
 LEVELS = ["kvc-transparent", "kvc-near", "kvc-aggressive"]
-PARTS = [f"{c}/part" for c in LEVELS]  # coded as parts of a longer sequence: the serde's default
+PARTS = [f"{c}/{m}" for m in ("part", "pos") for c in LEVELS]
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -73,14 +75,18 @@ def report(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def code_in_chunks(cache: Any, coder: Any, chunk: int) -> tuple[int, Any]:
+def code_in_chunks(cache: Any, coders: dict[str, Any], chunk: int) -> tuple[int, Any]:
     """Total frame bytes and the decoded cache when ``cache`` is stored as independent chunks of
-    ``chunk`` tokens (0: one object)."""
+    ``chunk`` tokens (0: one object), each coded by ``coders["whole"]``, or by ``"first"``,
+    ``"mid"`` and ``"last"`` by its place (one chunk alone is both first and last: ``"whole"``)."""
     from kvcodec.integrations.lmcache import from_chunks, to_chunks
 
     parts = to_chunks(cache, chunk or cache.num_tokens)
     total, decoded = 0, []
-    for part in parts:
+    for i, part in enumerate(parts):
+        place = "whole" if len(parts) == 1 or "mid" not in coders else \
+            "first" if i == 0 else "last" if i == len(parts) - 1 else "mid"
+        coder = coders[place]
         frame = coder.encode(part)
         total += len(frame)
         out = torch.empty_like(part)
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--continuation", type=int, default=512)
     ap.add_argument("--domains", default="prose,code,docs")
     ap.add_argument("--codecs", default=",".join(BASELINES + LEVELS + PARTS),
-                    help="codecs; a kvc level with /part codes every object as a part of a longer sequence")
+                    help="codecs; a kvc level with /part or /pos: objects as parts of a longer sequence (docstring)")
     ap.add_argument("--out", default="eval/results/lmcache_chunks")
     args = ap.parse_args(argv)
     prov = provenance(argv)
@@ -128,11 +134,20 @@ def main(argv: list[str] | None = None) -> int:
             ref = ev.reference
             heads, dim = int(ref.layers[0]["k"].shape[1]), int(ref.layers[0]["k"].shape[2])
             for c in codecs:
-                base, part = c.removesuffix("/part"), c.endswith("/part")
-                coder = ChunkCoder(base, num_kv_heads=heads, head_dim=dim, part=part,
-                                   profile=str(path) if base in LEVELS else None, model=name)
+                base, _, mode = c.partition("/")
+                kw = dict(num_kv_heads=heads, head_dim=dim, profile=str(path) if base in LEVELS else None, model=name)
+                coders = {"whole": ChunkCoder(base, **kw)}
+                if mode:  # parts: no sink token or ramp of their own; /pos: the first and the last keep theirs
+                    coders.update(first=ChunkCoder(base, part=True, first=mode == "pos", **kw),
+                                  mid=ChunkCoder(base, part=True, **kw),
+                                  last=ChunkCoder(base, part=True, last=mode == "pos", **kw))
                 for n in chunks:
-                    size, decoded = code_in_chunks(ref, coder, n)
+                    same = [r for r in rows if mode and n == 0 and (r["model"], r["domain"], r["codec"], r["chunk"])
+                            == (name, dom, base, 0)]
+                    if same:  # one object is coded whole in every mode: measured on the L row
+                        rows.append({**same[0], "codec": c})
+                        continue
+                    size, decoded = code_in_chunks(ref, coders, n)
                     nt = ev.score_cache(decoded)
                     rows.append({"model": name, "domain": dom, "codec": c, "chunk": n,
                                  "bits": 8.0 * size / ref.num_elements, "kl": nt["kl_mean"],

@@ -2,8 +2,10 @@
 
 Engines reuse a cache by its *prefix*: a request that starts with the same tokens as a stored
 one can load the stored chunks and compute only the rest. :func:`put_prefix` cuts a cache into
-chunks of ``chunk_tokens`` tokens, codes each as an independent KVC file (kvc codes it as a
-part of a longer sequence: ``KVCCodec.part_config``) recording its token ids, and stores it
+chunks of ``chunk_tokens`` tokens, codes each as an independent KVC file recording its token ids (kvc
+codes it as a part of a longer sequence, ``KVCCodec.part_config``: the first chunk keeps its
+exact sink token, the last stored chunk, which ends the prefix, keeps the finer steps for the
+latest tokens, and the chunks between get neither), and stores it
 under :func:`chunk_keys`; :func:`get_prefix` walks the keys of a new token sequence and loads
 the longest stored prefix of whole chunks.
 
@@ -74,19 +76,18 @@ def put_prefix(store: Store, cache: KVCache, codec: Any = "kvc-near", chunk_toke
     hold yet; return how many chunks the store holds for this prefix afterwards.
 
     ``model`` defaults to the cache's ``model.model_id``. kvc codecs code each chunk as a part
-    of a longer sequence (no per-chunk sink token or recency ramp).
+    of a longer sequence (module docstring: sinks in the first, the recency ramp in the last).
     """
     from ...codec import Codec, get_codec
 
     if cache.token_ids is None:
         raise InputError("put_prefix keys chunks by their token ids: the cache has none")
     c = codec if isinstance(codec, Codec) else get_codec(codec)
-    if hasattr(c, "part_config"):
-        c = get_codec(c.part_config())
     keys = chunk_keys(cache.token_ids, chunk_tokens, model or cache.model.model_id, salt, namespace)
     for i, key in enumerate(keys):
         if not store.exists(key):
-            store.put(key, c.encode(_slice(cache, i * chunk_tokens, (i + 1) * chunk_tokens)))
+            one = get_codec(c.part_config(first=i == 0, last=i == len(keys) - 1)) if hasattr(c, "part_config") else c
+            store.put(key, one.encode(_slice(cache, i * chunk_tokens, (i + 1) * chunk_tokens)))
     return len(keys)
 
 
