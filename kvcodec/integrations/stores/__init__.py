@@ -4,10 +4,8 @@ kvcodec does not grow a store of its own: these are thin adapters over the clien
 run, with one contract (:class:`Store`):
 
 * ``put(key, data)`` is atomic for readers: a concurrent ``get`` sees the old object or the new
-  one, never a part (Redis, files, object stores). Mooncake Store cannot replace an object of
-  another size atomically: a reader racing such a replacement may get ``None`` or, rarely, torn
-  bytes, which :meth:`Store.get_cache` rejects (mooncake_store.py). Keys named by content (the
-  prefix-hash chains engines use) are written once and never meet this;
+  one, never a part (Redis, files, object stores, and Mooncake Store, where the key holds a
+  fixed-size pointer to a version object written once: mooncake_store.py);
 * ``get(key)`` returns the bytes or ``None`` for a missing key; concurrent readers are safe;
 * ``exists``, ``delete``, ``close``; failures of the store itself raise :class:`StoreError`.
 

@@ -3,37 +3,58 @@
 The store is a ``mooncake_master`` plus clients that each lend memory (``global_segment_size``) to
 a shared pool; :class:`MooncakeStore` is one such client, through ``MooncakeDistributedStore``
 (``pip install 'kvcodec[mooncake]'``; the CPU build needs the Debian/Ubuntu packages
-``libibverbs1 librdmacm1 libnuma1`` even with ``protocol="tcp"``). Semantics, as measured on
-mooncake-transfer-engine 0.3.13:
+``libibverbs1 librdmacm1 libnuma1`` even with ``protocol="tcp"``).
 
-* a put is NOT atomic for readers when the object changes size. Mooncake's ``put`` on an
-  existing key returns success and keeps the OLD value, and its ``upsert`` of a new size leaks
-  the old object's space in the pool for good (0.3.13: the master's allocated bytes never shrink
-  back, and the pool ends up refusing puts). So a put of the same size upserts in place (readers
-  that meet the object while it is written wait for it; in the tests they always got the old or
-  the new object), and a put of another size force-removes the old object, then puts the new
-  one: a reader in between gets ``None`` (a cache miss), and a reader whose copy was in flight
-  can get torn bytes when the new object lands where the old one was (seen in the tests).
-  :meth:`~Store.get_cache` refuses those (KVC checksums: :class:`~kvcodec.errors.FormatError`),
-  so use it, or never replace a key that is being read (content-addressed keys, the usual KV
-  cache practice, are written once). Two writers racing on one key leave one of the objects;
-* a get of a missing key returns no bytes, which is told from a stored object by asking
-  ``get_size``; Mooncake cannot hold an empty object, so an empty ``data`` is refused
-  (:class:`~kvcodec.errors.InputError`; KVC objects are never empty). ``exists`` says ``False``
-  while an object is being written;
-* a delete is a forced ``remove``: a get (and a put) grants a lease (the master's
-  ``--default_kv_lease_ttl``, 5 s by default) which would otherwise refuse the removal; a reader
-  racing a delete gets ``None``, or torn bytes if a new object reuses the space at once (above);
+Mooncake cannot replace an object of another size atomically (measured on
+mooncake-transfer-engine 0.3.13: ``put`` on an existing key returns success and keeps the OLD
+value; ``upsert`` of a new size leaks the old object's space in the pool for good; a forced
+``remove`` then ``put`` lets a reader whose copy is in flight get torn bytes from the reused
+memory). So the store keeps a versioned pointer per key:
+
+* the data of ``key`` lives under a version key ``prefix + key + "#v" + ID`` (``ID``: 32 random
+  hex digits; ``#`` never occurs in a store key, so version keys never meet user keys), written
+  once with a plain ``put``;
+* ``prefix + key`` holds a pointer: the 36 bytes ``b"KVCP" + ID``. A put writes the new version,
+  then upserts the pointer (always the same size, so Mooncake rewrites it in place: readers get
+  the old or the new pointer, waiting out code -703 while it is written), then removes the
+  previous version WITHOUT force. A reader that fetched that version holds a lease on it (the
+  master's ``--default_kv_lease_ttl``, 5 s by default; ``get_size`` and ``is_exist`` take one
+  too, a put does not), which refuses the removal (code -706) while its copy may still be in
+  flight; the store then retries the removal on its later puts and deletes (and at once when
+  the pool is full) until the lease has run out. A version left over anyway (a store closed
+  first, two writers racing on one key) is unreferenced and the master's eviction reclaims it;
+* a get reads the pointer, then the version it names. If that version is gone (replaced and
+  removed between the two reads), it reads the pointer again and follows the new one; a pointer
+  that still names a missing version means the version was evicted: ``None``, a cache miss.
+
+So ``put`` is atomic for readers, as the :class:`Store` contract asks: a concurrent ``get`` sees the
+old object or the new one, never a part, never ``None`` while the key is there. The cost: two
+round trips per get (and per ``exists`` and ``stored_bytes``), four per put, a pointer object per
+key, and room in the pool for the versions readers still hold: a key replaced while it is read
+keeps each version a reader fetched until that lease runs out, up to the lease TTL times the
+rate at which the key's objects are written. A pool without that room evicts (the newest
+version too: a miss, which a cache may give); keys written once (content-addressed, the usual
+KV cache practice) cost nothing of the kind. An object at ``prefix + key`` that is not such a
+pointer (written by another client, or by kvcodec before this scheme) is a :class:`StoreError`
+naming it; :meth:`~Store.delete` removes it. Two writers racing on one key leave one of the
+objects. Further semantics, as measured on 0.3.13:
+
+* Mooncake cannot hold an empty object, so an empty ``data`` is refused
+  (:class:`~kvcodec.errors.InputError`; KVC objects are never empty). A get of a missing key
+  returns no bytes, which is told from a stored object by asking ``get_size``;
+* a delete removes the pointer with force (the lease a reader took would otherwise refuse it: a
+  reader racing a delete gets the object or ``None``), then the version without force (above);
 * an object must fit the client's local buffer (``local_buffer_size``) and one segment of the
   pool; a larger one is refused with :class:`StoreError`;
 * it is a cache, not a durable store: the master evicts objects silently to make room (only
   objects whose lease has run out), objects in a client's segment leave the pool when that
-  client closes, and all objects are lost when the master stops. A ``get`` returns ``None`` for
-  an evicted object, so callers treat a miss as "recompute", never as an error;
+  client closes, and all objects are lost when the master stops. A ``get`` returns ``None`` when
+  the pointer or its version was evicted, so callers treat a miss as "recompute", never as an
+  error;
 * a put into a full pool fails with code -200 (NO_AVAILABLE_HANDLE), which makes the master
   evict: the store tries again for ``retry_s`` (1 s) before it raises :class:`StoreError`. A pool
-  full of objects written or read within the lease TTL has nothing to evict until their leases
-  run out: set ``retry_s`` above the TTL to wait that out;
+  full of objects read within the lease TTL has nothing to evict until their leases run out:
+  set ``retry_s`` above the TTL to wait that out;
 * every other negative return code of the client becomes a :class:`StoreError` naming the code.
 
 One :class:`MooncakeStore` is safe for concurrent readers and writers in threads. Close it
@@ -44,8 +65,11 @@ before the master stops: a client whose master is gone takes seconds per call, a
 from __future__ import annotations
 
 import socket
+import threading
 import time
-from typing import Any
+import uuid
+from collections import deque
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from ...errors import ConfigError, DependencyError, InputError, StoreError
@@ -62,14 +86,36 @@ _CODES = {
 }
 _NOT_FOUND = -704
 _NOT_READY = -703
+_HAS_LEASE = -706
 _NO_ROOM = -200
+_INVALID_PARAMS = -600  # also: the local buffer is taken by concurrent transfers for now
 
 MiB = 1 << 20
+
+# The object under a key: b"KVCP" + the 32 hex digits of the version that holds the data.
+POINTER_MAGIC = b"KVCP"
+POINTER_SIZE = len(POINTER_MAGIC) + 32
+VERSION_SEP = "#v"  # prefix + key + "#v" + id: the version key ('#' is never in a store key)
+_HEX = frozenset(b"0123456789abcdef")
+_FOLLOW_TRIES = 5  # pointer reads a get makes while the versions it names are replaced away
+_MAX_RETIRED = 4096  # versions whose removal waits for a lease; older ones are left to eviction
 
 
 def _code(rc: int) -> str:
     name = _CODES.get(rc)
     return f"{rc} ({name})" if name else str(rc)
+
+
+def _pointer(version: str) -> bytes:
+    return POINTER_MAGIC + version.encode("ascii")
+
+
+def _version_of(blob: bytes) -> str | None:
+    """The version id a pointer object names, or ``None`` if ``blob`` is not a pointer."""
+    if len(blob) != POINTER_SIZE or not blob.startswith(POINTER_MAGIC):
+        return None
+    hexid = blob[len(POINTER_MAGIC):]
+    return hexid.decode("ascii") if _HEX.issuperset(hexid) else None
 
 
 def _mooncake() -> Any:
@@ -101,7 +147,8 @@ def _master_address(url: str) -> tuple[str, int]:
 
 
 class MooncakeStore(Store):
-    """KVC objects in Mooncake Store, under ``prefix + key``.
+    """KVC objects in Mooncake Store: a pointer under ``prefix + key``, the data under a version
+    key next to it (module docstring).
 
     Args:
         client: a ``mooncake.store.MooncakeDistributedStore`` whose ``setup`` succeeded; the
@@ -111,7 +158,9 @@ class MooncakeStore(Store):
             before they reach the client.
         retry_s: how long an operation waits out a passing state of the pool before it raises
             :class:`StoreError`: a put while the pool has no room (code -200; a failed allocation
-            makes the master evict), a get while the object is being written (code -703).
+            makes the master evict), while the client's local buffer is taken by concurrent
+            transfers (code -600 for an object within ``max_object_size``) or another put writes
+            the key's pointer (code -703); a get while the pointer is being written (code -703).
     """
 
     kind = "mooncake"
@@ -124,6 +173,9 @@ class MooncakeStore(Store):
         self.retry_s = retry_s
         self.master = "?"
         self._closed = False
+        # (next try, version key, tries) of replaced versions whose removal a lease refused
+        self._retired: deque[tuple[float, str, int]] = deque()
+        self._retired_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "", local_hostname: str = "127.0.0.1",
@@ -180,48 +232,62 @@ class MooncakeStore(Store):
     def _fail(self, what: str, key: str, rc: int) -> StoreError:
         return StoreError(f"Mooncake {what} of {key!r} on {self.master} failed with code {_code(rc)}")
 
-    def _retrying(self, fn: Any, *args: Any) -> int:
+    def _retrying(self, fn: Callable[..., int], *args: Any, also: tuple[int, ...] = ()) -> int:
         """``fn(*args)``, called again (with short pauses, for up to ``retry_s``) while it fails
-        with code -200 (no room in the pool yet)."""
+        with code -200 (no room in the pool yet: replaced versions whose lease has run out are
+        removed first) or a code in ``also``."""
         deadline = time.monotonic() + self.retry_s
         pause = 0.02
         rc = fn(*args)
-        while rc == _NO_ROOM and time.monotonic() + pause <= deadline:
+        while (rc == _NO_ROOM or rc in also) and time.monotonic() + pause <= deadline:
+            if rc == _NO_ROOM:
+                self._reap(everything=True)
             time.sleep(pause)
             pause = min(pause * 2, 0.2)
             rc = fn(*args)
         return rc
 
-    def _put(self, key: str, data: bytes) -> None:
-        if not data:
-            raise InputError("Mooncake Store cannot hold an empty object")
-        if self.max_object_size is not None and len(data) > self.max_object_size:
-            raise StoreError(f"a {len(data)}-byte object does not fit the Mooncake client's local buffer "
-                             f"({self.max_object_size} bytes, local_buffer_size)")
-        client, k = self._client(), self.prefix + key
-        size = client.get_size(k)
-        if size == len(data):
-            # same size: upsert rewrites the object in place (readers wait while it is written)
-            rc = self._retrying(client.upsert, k, data)
-            if rc != 0:
-                raise self._fail(f"upsert ({len(data)} bytes)", key, rc)
-            return
-        # A new size: an upsert would leak the old object's space in the pool (Mooncake 0.3.13:
-        # the master's allocated bytes never shrink back), so remove it and put anew. Forced,
-        # as a put or get holds a lease on it for the TTL: a reader in flight may get torn
-        # bytes (module docstring).
-        if size >= 0 or size == _NOT_READY:
-            rc = client.remove(k, True)
-            if rc not in (0, _NOT_FOUND):
-                raise self._fail("remove (to replace it)", key, rc)
-        elif size != _NOT_FOUND:
-            raise self._fail("get_size", key, size)
-        rc = self._retrying(client.put, k, data)
-        if rc != 0:
-            raise self._fail(f"put ({len(data)} bytes)", key, rc)
+    # ------------------------------------------------------------------ replaced versions
+    def _retire(self, vkey: str) -> None:
+        """Remove a version no pointer names any more, or (a reader's lease refuses it) queue it
+        for a later try: never forced, as a reader holding the lease may still be copying it."""
+        rc = self.client.remove(vkey, False)
+        if rc == _HAS_LEASE:
+            with self._retired_lock:
+                self._retired.append((time.monotonic() + 0.05, vkey, 1))
+                while len(self._retired) > _MAX_RETIRED:
+                    self._retired.popleft()  # unreferenced: the master's eviction reclaims it
+        # any other failure leaves it to eviction too: the put or delete itself has succeeded
 
-    def _get(self, key: str) -> bytes | None:
-        client, k = self._client(), self.prefix + key
+    def _reap(self, everything: bool = False) -> None:
+        """Try again to remove queued versions that are due (``everything``: all of them)."""
+        now = time.monotonic()
+        with self._retired_lock:
+            due = [e for e in self._retired if everything or e[0] <= now]
+            if not due:
+                return
+            if len(due) == len(self._retired):
+                self._retired.clear()
+            else:
+                keep = [e for e in self._retired if not (everything or e[0] <= now)]
+                self._retired = deque(keep)
+        try:
+            codes = self.client.batch_remove([e[1] for e in due], False)
+        except Exception:  # noqa: BLE001 - cleanup is best effort: queue them again
+            codes = [_HAS_LEASE] * len(due)
+        again = [(now + min(0.05 * 2 ** tries, 0.2), vkey, tries + 1)
+                 for (_, vkey, tries), rc in zip(due, codes) if rc == _HAS_LEASE]
+        if again:
+            with self._retired_lock:
+                self._retired.extend(again)
+                while len(self._retired) > _MAX_RETIRED:
+                    self._retired.popleft()
+
+    # ------------------------------------------------------------------ reads
+    def _read(self, k: str, key: str) -> bytes | None:
+        """The bytes of Mooncake object ``k`` (for ``key``), or ``None`` if it is missing; waits
+        out code -703 (being written) for up to ``retry_s``."""
+        client = self._client()
         deadline, pause = None, 0.005
         while True:
             data = client.get(k)
@@ -244,33 +310,121 @@ class MooncakeStore(Store):
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
+    def _version(self, key: str, foreign_ok: bool = False) -> str | None:
+        """The version id the pointer of ``key`` names, or ``None`` if there is no pointer (or,
+        with ``foreign_ok``, the object there is not a pointer).
+
+        Raises:
+            StoreError: the object under the key is not a pointer (read twice: a reader racing a
+                delete may copy a pointer whose memory is being reused).
+        """
+        k = self.prefix + key
+        blob = self._read(k, key)
+        if blob is None:
+            return None
+        version = _version_of(blob)
+        if version is None:
+            time.sleep(0.005)
+            again = self._read(k, key)
+            if again is None:
+                return None
+            version = _version_of(again)
+            if version is None and not foreign_ok:
+                raise StoreError(
+                    f"the Mooncake object {k!r} on {self.master} is not a kvcodec pointer ({len(again)} bytes "
+                    f"starting {again[:8]!r}, expected {POINTER_SIZE} bytes starting {POINTER_MAGIC!r}): "
+                    "written by another client or an older kvcodec? delete() removes it")
+        return version
+
+    def _version_key(self, key: str, version: str) -> str:
+        return f"{self.prefix}{key}{VERSION_SEP}{version}"
+
+    def _follow(self, key: str, fetch: Callable[[str], Any]) -> Any:
+        """``fetch(version key)`` of the version the pointer of ``key`` names, or ``None`` if the
+        key is missing or its version was evicted (``fetch`` returns ``None`` for a missing one)."""
+        version = self._version(key)
+        for _ in range(_FOLLOW_TRIES):
+            if version is None:
+                return None
+            got = fetch(self._version_key(key, version))
+            if got is not None:
+                return got
+            # Replaced (and removed) since the pointer was read, or evicted: the pointer says which.
+            again = self._version(key)
+            if again == version:
+                return None  # still named: evicted, a cache miss
+            version = again
+        return None  # replaced faster than read, every time: a miss
+
+    def _version_size(self, key: str) -> Callable[[str], int | None]:
+        def size(vkey: str) -> int | None:
+            rc = self._client().get_size(vkey)
+            if rc == _NOT_FOUND:
+                return None
+            if rc < 0:
+                raise self._fail("get_size", key, rc)
+            return int(rc)
+        return size
+
+    # ------------------------------------------------------------------ the Store API
+    def _put(self, key: str, data: bytes) -> None:
+        if not data:
+            raise InputError("Mooncake Store cannot hold an empty object")
+        if self.max_object_size is not None and len(data) > self.max_object_size:
+            raise StoreError(f"a {len(data)}-byte object does not fit the Mooncake client's local buffer "
+                             f"({self.max_object_size} bytes, local_buffer_size)")
+        client = self._client()
+        old = self._version(key)  # a foreign object under the key is refused here, before any write
+        version = uuid.uuid4().hex
+        vkey = self._version_key(key, version)
+        # A key never written before: a plain put is fine. An object known to fit the local buffer
+        # is refused with -600 only while concurrent gets and puts of this client fill it.
+        busy = (_INVALID_PARAMS,) if self.max_object_size is not None else ()
+        rc = self._retrying(client.put, vkey, data, also=busy)
+        if rc != 0:
+            raise self._fail(f"put ({len(data)} bytes)", key, rc)
+        # Point the key at it: a pointer of the same size every time, which upsert rewrites in
+        # place (readers wait while it is written, then get the old or the new one).
+        try:
+            rc = self._retrying(client.upsert, self.prefix + key, _pointer(version), also=(_NOT_READY,))
+            if rc != 0:
+                raise self._fail("upsert of the pointer", key, rc)
+        except BaseException:
+            self._retire(vkey)  # unnamed (unless the failed upsert landed after all): not forced
+            raise
+        if old is not None and old != version:
+            self._retire(self._version_key(key, old))
+        self._reap()
+
+    def _get(self, key: str) -> bytes | None:
+        return self._follow(key, lambda vkey: self._read(vkey, key))
+
     def _exists(self, key: str) -> bool:
-        rc = self._client().is_exist(self.prefix + key)
-        if rc < 0:
-            raise self._fail("is_exist", key, rc)
-        return rc == 1
+        return self._follow(key, self._version_size(key)) is not None
 
     def _delete(self, key: str) -> bool:
-        rc = self._client().remove(self.prefix + key, True)
-        if rc == 0:
-            return True
-        if rc == _NOT_FOUND:
-            return False
-        raise self._fail("remove", key, rc)
+        client, k = self._client(), self.prefix + key
+        old = self._version(key, foreign_ok=True)  # a foreign object is removed all the same
+        # Forced: a reader's lease on the pointer would refuse it for the TTL.
+        rc = client.remove(k, True)
+        if rc not in (0, _NOT_FOUND):
+            raise self._fail("remove", key, rc)
+        if old is not None:
+            self._retire(self._version_key(key, old))
+        self._reap()
+        return rc == 0
 
     def stored_bytes(self, key: str) -> int:
-        """Bytes the pool holds for the object (0 if missing)."""
+        """Bytes the pool holds for the object's data (0 if missing); the pointer's 36 bytes are
+        not counted."""
         from .base import check_key
 
-        rc = self._client().get_size(self.prefix + check_key(key))
-        if rc == _NOT_FOUND:
-            return 0
-        if rc < 0:
-            raise self._fail("get_size", key, rc)
-        return int(rc)
+        size = self._follow(check_key(key), self._version_size(key))
+        return 0 if size is None else size
 
     def close(self) -> None:
-        """Close the client (its lent segment leaves the pool, with the objects stored in it)."""
+        """Close the client (its lent segment leaves the pool, with the objects stored in it).
+        Replaced versions still waiting for a lease to run out are left to the master's eviction."""
         if self._closed:
             return
         self._closed = True
