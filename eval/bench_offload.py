@@ -125,7 +125,21 @@ def run_serde(name: str, serde: dict[str, Any], chunks: list[torch.Tensor], mode
             st = sm.report_status()["store_controller"]
             return st["pending_keys_count"] == 0 and st["in_flight_task_count"] == 0
 
-        stored = _wait(lambda: redis.cli.dbsize() == len(keys), 120) and _wait(idle, 60)
+        # done when Redis holds every chunk; failed when the store controller has gone idle
+        # (for 2 s) without it (a serde that raised, as turboquant does without CUDA)
+        idle_since: list[float] = []
+
+        def settled() -> bool:
+            if redis.cli.dbsize() == len(keys):
+                return True
+            if not idle():
+                idle_since.clear()
+                return False
+            idle_since.append(time.monotonic())
+            return idle_since[-1] - idle_since[0] > 2.0
+
+        _wait(settled, 300, dt=0.02)
+        stored = redis.cli.dbsize() == len(keys) and _wait(idle, 60)
         out["store_seconds"] = time.perf_counter() - t0
         names = redis.cli.keys("*")
         out["objects"] = len(names)
