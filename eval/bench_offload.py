@@ -39,7 +39,7 @@ import torch
 
 from kvcodec.harness.results import provenance, write_result
 
-DEFAULT_SERDES = "fp8,turboquant,kvc-transparent@3.1,kvc-transparent@2.7,kvc-near@2.3,kvc-aggressive@1.45"
+DEFAULT_SERDES = "fp8,turboquant,kvc-transparent@3.1,kvc-transparent@2.7,kvc-transparent@2.6,kvc-near@2.3,kvc-aggressive@1.45"
 
 
 def _free_port() -> int:

@@ -64,6 +64,7 @@ FRAME_VERSION = 1
 FRAME_HEADER = struct.Struct("<4sBBHQ16s")
 _KNOWN_KWARGS = ("codec", "num_kv_heads", "head_dim", "profile", "budget_bits", "part", "max_workers")
 _COARSEN_TRIES = 12
+_BISECT_TRIES = 3
 
 
 def key_digest(key: Any) -> bytes:
@@ -223,12 +224,22 @@ class ChunkCoder:
         cache = self.to_cache(chunk.detach().cpu(), model=getattr(key, "model_name", ""))
         limit = self.max_bytes(chunk.shape, chunk.dtype) - FRAME_HEADER.size
         payload = self._codec.encode(cache)
-        coarser = 1.0
+        coarser, fine = 1.0, 1.0
         for _ in range(_COARSEN_TRIES if self.budget_bits else 0):
             if len(payload) <= limit:
                 break
-            coarser *= 1.5
+            fine, coarser = coarser, coarser * 1.5
             payload = self._make_codec(coarser).encode(cache)
+        if coarser > 1.0 and len(payload) <= limit:
+            # the budget is paid in full (padding): take the finest steps that fit, between the
+            # last factor that did not fit and the first that did (bisection, 1.5x -> 1.05x)
+            for _ in range(_BISECT_TRIES):
+                mid = (fine * coarser) ** 0.5
+                trial = self._make_codec(mid).encode(cache)
+                if len(trial) <= limit:
+                    coarser, payload = mid, trial
+                else:
+                    fine = mid
         if coarser > 1.0 and len(payload) <= limit:
             log.info("kvcodec serde: a %s chunk fits budget_bits=%s with steps %gx coarser than %s",
                      list(chunk.shape), self.budget_bits, coarser, self._codec)
