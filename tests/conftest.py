@@ -46,3 +46,13 @@ def make_cache(layers=3, tokens=37, heads=2, dim=24, dtype=torch.float16, seed=0
 @pytest.fixture
 def small_cache():
     return make_cache()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """One throwaway redis-server on 127.0.0.1 for the session (tests/servers.py)."""
+    pytest.importorskip("redis")
+    from servers import redis_server
+
+    with redis_server(str(tmp_path_factory.mktemp("redis"))) as url:
+        yield url

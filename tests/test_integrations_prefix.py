@@ -16,16 +16,8 @@ from kvcodec.integrations.stores import open_store, prefix
 from kvcodec.integrations.stores.prefix import chunk_keys, get_prefix, put_prefix
 
 from conftest import make_cache
-from servers import redis_server
 
 pytest.importorskip("fsspec")
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    pytest.importorskip("redis")
-    with redis_server(str(tmp_path_factory.mktemp("redis"))) as url:
-        yield url
 
 
 @pytest.fixture(params=["memory", "redis"])

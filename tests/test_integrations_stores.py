@@ -15,16 +15,9 @@ from kvcodec.integrations import stores
 from kvcodec.integrations.stores import open_store
 
 from conftest import make_cache
-from servers import free_port, redis_server
+from servers import free_port
 
 pytest.importorskip("fsspec")
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    pytest.importorskip("redis")
-    with redis_server(str(tmp_path_factory.mktemp("redis"))) as url:
-        yield url
 
 
 @pytest.fixture(params=["redis", "dir", "memory"])
