@@ -42,6 +42,7 @@ kvc_length|python eval/studies/kvc_length.py --lengths 512,1024,1536,2048,4096 -
 kvc_entropy_levels|python eval/studies/kvc_entropy_levels.py --out eval/results/kvc_entropy_levels
 kvc_ctx_levels|python eval/studies/kvc_ctx_levels.py --out eval/results/kvc_ctx_levels
 lmcache_chunks|python eval/studies/lmcache_chunks.py --models smollm2-135m --out eval/results/lmcache_chunks
+lmcache_chunks_qwen|python eval/studies/lmcache_chunks.py --models qwen2.5-coder-0.5b --domains prose --out eval/results/lmcache_chunks_qwen
 offload_lmcache_redis|python eval/bench_offload.py --out eval/results/offload_lmcache_redis
 bench_profile_smollm2|kvcodec bench --context 1536 --repeat 3 --codecs cachegen,kvc-transparent,kvc-near,kvc-aggressive --calibration "$HOME/.cache/kvcodec/profiles/smollm2-135m.profile.safetensors" --out eval/results/bench_profile_smollm2
 qwen_coder_baseline|kvcodec eval --model qwen2.5-coder-0.5b --codecs fp8-e4m3,nvfp4,kivi-4-ans,cachegen,kvc-transparent,kvc-near,kvc-aggressive --context 1536 --continuation 512 --out eval/results --stem qwen_coder_baseline --quiet
