@@ -79,7 +79,11 @@ def test_empty_objects_are_refused(store):
 
 
 # the store contract's key and data checks, run here on this module's Mooncake store fixture
-from test_integrations_stores import test_bad_keys_are_refused, test_only_bytes_are_stored  # noqa: E402,F401
+from test_integrations_stores import (  # noqa: E402,F401
+    test_bad_keys_are_refused,
+    test_cache_round_trip_and_damage_is_an_error,
+    test_only_bytes_are_stored,
+)
 
 
 def test_objects_larger_than_the_local_buffer_are_a_store_error(store):
@@ -93,26 +97,6 @@ def test_objects_larger_than_the_local_buffer_are_a_store_error(store):
     store.put("big", b"\2" * BUFFER)  # exactly the buffer fits
     assert store.get("big") == b"\2" * BUFFER
     store.delete("big")
-
-
-def test_cache_round_trip_and_damage_is_an_error(store):
-    cache = make_cache(layers=2, tokens=40, heads=2, dim=16)
-    codec = kvcodec.get_codec("kvc-near")
-    n = store.put_cache("c/1", cache, codec=codec)
-    blob = store.get("c/1")
-    assert len(blob) == n == len(codec.encode(cache))
-    got = store.get_cache("c/1")
-    want = codec.decode(blob)
-    assert all(torch.equal(got.layers[i][r], want.layers[i][r]) for i in range(2) for r in ("k", "v"))
-    assert store.get_cache("c/none") is None
-    bad = bytearray(blob)
-    bad[len(bad) // 2] ^= 0x40  # a payload byte: the checksum catches it
-    store.put("c/bad", bytes(bad))
-    with pytest.raises(ChecksumError):
-        store.get_cache("c/bad")
-    store.put("c/short", blob[: len(blob) // 3])
-    with pytest.raises(FormatError):
-        store.get_cache("c/short")
 
 
 def _race(store, key, objects, reads=200, pause=0.0, min_writes=11):
