@@ -9,10 +9,9 @@ import threading
 import time
 
 import pytest
-import torch
 
 import kvcodec
-from kvcodec.errors import ChecksumError, ConfigError, FormatError, InputError, StoreError
+from kvcodec.errors import ConfigError, InputError, StoreError
 from kvcodec.integrations.stores import open_store
 from kvcodec.integrations.stores.mooncake_store import MooncakeStore
 
