@@ -143,7 +143,7 @@ class ChunkCoder:
                 or not 0 <= self.budget_bits <= 32:
             raise ConfigError(f"kvcodec serde budget_bits must be a number in [0, 32] (0 = variable size), "
                               f"got {self.budget_bits!r}")
-        self._codec = self._make_codec(1.0)
+        self._codec = self._make_codec()
 
     # ------------------------------------------------------------------ codec choice
     def _config(self) -> dict[str, Any]:
@@ -159,18 +159,20 @@ class ChunkCoder:
             config["calibration"] = str(self.profile)
         return config
 
-    def _make_codec(self, coarser: float) -> Codec:
-        """The codec, or (``coarser`` > 1) the same codec with coarser steps, for the budget mode."""
+    def _make_codec(self) -> Codec:
+        """The codec the chunks are coded with (as a part of a sequence with ``part``)."""
         codec = get_codec(self._config())
         codec.check_requirements()
         if self.part and hasattr(codec, "part_config"):
             codec = get_codec(codec.part_config(first=self.first, last=self.last))
-        if coarser == 1.0:
-            return codec
-        if codec.codec_id != "kvc":
-            raise InputError(f"kvcodec serde: codec {codec.codec_id!r} has a fixed rate and cannot "
+        return codec
+
+    def _coarser_codec(self, coarser: float) -> Codec:
+        """The chunks' codec with steps ``coarser`` times coarser, for the budget mode."""
+        if self._codec.codec_id != "kvc":
+            raise InputError(f"kvcodec serde: codec {self._codec.codec_id!r} has a fixed rate and cannot "
                              "shrink a chunk to the budget")
-        config = dict(codec.get_config())
+        config = dict(self._codec.get_config())
         if config.get("target_kl") and config.get("calibration"):
             config["target_kl"] = min(10.0, config["target_kl"] * coarser)
         else:
@@ -206,13 +208,11 @@ class ChunkCoder:
     # ------------------------------------------------------------------ encode / decode
     def to_cache(self, chunk: torch.Tensor, model: str = "") -> KVCache:
         """A :class:`KVCache` view of a ``[2, layers, tokens, hidden]`` chunk."""
-        layers, tokens, hidden = _chunk_shape(chunk.shape)
+        _, _, hidden = _chunk_shape(chunk.shape)
         if hidden != self.num_kv_heads * self.head_dim:
             raise InputError(f"kvcodec serde: chunk hidden size {hidden} != num_kv_heads {self.num_kv_heads} "
                              f"x head_dim {self.head_dim}")
-        shape = (tokens, self.num_kv_heads, self.head_dim)
-        pairs = [(chunk[0, i].reshape(shape), chunk[1, i].reshape(shape)) for i in range(layers)]
-        return KVCache.from_tensors(pairs, model=ModelIdentity(model_id=model or self.model))
+        return from_chunks([chunk], self.num_kv_heads, self.head_dim, model=model or self.model)
 
     def encode(self, chunk: torch.Tensor, key: Any = None) -> bytes:
         """The frame of one chunk (fixed-budget mode: padded with zeros to exactly the budget).
@@ -229,18 +229,17 @@ class ChunkCoder:
             if len(payload) <= limit:
                 break
             fine, coarser = coarser, coarser * 1.5
-            payload = self._make_codec(coarser).encode(cache)
+            payload = self._coarser_codec(coarser).encode(cache)
         if coarser > 1.0 and len(payload) <= limit:
             # the budget is paid in full (padding): take the finest steps that fit, between the
             # last factor that did not fit and the first that did (bisection, 1.5x -> 1.05x)
             for _ in range(_BISECT_TRIES):
                 mid = (fine * coarser) ** 0.5
-                trial = self._make_codec(mid).encode(cache)
+                trial = self._coarser_codec(mid).encode(cache)
                 if len(trial) <= limit:
                     coarser, payload = mid, trial
                 else:
                     fine = mid
-        if coarser > 1.0 and len(payload) <= limit:
             log.info("kvcodec serde: a %s chunk fits budget_bits=%s with steps %gx coarser than %s",
                      list(chunk.shape), self.budget_bits, coarser, self._codec)
         if len(payload) > limit:
@@ -294,7 +293,6 @@ class ChunkCoder:
         if cache.num_layers != layers or cache.num_tokens != tokens:
             raise FormatError(f"kvcodec frame: holds {cache.num_layers} layers x {cache.num_tokens} tokens, "
                               f"the chunk is {layers} x {tokens}")
-        planes = []
         for i, layer in enumerate(cache.layers):
             if set(layer) != {"k", "v"}:
                 raise FormatError(f"kvcodec frame: layer {i} holds {sorted(layer)}, not K and V")
@@ -303,9 +301,7 @@ class ChunkCoder:
                 if t.shape[1] * t.shape[2] != hidden:
                     raise FormatError(f"kvcodec frame: layer {i} {role} is {list(t.shape)}, "
                                       f"not {hidden} values per token")
-                planes.append(t.reshape(tokens, hidden))
-        stacked = torch.stack(planes).reshape(layers, 2, tokens, hidden).transpose(0, 1)
-        out.copy_(stacked.to(out.dtype))
+        out.copy_(to_chunks(cache, tokens)[0].to(out.dtype))
 
 
 def to_chunks(cache: KVCache, tokens_per_chunk: int = 256) -> list[torch.Tensor]:
@@ -330,12 +326,14 @@ def to_chunks(cache: KVCache, tokens_per_chunk: int = 256) -> list[torch.Tensor]
     return [kv[:, :, s: s + tokens_per_chunk].contiguous() for s in range(0, t, tokens_per_chunk)]
 
 
-def from_chunks(chunks: list[torch.Tensor], num_kv_heads: int, head_dim: int) -> KVCache:
-    """The cache whose chunks (:func:`to_chunks`) these are, concatenated along the tokens."""
-    kv = torch.cat(list(chunks), dim=2)
+def from_chunks(chunks: list[torch.Tensor], num_kv_heads: int, head_dim: int, model: str = "") -> KVCache:
+    """The cache whose chunks (:func:`to_chunks`) these are, concatenated along the tokens
+    (one chunk alone is a view of it); ``model`` names it in the cache's identity."""
+    kv = chunks[0] if len(chunks) == 1 else torch.cat(list(chunks), dim=2)
     _, layers, tokens, _ = kv.shape
     shape = (tokens, num_kv_heads, head_dim)
-    return KVCache.from_tensors([(kv[0, i].reshape(shape), kv[1, i].reshape(shape)) for i in range(layers)])
+    return KVCache.from_tensors([(kv[0, i].reshape(shape), kv[1, i].reshape(shape)) for i in range(layers)],
+                                model=ModelIdentity(model_id=model))
 
 
 # ---------------------------------------------------------------------- LMCache glue
