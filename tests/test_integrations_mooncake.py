@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import threading
 import time
 
 import pytest
@@ -79,6 +78,7 @@ def test_empty_objects_are_refused(store):
 
 # the store contract's key and data checks, run here on this module's Mooncake store fixture
 from test_integrations_stores import (  # noqa: E402,F401
+    race,
     test_bad_keys_are_refused,
     test_cache_round_trip_and_damage_is_an_error,
     test_only_bytes_are_stored,
@@ -99,45 +99,14 @@ def test_objects_larger_than_the_local_buffer_are_a_store_error(store):
 
 
 def _race(store, key, objects, reads=200, pause=0.0, min_writes=11):
-    """A writer replacing ``key`` by each of ``objects`` in turn (``pause`` s apart) while 3
-    threads read it (``reads`` times each, and on until ``min_writes`` writes are done); returns
-    what the readers got (a list) and the number of writes."""
-    store.put(key, objects[0])
-    stop = threading.Event()
-    got, errors, writes = [], [], [0]
+    """The store contract's race (test_integrations_stores.race), recording the most old
+    versions waiting for removal at once (``store.most_retired``)."""
     store.most_retired = 0
 
-    def writer():
-        try:
-            while not stop.is_set():
-                store.put(key, objects[writes[0] % len(objects)])
-                writes[0] += 1
-                store.most_retired = max(store.most_retired, len(store._retired))
-                time.sleep(pause)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(f"writer: {e!r}")
+    def on_write():
+        store.most_retired = max(store.most_retired, len(store._retired))
 
-    def reader():
-        try:
-            n = 0
-            while n < reads or (writes[0] < min_writes and not errors):
-                got.append(store.get(key))
-                n += 1
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
-
-    w = threading.Thread(target=writer)
-    readers = [threading.Thread(target=reader) for _ in range(3)]
-    w.start()
-    for r in readers:
-        r.start()
-    for r in readers:
-        r.join()
-    stop.set()
-    w.join()
-    assert not errors, errors[:5]
-    assert writes[0] >= min_writes
-    return got, writes[0]
+    return race(store, key, objects, reads, pause, min_writes, on_write)
 
 
 # A version a reader fetched stays in the pool until its lease (1 s here) runs out: a writer keeps
@@ -271,7 +240,7 @@ def test_a_full_pool_makes_room_for_new_objects(store):
     for i in range(8):
         store.put(f"full/{i}", blob)
     held = [store.exists(f"full/{i}") for i in range(8)]
-    assert held[-1] and not all(held)
+    assert held[-1] and not all(held), held
     assert store.get("full/7") == blob
     for i in range(8):
         store.delete(f"full/{i}")
