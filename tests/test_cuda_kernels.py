@@ -158,7 +158,9 @@ def test_real_cache_decode_on_cuda():
     # first, second and last layers cover the layer-dependent bins of the cachegen codecs
     keep = sorted({0, 1, 2, full.num_layers // 2, full.num_layers - 1})
     cache = kvcodec.KVCache(layers=[full.layers[i] for i in keep], token_ids=full.token_ids, model=full.model)
-    configs = [(name, name, cache) for name in _presets_with_gpu()]
+    # spelled out: the -cal presets refuse to encode without a calibration file; their steps and
+    # stage layout are still checked here, uncalibrated, on every layer kept
+    configs = [(name, spelled_out(name), cache) for name in _presets_with_gpu()]
     cal = _real_calibration_path()
     if cal is not None:  # the -cal presets as shipped: calibrated steps (attention, sensitivities), all layers
         configs += [(f"{n} + {os.path.basename(cal)}", {"id": n, "calibration": cal}, full)
