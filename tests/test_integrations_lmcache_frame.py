@@ -70,7 +70,7 @@ def test_damaged_and_foreign_frames_are_refused_and_write_nothing():
     _refused(coder, frame[: n - 1], match="shorter than")
     _refused(coder, b"XXXX" + frame[4:], match="magic")
     _refused(coder, frame[:4] + b"\x02" + frame[5:], match="version")
-    _refused(coder, frame[:5] + b"\x01" + frame[6:], match="flags")
+    _refused(coder, frame[:5] + b"\x03" + frame[6:], match="flags")
     _refused(coder, frame[:-1], match="declares")
     _refused(coder, frame, _key(h=b"\x02" * 32), match="another key")
     _refused(coder, frame, _key(salt="tenant-b"), match="another key")
@@ -83,6 +83,56 @@ def test_damaged_and_foreign_frames_are_refused_and_write_nothing():
     # a length field that overflows the buffer
     big = FRAME_HEADER.pack(b"KVCL", 1, 0, 0, 2**63, bytes(16)) + frame[n:]
     _refused(coder, big, match="declares")
+
+
+def _frame(flags, payload, key=None):
+    return FRAME_HEADER.pack(b"KVCL", 1, flags, 0, len(payload), key_digest(key)) + payload
+
+
+def test_frames_store_the_kvc_header_compressed_and_lossless():
+    chunk = _chunk(layers=4, tokens=256, heads=2, dim=64)
+    coder = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=64)
+    frame = coder.encode(chunk, _key())
+    kvc = kvcodec.get_codec("kvc-near").encode(coder.to_cache(chunk, model="m/x"))
+    head = 8 + struct.unpack_from("<Q", kvc)[0]
+    assert frame[5] == lm.FLAG_ZSTD_HEADER
+    assert ChunkCoder.payload(frame, _key()) == kvc  # the KVC file comes back byte for byte
+    assert len(frame) < FRAME_HEADER.size + len(kvc) - head // 2, "the compressed header saves under half"
+    # a frame with flags 0 holds the KVC file as it is, and reads the same
+    plain = _frame(0, kvc, _key())
+    a, b = (torch.zeros(chunk.shape, dtype=torch.float16) for _ in range(2))
+    coder.decode_into(frame, a, _key())
+    coder.decode_into(plain, b, _key())
+    assert torch.equal(a, b)
+
+
+def test_damaged_compressed_headers_are_refused():
+    import zstandard
+
+    chunk = _chunk()
+    coder = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16)
+    kvc = kvcodec.get_codec("kvc-near").encode(coder.to_cache(chunk))
+    head = 8 + struct.unpack_from("<Q", kvc)[0]
+    flags, stored = lm._store(kvc)
+    assert flags == lm.FLAG_ZSTD_HEADER
+    zlen = struct.unpack_from("<I", stored)[0]
+    _refused(coder, _frame(1, stored[:3]), match="shorter than its 4-byte length")
+    _refused(coder, _frame(1, struct.pack("<I", len(stored)) + stored[4:]), match="compressed header of")
+    bad = bytearray(stored)
+    bad[4 + zlen // 2] ^= 0x20
+    _refused(coder, _frame(1, bytes(bad)), match="does not decompress|declares")
+    _refused(coder, _frame(1, b"\0\0\0\0" + kvc), match="compressed header")  # not zstd at all
+
+    def with_header(raw_head):
+        z = zstandard.ZstdCompressor(write_content_size=True).compress(raw_head)
+        return _frame(1, struct.pack("<I", len(z)) + z + kvc[head:])
+
+    _refused(coder, with_header(kvc[:head] + b"  "), match="length field says")
+    _refused(coder, with_header(kvc[:5]), match="declares 5 bytes")
+    big = with_header(bytes(lm._MAX_KVC_HEADER + 1))  # a decompression bomb: refused before inflating
+    _refused(coder, big, match="declares")
+    nosize = zstandard.ZstdCompressor(write_content_size=False).compress(kvc[:head])
+    _refused(coder, _frame(1, struct.pack("<I", len(nosize)) + nosize + kvc[head:]), match="size stated")
 
 
 def test_key_digest_covers_every_key_field():

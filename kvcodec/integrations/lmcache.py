@@ -62,9 +62,66 @@ FRAME_MAGIC = b"KVCL"
 FRAME_VERSION = 1
 #: magic, version, flags, reserved, payload length, key digest
 FRAME_HEADER = struct.Struct("<4sBBHQ16s")
+#: flags bit 0: the KVC file's header (its first 8 + N bytes) is stored zstd-compressed, after a
+#: 4-byte length (formats/lmcache-frame.md §1.1). At 256-token chunks the header (manifest,
+#: per-tensor entries, checksums) is 5-9 % of the file; compressed, about an eighth of that.
+FLAG_ZSTD_HEADER = 1
+_KNOWN_FLAGS = FLAG_ZSTD_HEADER
+#: Largest KVC header a frame may decompress to: SPEC.md's header limit (N <= 100 000 000) + 8.
+_MAX_KVC_HEADER = 100_000_008
+_ZLEN = struct.Struct("<I")
 _KNOWN_KWARGS = ("codec", "num_kv_heads", "head_dim", "profile", "budget_bits", "part", "max_workers")
 _COARSEN_TRIES = 12
 _BISECT_TRIES = 3
+
+
+def _store(kvc: bytes) -> tuple[int, bytes]:
+    """``(flags, stored payload)`` of a KVC file: its header zstd-compressed when that is smaller
+    (it always is for a real file; a file too short to have a header is stored as it is)."""
+    import zstandard
+
+    if len(kvc) < 8:
+        return 0, kvc
+    head = 8 + int.from_bytes(kvc[:8], "little")
+    if head > len(kvc):
+        return 0, kvc
+    z = zstandard.ZstdCompressor(level=19, write_content_size=True, write_checksum=True).compress(kvc[:head])
+    if _ZLEN.size + len(z) >= head:
+        return 0, kvc
+    return FLAG_ZSTD_HEADER, _ZLEN.pack(len(z)) + z + kvc[head:]
+
+
+def _unstore(flags: int, stored: memoryview) -> bytes:
+    """The KVC file of a stored payload (inverse of :func:`_store`).
+
+    Raises:
+        FormatError: the compressed header is truncated, not zstd, larger than SPEC.md allows, or
+            not exactly 8 + N bytes.
+    """
+    if not flags & FLAG_ZSTD_HEADER:
+        return bytes(stored)
+    import zstandard
+
+    if len(stored) < _ZLEN.size:
+        raise FormatError("kvcodec frame: compressed header: the payload is shorter than its 4-byte length")
+    (zlen,) = _ZLEN.unpack(stored[: _ZLEN.size])
+    if zlen > len(stored) - _ZLEN.size:
+        raise FormatError(f"kvcodec frame: compressed header of {zlen} bytes, the payload holds "
+                          f"{len(stored) - _ZLEN.size} after its length")
+    z = bytes(stored[_ZLEN.size: _ZLEN.size + zlen])
+    try:
+        params = zstandard.get_frame_parameters(z)
+        if params.content_size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR) \
+                or not 8 <= params.content_size <= _MAX_KVC_HEADER:
+            raise FormatError(f"kvcodec frame: compressed header declares {params.content_size} bytes; "
+                              f"8 to {_MAX_KVC_HEADER} with the size stated are allowed")
+        head = zstandard.ZstdDecompressor().decompress(z, max_output_size=params.content_size)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"kvcodec frame: compressed header does not decompress: {e}") from None
+    if len(head) != 8 + int.from_bytes(head[:8], "little"):
+        raise FormatError(f"kvcodec frame: compressed header holds {len(head)} bytes, its length field says "
+                          f"{8 + int.from_bytes(head[:8], 'little')}")
+    return head + bytes(stored[_ZLEN.size + zlen:])
 
 
 def key_digest(key: Any) -> bytes:
@@ -223,21 +280,21 @@ class ChunkCoder:
         """
         cache = self.to_cache(chunk.detach().cpu(), model=getattr(key, "model_name", ""))
         limit = self.max_bytes(chunk.shape, chunk.dtype) - FRAME_HEADER.size
-        payload = self._codec.encode(cache)
+        flags, payload = _store(self._codec.encode(cache))
         coarser, fine = 1.0, 1.0
         for _ in range(_COARSEN_TRIES if self.budget_bits else 0):
             if len(payload) <= limit:
                 break
             fine, coarser = coarser, coarser * 1.5
-            payload = self._coarser_codec(coarser).encode(cache)
+            flags, payload = _store(self._coarser_codec(coarser).encode(cache))
         if coarser > 1.0 and len(payload) <= limit:
             # the budget is paid in full (padding): take the finest steps that fit, between the
             # last factor that did not fit and the first that did (bisection, 1.5x -> 1.05x)
             for _ in range(_BISECT_TRIES):
                 mid = (fine * coarser) ** 0.5
-                trial = self._coarser_codec(mid).encode(cache)
+                tflags, trial = _store(self._coarser_codec(mid).encode(cache))
                 if len(trial) <= limit:
-                    coarser, payload = mid, trial
+                    coarser, flags, payload = mid, tflags, trial
                 else:
                     fine = mid
             log.info("kvcodec serde: a %s chunk fits budget_bits=%s with steps %gx coarser than %s",
@@ -246,8 +303,9 @@ class ChunkCoder:
             if self.budget_bits:
                 raise InputError(f"kvcodec serde: a {list(chunk.shape)} chunk needs {len(payload)} bytes even "
                                  f"with steps {coarser:g}x coarser; budget_bits={self.budget_bits} allows {limit}")
-            payload = get_codec("raw").encode(cache)  # never larger than max_bytes (its definition)
-        header = FRAME_HEADER.pack(FRAME_MAGIC, FRAME_VERSION, 0, 0, len(payload), key_digest(key))
+            # never larger than max_bytes (its definition), compressed header or not
+            flags, payload = _store(get_codec("raw").encode(cache))
+        header = FRAME_HEADER.pack(FRAME_MAGIC, FRAME_VERSION, flags, 0, len(payload), key_digest(key))
         frame = header + payload
         if self.budget_bits:
             frame += bytes(limit + FRAME_HEADER.size - len(frame))
@@ -255,12 +313,14 @@ class ChunkCoder:
 
     @staticmethod
     def payload(buf: bytes | bytearray | memoryview, key: Any = None) -> bytes:
-        """The KVC file inside a frame, after checking magic, version, length and key.
+        """The KVC file inside a frame, after checking magic, version, flags, length and key (its
+        header decompressed when flags say so).
 
         Bytes after the payload (LMCache's buffers are pre-sized) are ignored.
 
         Raises:
-            FormatError: not a kvcodec frame, a newer version, truncated, or stored under another key.
+            FormatError: not a kvcodec frame, a newer version or unknown flags, truncated, a damaged
+                compressed header, or stored under another key.
         """
         mv = memoryview(buf).cast("B")
         if len(mv) < FRAME_HEADER.size:
@@ -268,14 +328,14 @@ class ChunkCoder:
         magic, version, flags, reserved, length, digest = FRAME_HEADER.unpack(mv[: FRAME_HEADER.size])
         if magic != FRAME_MAGIC:
             raise FormatError(f"kvcodec frame: magic {bytes(magic)!r}, not {FRAME_MAGIC!r}: not stored by kvcodec")
-        if version != FRAME_VERSION or flags or reserved:
+        if version != FRAME_VERSION or flags & ~_KNOWN_FLAGS or reserved:
             raise FormatError(f"kvcodec frame: version {version} flags {flags} reserved {reserved}; this kvcodec "
-                              f"reads version {FRAME_VERSION} with flags 0")
+                              f"reads version {FRAME_VERSION} with flags {_KNOWN_FLAGS} or 0 and reserved 0")
         if length > len(mv) - FRAME_HEADER.size:
             raise FormatError(f"kvcodec frame: declares {length} payload bytes, holds {len(mv) - FRAME_HEADER.size}")
         if key is not None and digest != key_digest(key):
             raise FormatError("kvcodec frame: stored under another key (model, rank, salt or chunk hash differ)")
-        return bytes(mv[FRAME_HEADER.size: FRAME_HEADER.size + length])
+        return _unstore(flags, mv[FRAME_HEADER.size: FRAME_HEADER.size + length])
 
     def decode_into(self, buf: bytes | bytearray | memoryview, out: torch.Tensor, key: Any = None) -> None:
         """Decode a frame into ``out`` (``[2, layers, tokens, hidden]``, any float dtype).
