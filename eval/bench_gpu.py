@@ -19,6 +19,11 @@ itself is timed.
 An end-to-end row decodes a whole multi-layer cache with ``kvcodec.decode(..., device="cuda")``
 (uploads and Python included) against ``device="cpu"``.
 
+Chunk objects (when a real cache is carried in .whl/, eval/gpu_prepare.sh): the real SmolLM2
+cache cut into LMCache's 256-token chunks, each coded as the kvcodec serde stores it (a frame,
+kvcodec.integrations.lmcache.ChunkCoder; the kvc levels with the carried profile), decoded with
+``ChunkCoder.decode_into`` into a CUDA chunk against a CPU one: ms per chunk, bit-exactness.
+
 Usage:
     python eval/bench_gpu.py [--out DIR] [--stem gpu_bench] [--size-mb 1024] [--repeats 10] [--budget-s 200]
 Writes ``<stem>.json`` and ``<stem>.md`` to ``--out`` (default ``$OUT`` or eval/results/) with
@@ -210,6 +215,47 @@ def bench_end_to_end(name: str, layers: int, tokens: int) -> dict:
             "speedup": round(cpu_s / gpu_s, 1)}
 
 
+def _carried(pattern: str) -> str | None:
+    found = sorted(Path(__file__).resolve().parent.parent.glob(f".whl/{pattern}"))
+    return str(found[0]) if found else None
+
+
+def bench_chunk_objects(path: str, profile: str | None, repeats: int = 3) -> list[dict]:
+    """Decode time of LMCache chunk frames (256 tokens) of a real cache, CUDA against CPU."""
+    from kvcodec.integrations.lmcache import ChunkCoder, to_chunks
+
+    full = kvcodec.KVCache.from_safetensors(path)
+    k0 = full.layers[0]["k"]
+    chunks = to_chunks(full, 256)
+    rows = []
+    for name in ("kvc-transparent", "kvc-near", "kvc-aggressive", "kivi-4-ans", "fp8-e4m3"):
+        kvc = name.startswith("kvc-")
+        if kvc and profile is None:
+            continue
+        coder = ChunkCoder(name, num_kv_heads=k0.shape[1], head_dim=k0.shape[2], profile=profile if kvc else None)
+        frames = [coder.encode(c) for c in chunks]
+        outs_cpu = [torch.empty_like(c) for c in chunks]
+        outs_gpu = [torch.empty(c.shape, dtype=c.dtype, device="cuda") for c in chunks]
+
+        def on(outs):
+            for f, o in zip(frames, outs):
+                coder.decode_into(f, o)
+
+        on(outs_gpu)  # warm: kernels compiled and loaded
+        torch.cuda.synchronize()
+        gpu_s = wall_time(lambda: (on(outs_gpu), torch.cuda.synchronize()), repeats)
+        cpu_s = wall_time(lambda: on(outs_cpu), repeats)
+        same = all(torch.equal(bits_view(a.cuda()), bits_view(b)) for a, b in zip(outs_cpu, outs_gpu))
+        n = sum(c.numel() for c in chunks)
+        rows.append({"codec": name, "chunks": len(chunks), "chunk_shape": list(chunks[0].shape),
+                     "bits_per_element": round(8 * sum(len(f) for f in frames) / n, 3),
+                     "gpu_ms_per_chunk": round(gpu_s / len(chunks) * 1e3, 2),
+                     "cpu_ms_per_chunk": round(cpu_s / len(chunks) * 1e3, 2),
+                     "speedup": round(cpu_s / gpu_s, 2), "bit_exact": same})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
@@ -257,6 +303,15 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001
             e2e.append({"codec": name, "layers": layers, "error": f"{type(e).__name__}: {e}"[:300]})
         print(json.dumps(e2e[-1]), flush=True)
+    chunk_rows: list[dict] = []
+    real = _carried("real_cache_*.safetensors")
+    if real and time.perf_counter() - start <= args.budget_s:
+        try:
+            chunk_rows = bench_chunk_objects(real, _carried("*.qstats.safetensors"))
+        except Exception as e:  # noqa: BLE001
+            chunk_rows = [{"codec": "chunk objects", "error": f"{type(e).__name__}: {e}"[:300]}]
+    elif real:
+        skipped.append("chunk objects")
     try:
         major, minor = gpu.nvrtc_version()
         nvrtc = f"{major}.{minor}"
@@ -269,11 +324,11 @@ def main(argv: list[str] | None = None) -> int:
                     "python": platform.python_version(), "host": platform.machine()},
         "copy": {"bytes": nbytes, "ms": round(copy_s * 1e3, 3), "GBps_written": round(copy_gbs, 1),
                  "GBps_read_plus_written": round(2 * copy_gbs, 1)},
-        "codecs": rows, "end_to_end": e2e, "skipped_for_time": skipped,
+        "codecs": rows, "end_to_end": e2e, "chunk_objects": chunk_rows, "skipped_for_time": skipped,
         "elapsed_s": round(time.perf_counter() - start, 1),
     }
     write_result(Path(args.out) / args.stem, result, to_markdown(result, prov["date"]), prov=prov, echo=True)
-    return 0 if all(r.get("bit_exact") for r in rows) else 1
+    return 0 if all(r.get("bit_exact") for r in rows + chunk_rows) else 1
 
 
 def to_markdown(r: dict, date: str) -> str:
@@ -306,6 +361,18 @@ def to_markdown(r: dict, date: str) -> str:
                 lines.append(f"| {row['codec']} | {row.get('layers', '')} | error: {row['error']} | | | |")
             else:
                 lines.append(f"| {row['codec']} | {row['layers']} | {row['fp16_GB']} | {row['gpu_e2e_GBps']} | {row['cpu_e2e_GBps']} | {row['speedup']}x |")
+    if r.get("chunk_objects"):
+        lines += ["", "Chunk objects: the real SmolLM2 cache (.whl/) in LMCache's 256-token chunks, each a kvcodec "
+                  "serde frame (kvc levels with the carried profile), decoded by `ChunkCoder.decode_into` into a "
+                  "chunk on the device (wall time of all chunks, best of 3):", "",
+                  "| codec | chunks | bits/elem | GPU ms/chunk | CPU ms/chunk | speedup | bit-exact |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in r["chunk_objects"]:
+            if "error" in row:
+                lines.append(f"| {row['codec']} | error: {row['error']} | | | | | |")
+            else:
+                lines.append(f"| {row['codec']} | {row['chunks']} | {row['bits_per_element']} | {row['gpu_ms_per_chunk']} | "
+                             f"{row['cpu_ms_per_chunk']} | {row['speedup']}x | {'yes' if row['bit_exact'] else 'NO'} |")
     if r["skipped_for_time"]:
         lines += ["", f"Skipped (time budget): {', '.join(r['skipped_for_time'])}"]
     lines += ["", f"Elapsed: {r['elapsed_s']} s", ""]

@@ -169,6 +169,23 @@ def test_real_cache_decode_on_cuda():
         _assert_file_decodes_equal(kvcodec.get_codec(config).encode(c), f"real cache {label}")
 
 
+@pytest.mark.parametrize("name", ["kvc-near-cal", "kivi-4-ans", "fp8-e4m3"])
+def test_lmcache_chunk_frame_decodes_into_a_cuda_chunk(name):
+    """A kvcodec serde frame (LMCache's [2, layers, tokens, hidden] chunk) decoded into a chunk on
+    the device holds the CPU decode's bits."""
+    from conftest import make_cache
+    from kvcodec.integrations.lmcache import ChunkCoder, to_chunks
+
+    chunk = to_chunks(make_cache(layers=4, tokens=256, heads=2, dim=64, dtype=torch.float16, seed=5), 256)[0]
+    coder = ChunkCoder(spelled_out(name).get_config(), num_kv_heads=2, head_dim=64)
+    frame = coder.encode(chunk)
+    want = torch.empty_like(chunk)
+    coder.decode_into(frame, want)
+    got = torch.full(chunk.shape, 7.0, dtype=chunk.dtype, device=DEV)
+    coder.decode_into(frame, got)
+    _assert_bit_equal(got.cpu(), want, f"{name} chunk frame")
+
+
 @pytest.mark.parametrize("fmt,dtype8", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fp8_kernel_every_code(fmt, dtype8, dtype):

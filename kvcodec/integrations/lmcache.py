@@ -338,7 +338,9 @@ class ChunkCoder:
         return _unstore(flags, mv[FRAME_HEADER.size: FRAME_HEADER.size + length])
 
     def decode_into(self, buf: bytes | bytearray | memoryview, out: torch.Tensor, key: Any = None) -> None:
-        """Decode a frame into ``out`` (``[2, layers, tokens, hidden]``, any float dtype).
+        """Decode a frame into ``out`` (``[2, layers, tokens, hidden]``, any float dtype), on
+        ``out``'s device: a CUDA ``out`` is decoded by the GPU kernels (``[cuda]`` extra), bit for
+        bit the CPU's values.
 
         Everything is decoded and checked before ``out`` is written: on any error it is unchanged.
 
@@ -349,7 +351,7 @@ class ChunkCoder:
         from ..api import decode
 
         layers, tokens, hidden = _chunk_shape(out.shape)
-        cache = decode(self.payload(buf, key))
+        cache = decode(self.payload(buf, key), device=str(out.device) if out.device.type == "cuda" else "cpu")
         if cache.num_layers != layers or cache.num_tokens != tokens:
             raise FormatError(f"kvcodec frame: holds {cache.num_layers} layers x {cache.num_tokens} tokens, "
                               f"the chunk is {layers} x {tokens}")
