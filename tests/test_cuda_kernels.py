@@ -183,7 +183,7 @@ def test_lmcache_chunk_frame_decodes_into_a_cuda_chunk(name):
     coder.decode_into(frame, want)
     got = torch.full(chunk.shape, 7.0, dtype=chunk.dtype, device=DEV)
     coder.decode_into(frame, got)
-    _assert_bit_equal(got.cpu(), want, f"{name} chunk frame")
+    _assert_bit_equal(got, want, f"{name} chunk frame")
 
 
 @pytest.mark.parametrize("fmt,dtype8", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
