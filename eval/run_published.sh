@@ -41,6 +41,7 @@ kvc_alloc3|python eval/studies/kvc_alloc.py --variants 'search settings,sens 8/2
 kvc_length|python eval/studies/kvc_length.py --lengths 512,1024,1536,2048,4096 --out eval/results/kvc_length
 kvc_entropy_levels|python eval/studies/kvc_entropy_levels.py --out eval/results/kvc_entropy_levels
 kvc_ctx_levels|python eval/studies/kvc_ctx_levels.py --out eval/results/kvc_ctx_levels
+kvc_ctx_parts|python eval/studies/kvc_ctx_parts.py --out eval/results/kvc_ctx_parts
 lmcache_chunks|python eval/studies/lmcache_chunks.py --models smollm2-135m --out eval/results/lmcache_chunks
 lmcache_chunks_qwen|python eval/studies/lmcache_chunks.py --models qwen2.5-coder-0.5b --domains prose --out eval/results/lmcache_chunks_qwen
 offload_lmcache_redis|python eval/bench_offload.py --out eval/results/offload_lmcache_redis
