@@ -147,6 +147,9 @@ def run_serde(name: str, serde: dict[str, Any], chunks: list[torch.Tensor], mode
         out["redis_memory_usage"] = int(sum(redis.cli.memory_usage(k) or 0 for k in names))
         if not stored:
             out["error"] = f"Redis holds {len(names)} of {len(keys)} chunks after the store (the serde failed: see the log)"
+            if serde["type"] == "turboquant" and not torch.cuda.is_available():
+                out["error"] += ("; LMCache's turboquant serde codes on a CUDA staging device (its `cuda_device` "
+                                 "setting, Triton kernels) and this machine has none")
             return out
         sm.clear(force=True)
         t0 = time.perf_counter()

@@ -34,7 +34,9 @@ GPU_CODEC_CONFIGS = [
     # steps with centring and forced deltas, and small streams/chunks with contexts
     {"id": "kvc-near-cal"}, {"id": "kvc-aggressive-cal"}, {"id": "kvc"}, {"id": "kvc", "transform": "hadamard"},
     {"id": "kvc", "v_scale": "head", "v_center": True, "delta": 2, "max_level": 4},
-    {"id": "kvc", "ctx": [4, 12, 20], "rows_per_stream": 5, "chunk": 7, "k_recon": 3, "delta": 2, "recent": 2},
+    # (contexts are coded only on tensors with a recency ramp: kvc's encoder rule)
+    {"id": "kvc", "ctx": [4, 12, 20], "rows_per_stream": 5, "chunk": 7, "k_recon": 3, "delta": 2, "recent": 2,
+     "recent_ramp": 16, "recent_fine": 4.0},
 ]
 
 _OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

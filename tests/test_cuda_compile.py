@@ -669,7 +669,7 @@ def test_kvc_gpu_decoder_on_mutated_planes_agrees_with_the_reference(host_runner
     base = [_kvc_tensor(c, shape=(50, 2, 16), role=r, seed=i)
             for i, (c, r) in enumerate([(_CAL, "k"), (_CAL, "v"), (_PLAIN, "k"), (_PLAIN, "v"),
                                         ({"id": "kvc", "pack": 0, "ctx": [4, 12], "rows_per_stream": 5, "chunk": 7,
-                                          "k_recon": 2, "delta": 2}, "k")])]
+                                          "k_recon": 2, "delta": 2, "recent_ramp": 16, "recent_fine": 4.0}, "k")])]
     outcomes = {"accepted": 0, "rejected": 0}
 
     def run(f):

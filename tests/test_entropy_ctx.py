@@ -177,6 +177,25 @@ def test_kvc_ctx_is_lossless_and_matches_without_native(dtype, monkeypatch):
     assert kvcodec.decode(blob).equal(out)
 
 
+def test_kvc_codes_contexts_only_on_tensors_with_a_recency_ramp():
+    """Magnitude contexts (scope 2: ans_meta of 10 words + thresholds) pay where the ramp makes
+    steps vary along the tokens; elsewhere (a part of a sequence that does not end it) kvc codes
+    the tensor with scope 0 (10 words), whatever ``ctx`` says."""
+    cache = make_cache(layers=2, tokens=70, heads=2, dim=24, dtype=torch.float16, seed=9)
+
+    def meta_shapes(config):
+        blob = kvcodec.get_codec(config).encode(cache)
+        head = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])
+        return {tuple(v["shape"]) for k, v in head.items() if k.endswith(".ans_meta")}
+
+    base = {"id": "kvc-near", "ctx": [3, 8, 20], "rows_per_stream": 24, "pack": 0}
+    assert meta_shapes({**base, "recent_ramp": 32}) == {(13,)}
+    assert meta_shapes({**base, "recent_ramp": 0}) == {(10,)}
+    near = kvcodec.get_codec({**base, "recent_ramp": 32})
+    assert meta_shapes(near.part_config(first=True, last=False)) == {(10,)}
+    assert meta_shapes(near.part_config(first=False, last=True)) == {(13,)}
+
+
 def test_golden_ctx_vector_decodes_like_the_plain_preset():
     rec = json.loads((V1 / "kvc-near.ctx.json").read_text())
     plain = json.loads((V1 / "kvc-near.json").read_text())
