@@ -83,6 +83,46 @@ def test_attention_estimate_is_a_distribution_and_finds_the_heavy_token():
     assert attention_estimate(st, 3, k) is None  # no such layer
 
 
+def test_attention_estimate_takes_the_queries_where_query_pos_says():
+    """A chunk cut from a sequence (keys rotated at positions 300..339) read by queries at the
+    sequence's end (position 400): ``query_pos`` turns the calibration queries there. It equals
+    the estimate of the same keys when they end a cache at 400 (the default) and differs from the
+    default estimate of the chunk alone (queries just after its 40 tokens)."""
+    cache = _cache(layers=1)
+    st = _stats(cache)
+    k = cache.layers[0]["k"].float().numpy()
+    t = k.shape[0]
+    direct = attention_estimate(st, 0, k, query_pos=400)
+    st_shift = QueryStats(st.q_energy, st.q_sample, q_position=st.q_position - (400 - t),
+                          rope_theta=st.rope_theta, meta=st.meta)
+    np.testing.assert_allclose(direct, attention_estimate(st_shift, 0, k), rtol=1e-5, atol=1e-7)
+    assert not np.allclose(direct, attention_estimate(st, 0, k), atol=1e-4)
+    np.testing.assert_array_equal(attention_estimate(st, 0, k, query_pos=t), attention_estimate(st, 0, k))
+    with pytest.raises(ConfigError, match="query_pos"):
+        attention_estimate(st, 0, k, query_pos=t - 1)
+
+
+def test_query_pos_moves_the_calibrated_steps_and_is_not_recorded(tmp_path):
+    cache = _cache()
+    p = tmp_path / "q.safetensors"
+    save_query_statistics(_stats(cache), p)
+    base = {"id": "kvc-near", "calibration": str(p)}
+    a = kvcodec.get_codec(base).encode(cache)
+    b = kvcodec.get_codec({**base, "query_pos": 5000}).encode(cache)
+    assert a != b  # other attention estimates: other steps
+    with kvcodec.open(b) as r:
+        assert "query_pos" not in r.manifest["codec"]  # encoder-only
+    assert kvcodec.decode(b).num_tokens == cache.num_tokens
+    plain = kvcodec.get_codec("kvc-near").encode(cache)  # without a calibration it changes nothing
+    assert kvcodec.get_codec({"id": "kvc-near", "query_pos": 5000}).encode(cache) == plain
+    for bad in (-1, 1.5, True, 1 << 41):
+        with pytest.raises(ConfigError, match="query_pos"):
+            kvcodec.get_codec({"id": "kvc", "query_pos": bad})
+    near = kvcodec.get_codec(base)
+    assert near.part_config(query_pos=777)["query_pos"] == 777
+    assert near.part_config()["query_pos"] == 0
+
+
 def test_attn_factor_normalised_and_clipped():
     a = np.random.default_rng(0).dirichlet(np.full(50, 0.3), size=3).T  # [n=50, H=3]
     m = _attn_factor(a, 1.0, 1e6)

@@ -5,7 +5,8 @@ as the LMCache serde stores it, variable size), bits all-in and next-token KL. A
 codes every object as a whole cache (the serde's default: each with an exact first token and
 finer steps for its last tokens); ``L/part`` codes every object as a part of a longer sequence
 (neither: ``KVCCodec.part_config``); ``L/pos`` as parts too, but the first keeps its sink token
-and the last, which ends the cache, its recency ramp (what ``stores.prefix.put_prefix`` does).
+and the last, which ends the cache, its recency ramp, and every part's attention estimates take
+the queries at the cache's end (``query_pos``; what ``stores.prefix.put_prefix`` does).
 The whole cache (chunk 0) of ``L/part`` and ``L/pos`` is coded as ``L``.
 
 For each model and evaluation domain (kvcodec.harness.texts, never used by calibration): a cache of
@@ -138,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
                 kw = dict(num_kv_heads=heads, head_dim=dim, profile=str(path) if base in LEVELS else None, model=name)
                 coders = {"whole": ChunkCoder(base, **kw)}
                 if mode:  # parts: no sink token or ramp of their own; /pos: the first and the last keep theirs
-                    coders.update(first=ChunkCoder(base, part=True, first=mode == "pos", **kw),
-                                  mid=ChunkCoder(base, part=True, **kw),
-                                  last=ChunkCoder(base, part=True, last=mode == "pos", **kw))
+                    pos = {"query_pos": ref.num_tokens} if mode == "pos" else {}
+                    coders.update(first=ChunkCoder(base, part=True, first=mode == "pos", **pos, **kw),
+                                  mid=ChunkCoder(base, part=True, **pos, **kw),
+                                  last=ChunkCoder(base, part=True, last=mode == "pos", **pos, **kw))
                 for n in chunks:
                     same = [r for r in rows if mode and n == 0 and (r["model"], r["domain"], r["codec"], r["chunk"])
                             == (name, dom, base, 0)]

@@ -165,7 +165,9 @@ class ChunkCoder:
     ramp per chunk, 256-token chunks take a fifth fewer bits, but where the chunk that ends the
     sequence loses its ramp too, the next-token KL rises 2.5-3x (eval/results/lmcache_chunks.md).
     A serde cannot tell which chunk ends a sequence (LMCache hands it one chunk and its hash), so
-    it codes every chunk whole (``part`` off), which keeps the level's KL.
+    it codes every chunk whole (``part`` off), which keeps the level's KL. A caller that knows
+    where the sequence ends gives it as ``query_pos`` (its token count) with ``part``: the
+    calibrated encoder then estimates attention from queries there.
 
     Example:
         >>> import torch
@@ -187,6 +189,7 @@ class ChunkCoder:
     part: bool = False
     first: bool = False
     last: bool = False
+    query_pos: int = 0
     _codec: Codec = field(init=False, repr=False)
     _fallback_sizes: dict = field(init=False, repr=False, default_factory=dict)
 
@@ -221,7 +224,7 @@ class ChunkCoder:
         codec = get_codec(self._config())
         codec.check_requirements()
         if self.part and hasattr(codec, "part_config"):
-            codec = get_codec(codec.part_config(first=self.first, last=self.last))
+            codec = get_codec(codec.part_config(first=self.first, last=self.last, query_pos=self.query_pos))
         return codec
 
     def _coarser_codec(self, coarser: float) -> Codec:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...errors import FormatError, InputError
+from ...errors import ConfigError, FormatError, InputError
 from ...format import safetensors_io as sio
 
 QSTATS_FORMAT = "kvcodec.qstats/4"
@@ -370,11 +370,16 @@ def rotate_layer(q: np.ndarray, delta: float, la: LayerAttention) -> np.ndarray:
     return out
 
 
-def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: float = 1.0) -> np.ndarray | None:
+def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: float = 1.0,
+                       query_pos: int = 0) -> np.ndarray | None:
     """Estimated attention each cached token will receive: ``[T, Hkv]``.
 
     The model of the future: the ``N`` sampled calibration queries stand for the next ``N``
-    queries, at positions ``T .. T+N-1`` just after the cache (keys at ``0 .. T-1``). Each is
+    queries, at positions ``T .. T+N-1`` just after the cache (keys at ``0 .. T-1``), or at
+    ``query_pos .. query_pos+N-1`` when ``query_pos > 0``: a cache cut from a longer sequence
+    holds keys rotated at their own absolute positions, and the queries that will read it stand
+    at the sequence's end (the sliding-window mask still takes the keys as the ``T`` tokens just
+    before ``T``, i.e. measures distances from the cache's end). Each is
     turned there with the layer's rotation (:func:`rotate_layer`; queries without RoPE are used as
     recorded), its logits against the cached keys ``k [T, Hkv, D]`` are soft-capped when the
     layer caps them, keys outside its sliding window are masked, and the softmax is taken over
@@ -394,7 +399,10 @@ def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: floa
     la = stats.layer_attention(layer)
     if la.rope == "unknown":
         return None
-    delta = float(t - stats.q_position)
+    if 0 < query_pos < t:
+        raise ConfigError(f"kvc query_pos {query_pos} lies inside the cache's {t} tokens; the next queries "
+                          "come after its last token")
+    delta = float((query_pos or t) - stats.q_position)
     if stats.attention is None:  # files before qstats/4: today's float64 default RoPE, bit for bit
         q = rotate_queries(qs, delta, stats.rope_theta)  # [Hq, N, D] at t..t+N-1
     else:

@@ -98,6 +98,12 @@ class KVCCodec(Codec):
             does not identify them); given explicitly, a file with another hash is refused.
         k_qgamma, v_attn, k_attn, attn_clip, attn_coarse: how the calibrated encoder uses it
             (inert without).
+        query_pos: where the next queries will stand, as an absolute token position (0, the
+            default: right after the cache's last token). The calibrated encoder turns its
+            calibration queries there to estimate the attention each token will get; a chunk cut
+            from the middle of a sequence (its keys rotated at their own positions) needs the
+            sequence's end here, or its estimates point at the wrong tokens
+            (:meth:`part_config`). Encoder-only: not recorded in the file.
         target_kl: the mean next-token KL to meet (0 = off). With a calibration file that holds a
             profile (``kvcodec calibrate``), the steps and every other quality parameter come from
             the profile's measured curve for this target on the profile's model
@@ -126,7 +132,7 @@ class KVCCodec(Codec):
         "calibration": "", "k_qgamma": 1.5, "v_attn": 0.5, "k_attn": 1.0, "attn_clip": 2.0, "attn_coarse": 1.5,
         "sens": 1.0, "sens_clip": 2.0, "sens_coarse": 1.5, "recent_ramp": 0, "recent_fine": 1.0,
         "delta": 1, "calibration_sha256": "", "ctx": [], "k_recon": 0, "pack": 2, "target_kl": 0.0,
-        "fallback": "refuse",
+        "fallback": "refuse", "query_pos": 0,
     }
 
     def check_params(self) -> None:
@@ -171,6 +177,9 @@ class KVCCodec(Codec):
             raise ConfigError(f"kvc target_kl must be in [0, 10] (0 = off), got {p['target_kl']}")
         if p["fallback"] not in ("refuse", "steps"):
             raise ConfigError(f"kvc fallback must be 'refuse' or 'steps', got {p['fallback']!r}")
+        q = p["query_pos"]
+        if not isinstance(q, int) or isinstance(q, bool) or not 0 <= q <= 1 << 40:
+            raise ConfigError(f"kvc query_pos must be an integer in [0, 2**40] (0 = after the cache), got {q!r}")
         if not 0.0 <= p["sens"] <= 4.0 or not 1.0 <= p["sens_clip"] <= 256.0 or not 1.0 <= p["sens_coarse"] <= 256.0:
             raise ConfigError("kvc sens must be in [0, 4], sens_clip and sens_coarse in [1, 256]")
         try:
@@ -191,6 +200,7 @@ class KVCCodec(Codec):
             ConfigError: it is for another model, or its hash differs from ``calibration_sha256``.
         """
         config = self.get_config()
+        del config["query_pos"]  # encoder-only: where the attention estimates put the queries
         target = self.params["target_kl"]
         refuse = self.params["fallback"] == "refuse"
         if not target or not self.params["calibration"]:
@@ -236,7 +246,7 @@ class KVCCodec(Codec):
             state["params"] = params  # the profile's settings, read by encode_planes
         return Prepared(config, state, lambda: pool.shutdown(wait=True, cancel_futures=True))
 
-    def part_config(self, first: bool = False, last: bool = False) -> dict[str, Any]:
+    def part_config(self, first: bool = False, last: bool = False, query_pos: int = 0) -> dict[str, Any]:
         """This codec's config for a *part* of a longer sequence (an independent chunk): no
         leading sink tokens stored exactly unless the part is the sequence's ``first``, and no
         finer steps for its latest tokens unless it is the ``last`` (they are no sequence's
@@ -245,6 +255,9 @@ class KVCCodec(Codec):
 
         The recency ramp carries much of a level's KL (eval/results/lmcache_chunks.md: without
         it on every chunk KL rises 2.5-3x): use ``last`` on the chunk that ends the sequence.
+        ``query_pos``: where the sequence ends (its token count), when known: the calibrated
+        encoder estimates the attention a part's tokens will get from queries there rather than
+        just after the part (``query_pos`` of the codec).
 
         Example:
             >>> import kvcodec
@@ -264,6 +277,8 @@ class KVCCodec(Codec):
             config["sinks"] = 0
         if not last:
             config["recent_ramp"] = 0
+        if query_pos:
+            config["query_pos"] = int(query_pos)
         return config
 
     def _calibration_plan(self, cache: KVCache, stats: QueryStats, pool: Any = None,
@@ -289,9 +304,10 @@ class KVCCodec(Codec):
                 entry["q_energy"] = e.astype(np.float64)
             if p["v_attn"] > 0 or p["k_attn"] > 0:
                 if pool is not None:
-                    entry["attn"] = pool.submit(lambda i=i, k=k: attention_estimate(stats, i, k.float().numpy()))
+                    entry["attn"] = pool.submit(lambda i=i, k=k: attention_estimate(stats, i, k.float().numpy(),
+                                                                                     query_pos=p["query_pos"]))
                 else:
-                    a = attention_estimate(stats, i, k.float().numpy())
+                    a = attention_estimate(stats, i, k.float().numpy(), query_pos=p["query_pos"])
                     if a is not None:
                         entry["attn"] = a
             plan[i] = entry

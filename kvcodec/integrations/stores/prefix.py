@@ -86,7 +86,8 @@ def put_prefix(store: Store, cache: KVCache, codec: Any = "kvc-near", chunk_toke
     keys = chunk_keys(cache.token_ids, chunk_tokens, model or cache.model.model_id, salt, namespace)
     for i, key in enumerate(keys):
         if not store.exists(key):
-            one = get_codec(c.part_config(first=i == 0, last=i == len(keys) - 1)) if hasattr(c, "part_config") else c
+            one = get_codec(c.part_config(first=i == 0, last=i == len(keys) - 1, query_pos=cache.num_tokens)) \
+                if hasattr(c, "part_config") else c
             store.put(key, one.encode(_slice(cache, i * chunk_tokens, (i + 1) * chunk_tokens)))
     return len(keys)
 
