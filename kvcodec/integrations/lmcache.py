@@ -32,7 +32,8 @@ Serde kwargs:
     max_workers: serde threads (default 1).
 
 What is stored is one *kvcodec chunk frame* (formats/lmcache-frame.md): a 32-byte header (magic
-``KVCL``, version, payload length, a digest of the LMCache object key) and a KVC file. A chunk
+``KVCL``, version, flags, payload length, a digest of the LMCache object key) and a KVC file whose
+own header (manifest, checksums: 5-9 % of a 256-token kvc chunk) is zstd-compressed. A chunk
 that is damaged, truncated, foreign or stored under another key raises here; LMCache then
 reports it as a miss (the prefix is recomputed) and this module logs why. It never yields
 wrong tensors: KVC files are checksummed, and shapes and key are checked before anything is
