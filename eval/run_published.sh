@@ -41,6 +41,7 @@ kvc_alloc3|python eval/studies/kvc_alloc.py --variants 'search settings,sens 8/2
 kvc_length|python eval/studies/kvc_length.py --lengths 512,1024,1536,2048,4096 --out eval/results/kvc_length
 kvc_entropy_levels|python eval/studies/kvc_entropy_levels.py --out eval/results/kvc_entropy_levels
 kvc_ctx_levels|python eval/studies/kvc_ctx_levels.py --out eval/results/kvc_ctx_levels
+kvc_gpu_layout|python eval/studies/kvc_gpu_layout.py --out eval/results/kvc_gpu_layout
 kvc_ctx_parts|python eval/studies/kvc_ctx_parts.py --out eval/results/kvc_ctx_parts
 lmcache_chunks|python eval/studies/lmcache_chunks.py --models smollm2-135m --out eval/results/lmcache_chunks
 lmcache_chunks_256|python eval/studies/lmcache_chunks.py --models smollm2-135m --chunks 0,256 --codecs kvc-transparent,kvc-near,kvc-aggressive,kvc-transparent/pos,kvc-near/pos,kvc-aggressive/pos --out eval/results/lmcache_chunks_256
