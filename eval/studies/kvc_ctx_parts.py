@@ -64,35 +64,28 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     prov = provenance(argv)
     import kvcodec
-    from kvcodec.harness.capture import capture
-    from kvcodec.harness.models import load_model
-    from kvcodec.harness.studies import model_profile, profile_dir
-    from kvcodec.harness.texts import eval_text
+    from kvcodec.harness.studies import profiled_domain_caches
     from kvcodec.integrations.lmcache import ChunkCoder, to_chunks
 
     torch.set_num_threads(2)
     rows: list[dict[str, Any]] = []
-    for name in args.models.split(","):
-        model, tok = load_model(name)
-        path, _ = model_profile(name, model, tok, profile_dir())  # reused, or made (minutes)
-        for dom in args.domains.split(","):
-            cache = capture(model, tok, eval_text(dom), args.context, dtype=torch.float16)
-            heads, dim = int(cache.layers[0]["k"].shape[1]), int(cache.layers[0]["k"].shape[2])
-            for n in (int(x) for x in args.chunks.split(",")):
-                parts = to_chunks(cache, n)
-                elems = sum(p.numel() for p in parts)
-                for level in LEVELS:
-                    codec = kvcodec.get_codec({"id": level, "calibration": str(path)})
-                    for ramp in (False, True):
-                        cfg = codec.part_config(first=False, last=ramp)
-                        bits = {}
-                        for label, over in (("ctx", {}), ("off", {"ctx": []})):
-                            coder = ChunkCoder({**cfg, **over}, num_kv_heads=heads, head_dim=dim, model=name)
-                            bits[label] = 8.0 * sum(len(coder.encode(p)) for p in parts) / elems
-                        rows.append({"model": name, "domain": dom, "chunk": n, "codec": level, "ramp": ramp,
-                                     "ctx": list(cfg["ctx"]), "bits_ctx": bits["ctx"], "bits_off": bits["off"]})
-                        print(json.dumps(rows[-1]), flush=True)
-        del model, tok
+    for name, path, dom, cache in profiled_domain_caches(args.models.split(","), args.domains.split(","),
+                                                         args.context, dtype=torch.float16):
+        heads, dim = int(cache.layers[0]["k"].shape[1]), int(cache.layers[0]["k"].shape[2])
+        for n in (int(x) for x in args.chunks.split(",")):
+            parts = to_chunks(cache, n)
+            elems = sum(p.numel() for p in parts)
+            for level in LEVELS:
+                codec = kvcodec.get_codec({"id": level, "calibration": str(path)})
+                for ramp in (False, True):
+                    cfg = codec.part_config(first=False, last=ramp)
+                    bits = {}
+                    for label, over in (("ctx", {}), ("off", {"ctx": []})):
+                        coder = ChunkCoder({**cfg, **over}, num_kv_heads=heads, head_dim=dim, model=name)
+                        bits[label] = 8.0 * sum(len(coder.encode(p)) for p in parts) / elems
+                    rows.append({"model": name, "domain": dom, "chunk": n, "codec": level, "ramp": ramp,
+                                 "ctx": list(cfg["ctx"]), "bits_ctx": bits["ctx"], "bits_off": bits["off"]})
+                    print(json.dumps(rows[-1]), flush=True)
     doc = {"models": args.models.split(","), "context": args.context, "domains": args.domains.split(","),
            "chunks": [int(x) for x in args.chunks.split(",")], "rows": rows}
     write_result(args.out, doc, report(doc), prov=prov, echo=True)

@@ -64,30 +64,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     prov = provenance(argv)
     import kvcodec
-    from kvcodec.harness.capture import capture
-    from kvcodec.harness.models import load_model
-    from kvcodec.harness.studies import model_profile, profile_dir
-    from kvcodec.harness.texts import eval_text
+    from kvcodec.harness.studies import profiled_domain_caches
 
     torch.set_num_threads(2)
     layouts = args.layouts.split(",")
     rows: list[dict[str, Any]] = []
-    for name in args.models.split(","):
-        model, tok = load_model(name)
-        path, _ = model_profile(name, model, tok, profile_dir())  # reused, or made (minutes)
-        for dom in args.domains.split(","):
-            cache = capture(model, tok, eval_text(dom), args.context, dtype=torch.float16)
-            h, d = cache.layers[0]["k"].shape[1:]
-            for level in LEVELS:
-                for lay in layouts:
-                    g, c = (int(x) for x in lay.split("x"))
-                    blob = kvcodec.get_codec({"id": level, "calibration": str(path), "rows_per_stream": g,
-                                              "chunk": c}).encode(cache)
-                    streams = math.ceil((h * d + h) / g) * math.ceil(cache.num_tokens / c)
-                    rows.append({"model": name, "domain": dom, "codec": level, "layout": lay, "streams": streams,
-                                 "bits": 8.0 * len(blob) / cache.num_elements})
-                    print(json.dumps(rows[-1]), flush=True)
-        del model, tok
+    for name, path, dom, cache in profiled_domain_caches(args.models.split(","), args.domains.split(","),
+                                                         args.context, dtype=torch.float16):
+        h, d = cache.layers[0]["k"].shape[1:]
+        for level in LEVELS:
+            for lay in layouts:
+                g, c = (int(x) for x in lay.split("x"))
+                blob = kvcodec.get_codec({"id": level, "calibration": str(path), "rows_per_stream": g,
+                                          "chunk": c}).encode(cache)
+                streams = math.ceil((h * d + h) / g) * math.ceil(cache.num_tokens / c)
+                rows.append({"model": name, "domain": dom, "codec": level, "layout": lay, "streams": streams,
+                             "bits": 8.0 * len(blob) / cache.num_elements})
+                print(json.dumps(rows[-1]), flush=True)
     doc = {"models": args.models.split(","), "context": args.context, "domains": args.domains.split(","),
            "layouts": layouts, "rows": rows}
     write_result(args.out, doc, report(doc), prov=prov, echo=True)

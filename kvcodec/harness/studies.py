@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 #: The calibration text starts at this token of the built-in text, after every evaluated window
 #: (eval/studies/kvc_rd.py's ``--calib-skip`` default).
@@ -68,6 +68,24 @@ def model_profile(model_name: str, model: Any, tok: Any, out_dir: Path | None = 
     out_dir.mkdir(parents=True, exist_ok=True)
     save_query_statistics(stats, path)
     return path, secs
+
+
+def profiled_domain_caches(models: list[str], domains: list[str], context: int,
+                           dtype: Any = None) -> Iterator[tuple[str, Path, str, Any]]:
+    """``(model, profile path, domain, cache)`` for each model (loaded once, with its profile from
+    :func:`model_profile`) and evaluation domain (:func:`kvcodec.harness.texts.eval_text`): the
+    cache of ``context`` tokens from the text's start (one prefill, in ``dtype``; default the
+    model's). A model is released before the next is loaded."""
+    from .capture import capture
+    from .models import load_model
+    from .texts import eval_text
+
+    for name in models:
+        model, tok = load_model(name)
+        path, _ = model_profile(name, model, tok, profile_dir())  # reused, or made (minutes)
+        for dom in domains:
+            yield name, path, dom, capture(model, tok, eval_text(dom), context, dtype=dtype)
+        del model, tok
 
 
 def held_out_calibration(context: int) -> Path:

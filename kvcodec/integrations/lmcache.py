@@ -119,9 +119,9 @@ def _unstore(flags: int, stored: memoryview) -> bytes:
         head = zstandard.ZstdDecompressor().decompress(z, max_output_size=params.content_size)
     except zstandard.ZstdError as e:
         raise FormatError(f"kvcodec frame: compressed header does not decompress: {e}") from None
-    if len(head) != 8 + int.from_bytes(head[:8], "little"):
-        raise FormatError(f"kvcodec frame: compressed header holds {len(head)} bytes, its length field says "
-                          f"{8 + int.from_bytes(head[:8], 'little')}")
+    want = 8 + int.from_bytes(head[:8], "little")
+    if len(head) != want:
+        raise FormatError(f"kvcodec frame: compressed header holds {len(head)} bytes, its length field says {want}")
     return head + bytes(stored[_ZLEN.size + zlen:])
 
 
@@ -284,19 +284,23 @@ class ChunkCoder:
         """
         cache = self.to_cache(chunk.detach().cpu(), model=getattr(key, "model_name", ""))
         limit = self.max_bytes(chunk.shape, chunk.dtype) - FRAME_HEADER.size
-        flags, payload = _store(self._codec.encode(cache))
+
+        def coded(factor: float) -> tuple[int, bytes]:  # (flags, stored payload) at steps factor x coarser
+            return _store((self._codec if factor == 1.0 else self._coarser_codec(factor)).encode(cache))
+
+        flags, payload = coded(1.0)
         coarser, fine = 1.0, 1.0
         for _ in range(_COARSEN_TRIES if self.budget_bits else 0):
             if len(payload) <= limit:
                 break
             fine, coarser = coarser, coarser * 1.5
-            flags, payload = _store(self._coarser_codec(coarser).encode(cache))
+            flags, payload = coded(coarser)
         if coarser > 1.0 and len(payload) <= limit:
             # the budget is paid in full (padding): take the finest steps that fit, between the
             # last factor that did not fit and the first that did (bisection, 1.5x -> 1.05x)
             for _ in range(_BISECT_TRIES):
                 mid = (fine * coarser) ** 0.5
-                tflags, trial = _store(self._coarser_codec(mid).encode(cache))
+                tflags, trial = coded(mid)
                 if len(trial) <= limit:
                     coarser, flags, payload = mid, tflags, trial
                 else:
