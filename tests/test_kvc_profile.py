@@ -564,7 +564,7 @@ def test_the_search_never_scores_the_same_step_twice():
     # its points before scoring and stops there; test_a_search_that_cannot_meet_its_aim_returns_bounded)
 
 
-def _search(crit_of, refine_s=1e9):
+def _search(crit_of, max_scores=8):
     from kvcodec.harness.profile import search_levels
 
     calls = []
@@ -574,7 +574,7 @@ def _search(crit_of, refine_s=1e9):
         c = crit_of(k)
         return c, [c], 4.0 - math.log2(k)
 
-    _, _, chosen = search_levels(score, {"near": 0.01}, 2.0, refine_s=refine_s)
+    _, _, chosen = search_levels(score, {"near": 0.01}, 2.0, max_scores=max_scores)
     return calls, chosen["near"]
 
 
@@ -584,10 +584,22 @@ def test_a_level_met_low_in_its_band_gets_one_score_closer_to_its_target():
     calls, lv = _search(lambda k: 0.0332 * k * k)
     assert len(calls) == 2 and calls[1] == pytest.approx(0.5 * math.sqrt(0.96 / 0.83), rel=1e-6)
     assert lv["k_step"] == calls[1] and 0.009 <= lv["kl_search"] <= 0.01
-    # no time left (or refinement off): the first met step stands
-    for refine_s in (None, -1.0):
-        calls, lv = _search(lambda k: 0.0332 * k * k, refine_s)
+    # no scores left (or refinement off): the first met step stands
+    for max_scores in (None, 1):
+        calls, lv = _search(lambda k: 0.0332 * k * k, max_scores)
         assert calls == [0.5] and lv["k_step"] == 0.5
+
+
+def test_the_search_is_bounded_by_scores_not_seconds(monkeypatch):
+    # the same scores give the same profile however slow the machine: a clock that jumps an
+    # hour per call changes nothing (the refinement used to stop after 420 s)
+    import itertools
+    import time as _time
+
+    ticks = itertools.count(0.0, 3600.0)
+    monkeypatch.setattr(_time, "perf_counter", lambda: next(ticks))
+    calls, lv = _search(lambda k: 0.0332 * k * k)
+    assert len(calls) == 2 and 0.009 <= lv["kl_search"] <= 0.01
 
 
 def test_a_refinement_that_misses_keeps_the_met_step_and_stops():

@@ -76,9 +76,10 @@ SEARCH_ENTROPY: dict[str, Any] = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chu
 #: (eval/results/kvc_profile.md measures how much).
 DEFAULT_MARGIN = 0.8
 WORST_FACTOR = 1.2
-#: The search refines a level it met low in its band only within this many seconds of the
-#: calibration's start (so a 0.5B model still calibrates within 10 minutes on 2 cores).
-REFINE_S = 420.0
+#: The search refines a level it met low in its band only while it has scored fewer than this
+#: many steps in all (a count, not seconds, so a profile does not depend on the machine's speed;
+#: the levels need 6-8 scores on both models here, so refinement gets what is left of 8).
+MAX_SCORES = 8
 
 
 def search_settings() -> dict[str, Any]:
@@ -178,14 +179,16 @@ def split_windows(tokenizer: Any, texts: dict[str, str], context: int, continuat
 
 def search_levels(score: Callable[[float], tuple[float, list[float], float]], levels: dict[str, float],
                   ratio: float, max_evals: int = 5, say: Callable[[str], None] = lambda m: None,
-                  t0: float | None = None, refine_s: float | None = REFINE_S,
+                  t0: float | None = None, max_scores: int | None = MAX_SCORES,
                   ) -> tuple[list[tuple[float, float, float]], dict[float, list[float]], dict[str, dict[str, Any]]]:
     """The closed loop of :func:`build_profile`: ``score(k_step) -> (criterion, per-window KL,
     bits)``; for each level (coarsest first) secant steps until the criterion sits in [0.8, 1]
     times the target (at most ``max_evals`` scores, then up to 4 halvings if none met it). A
     level met below 0.9 times its target gets one more score, aimed at 0.96 times it from the
-    points either side, while fewer than ``refine_s`` seconds have passed since ``t0`` (None:
-    never): every 10 % of KL left unused costs about 0.04 bit per element.
+    points either side, while fewer than ``max_scores`` steps have been scored in all (None:
+    never); every 10 % of KL left unused costs about 0.04 bit per element. The refinement is
+    bounded by a count, so the same scores give the same profile on any machine; ``t0`` only
+    times the progress messages.
     Returns ``(points, window KLs by step, chosen)``: each level's coarsest measured step that
     meets its target with every finer measured step meeting it too (so a smaller target never
     gets a coarser step).
@@ -214,7 +217,7 @@ def search_levels(score: Callable[[float], tuple[float, list[float], float]], le
             if refining:
                 break
             if 0.8 * target <= crit <= target:
-                if crit >= 0.9 * target or refine_s is None or time.perf_counter() - t0 > refine_s:
+                if crit >= 0.9 * target or max_scores is None or len(points) >= max_scores:
                     break
                 refining = True  # met low in the band: one score closer to the target
                 s = _next_step(points, 0.96 * target)
@@ -254,7 +257,7 @@ def build_profile(
     max_evals: int = 5,
     max_windows: int = 4,
     max_held: int = 1,
-    refine_s: float | None = REFINE_S,
+    max_scores: int | None = MAX_SCORES,
     text_name: str = "custom",
     progress: Callable[[str], None] | None = None,
 ) -> QueryStats:
@@ -264,8 +267,8 @@ def build_profile(
     :data:`~kvcodec.codecs.kvc.profile.LEVELS`).
 
     A step meets a target when, over the search windows, the mean KL is at most ``margin *
-    target`` and the worst window's at most ``worst * target``. ``refine_s``: see
-    :func:`search_levels` (seconds from the start of this call).
+    target`` and the worst window's at most ``worst * target``. ``max_scores``: see
+    :func:`search_levels`.
 
     Raises:
         InputError: a text is shorter than a window, or bad arguments.
@@ -306,7 +309,7 @@ def build_profile(
                     "calibration": tmp.name}
 
         points, detail, chosen = search_levels(lambda k: score_windows(evs, config(k), margin, worst), levels, ratio,
-                                               max_evals, say, t0, refine_s)
+                                               max_evals, say, t0, max_scores)
         evs.clear()  # free the search windows before the held-out ones
         say(f"held-out windows ({', '.join(n for n, _ in held)}) ({time.perf_counter() - t0:.0f} s)")
         evs_h = [Evaluator(model, tokenizer, "", context, continuation, attn_queries=1, token_ids=w) for _, w in held]
@@ -328,7 +331,7 @@ def build_profile(
         "margin": 1.0,  # the points already hold the criterion below
         "search_margin": margin,
         "search_worst": worst,
-        "search_refine_s": refine_s,
+        "search_max_scores": max_scores,
         "criterion": f"max(mean KL / {margin}, worst window KL / {worst}) over the search windows",
         "points": [[float(s), float(c), float(b)] for s, c, b in sorted(points)],
         "window_kl": [[float(s), [float(x) for x in detail[s]]] for s in sorted(detail)],
@@ -343,5 +346,5 @@ def build_profile(
     return stats
 
 
-__all__ = ["DEFAULT_MARGIN", "REFINE_S", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "WORST_FACTOR", "build_profile", "kv_ratio", "score_windows",
+__all__ = ["DEFAULT_MARGIN", "MAX_SCORES", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "WORST_FACTOR", "build_profile", "kv_ratio", "score_windows",
            "search_levels", "search_settings", "split_windows"]
