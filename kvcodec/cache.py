@@ -194,6 +194,20 @@ class KVCache:
                 if role in layer:
                     yield i, role, layer[role]
 
+    def tokens(self, start: int, end: int) -> "KVCache":
+        """Tokens ``[start, end)`` of every layer (views), with their ids and positions.
+
+        Example:
+            >>> c = KVCache.from_tensors([(torch.zeros(10, 1, 4), torch.zeros(10, 1, 4))], token_ids=torch.arange(10))
+            >>> c.tokens(2, 5).num_tokens, c.tokens(2, 5).token_ids.tolist()
+            (3, [2, 3, 4])
+        """
+        return dataclasses.replace(
+            self, layers=[{r: t[start:end] for r, t in layer.items()} for layer in self.layers],
+            layer_info=list(self.layer_info),
+            token_ids=None if self.token_ids is None else self.token_ids[start:end],
+            positions=None if self.positions is None else self.positions[start:end], rope=dict(self.rope))
+
     def to(self, dtype: torch.dtype) -> "KVCache":
         """A copy with every tensor cast to ``dtype``."""
         return dataclasses.replace(

@@ -221,6 +221,40 @@ def test_docstring_examples():
     assert res.attempted and res.failed == 0
 
 
+def test_a_sequence_of_chunks_is_coded_as_placed_parts(tmp_path):
+    from kvcodec.harness.calibration import QueryStats, save_query_statistics
+    import numpy as np
+
+    chunks = [_chunk(tokens=64, seed=s) for s in (1, 2)] + [_chunk(tokens=40, seed=3)]
+    rng = np.random.default_rng(0)
+    stats = QueryStats([rng.uniform(0.1, 4, (2, 16)).astype(np.float32) for _ in range(3)],
+                       [rng.normal(size=(4, 8, 16)).astype(np.float32) for _ in range(3)], q_position=200,
+                       rope_theta=10000.0, meta={"model": "test"})
+    save_query_statistics(stats, tmp_path / "q.safetensors")
+    coder = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16, profile=str(tmp_path / "q.safetensors"))
+    keys = [_key(h=bytes([i]) * 32) for i in range(3)]
+    frames = coder.encode_sequence(chunks, keys)
+    kinds = []
+    for frame, chunk, key in zip(frames, chunks, keys):
+        out = torch.zeros_like(chunk)
+        coder.decode_into(frame, out, key)
+        assert (out.float() - chunk.float()).abs().max() < 2.0
+        with kvcodec.open(ChunkCoder.payload(frame)) as r:
+            kinds.append((r.manifest["codec"]["sinks"], r.manifest["codec"]["recent_ramp"]))
+    assert kinds == [(1, 0), (0, 0), (0, 128)]  # the sink in the first, the ramp in the last
+    # the same parts estimating their own attention (query_pos) get other steps: other bytes
+    mid = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16, profile=str(tmp_path / "q.safetensors"),
+                     part=True, query_pos=168)
+    assert ChunkCoder.payload(mid.encode(chunks[1], keys[1])) != ChunkCoder.payload(frames[1], keys[1])
+    # codecs without parts code each chunk as encode does
+    fp8 = ChunkCoder("fp8-e4m3", num_kv_heads=2, head_dim=16)
+    assert fp8.encode_sequence(chunks, keys) == [fp8.encode(c, k) for c, k in zip(chunks, keys)]
+    with pytest.raises(ConfigError, match="all but the last"):
+        coder.encode_sequence([chunks[2], chunks[0]])
+    with pytest.raises(ConfigError, match="budget"):
+        ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16, budget_bits=3).encode_sequence(chunks)
+
+
 def test_chunks_are_coded_whole_by_default_and_as_parts_on_request():
     whole = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16)
     part = ChunkCoder("kvc-near", num_kv_heads=2, head_dim=16, part=True)

@@ -123,6 +123,46 @@ def test_query_pos_moves_the_calibrated_steps_and_is_not_recorded(tmp_path):
     assert near.part_config()["query_pos"] == 0
 
 
+def test_encode_parts_gives_each_part_the_whole_files_steps(tmp_path):
+    """Parts coded by ``encode_parts`` take the whole cache's attention estimates, normalised
+    over all its tokens: one part is the whole file byte for byte, and every part's steps (its
+    decoded values) equal the whole file's on those tokens, where a part that estimates its own
+    attention (``query_pos``) does not."""
+    cache = _cache()
+    t = cache.num_tokens
+    p = tmp_path / "q.safetensors"
+    save_query_statistics(_stats(cache), p)
+    near = kvcodec.get_codec({"id": "kvc-near", "calibration": str(p), "recent_ramp": 0})
+    assert near.encode_parts(cache, t) == [near.encode(cache)]
+    assert near.encode_parts(cache, t + 5) == [near.encode(cache)]
+    whole = kvcodec.decode(near.encode(cache))
+    c = t // 2
+    parts = [kvcodec.decode(b) for b in near.encode_parts(cache, c)]
+    assert [x.num_tokens for x in parts] == [c, t - c]
+    for r in ("k", "v"):  # the parts code the same tokens to about the whole file's error
+        ref = cache.layers[0][r].float()
+        err_w = (whole.layers[0][r].float() - ref).pow(2).mean()
+        err_p = (torch.cat([x.layers[0][r] for x in parts]).float() - ref).pow(2).mean()
+        assert 0 < err_p < 2 * err_w, (r, err_p, err_w)
+    # a part's per-token step factors are the whole file's on its tokens (the norm is the whole
+    # cache's mean weight); normalised within the part, as before, they are not
+    a = attention_estimate(load_query_statistics(p), 0, cache.layers[0]["k"].float().numpy())
+    for e in (1.0, 0.5):
+        w = np.maximum(a.astype(np.float64), 1e-12) ** e
+        norm = w.mean(axis=0)
+        full = _attn_factor(a, e, 3.0, 1.0)
+        np.testing.assert_array_equal(_attn_factor(a[c:], e, 3.0, 1.0, norm), full[c:])
+        assert not np.array_equal(_attn_factor(a[c:], e, 3.0, 1.0), full[c:])
+    # the attention a middle part's tokens get is the whole cache's slice, not renormalised
+    seq = near._sequence_attention(cache, kvcodec.get_codec(near.part_config()).params)
+    for i, (att, norm) in seq.items():
+        np.testing.assert_array_equal(att, attention_estimate(load_query_statistics(p), i,
+                                                              cache.layers[i]["k"].float().numpy()))
+        assert norm["k"].shape == (att.shape[1],) and (norm["k"] > 0).all()
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        near.encode_parts(cache, 0)
+
+
 def test_attn_factor_normalised_and_clipped():
     a = np.random.default_rng(0).dirichlet(np.full(50, 0.3), size=3).T  # [n=50, H=3]
     m = _attn_factor(a, 1.0, 1e6)

@@ -6,7 +6,9 @@ codes every object as a whole cache (the serde's default: each with an exact fir
 finer steps for its last tokens); ``L/part`` codes every object as a part of a longer sequence
 (neither: ``KVCCodec.part_config``); ``L/pos`` as parts too, but the first keeps its sink token
 and the last, which ends the cache, its recency ramp, and every part's attention estimates take
-the queries at the cache's end (``query_pos``; what ``stores.prefix.put_prefix`` does).
+the queries at the cache's end (``query_pos``); ``L/seq`` as parts placed like ``L/pos``, every
+part's attention estimates being the whole cache's (``ChunkCoder.encode_sequence``,
+``KVCCodec.encode_parts``; what ``stores.prefix.put_prefix`` does since stop 31).
 The whole cache (chunk 0) of ``L/part`` and ``L/pos`` is coded as ``L``.
 
 For each model and evaluation domain (kvcodec.harness.texts, never used by calibration): a cache of
@@ -34,7 +36,7 @@ from kvcodec.harness.results import provenance, write_result
 
 BASELINES = ["fp8-e4m3", "kivi-4-ans", "cachegen", "cachegen-lmcache"]
 LEVELS = ["kvc-transparent", "kvc-near", "kvc-aggressive"]
-PARTS = [f"{c}/{m}" for m in ("part", "pos") for c in LEVELS]
+PARTS = [f"{c}/{m}" for m in ("part", "pos", "seq") for c in LEVELS]
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -79,11 +81,20 @@ def report(doc: dict[str, Any]) -> str:
 def code_in_chunks(cache: Any, coders: dict[str, Any], chunk: int) -> tuple[int, Any]:
     """Total frame bytes and the decoded cache when ``cache`` is stored as independent chunks of
     ``chunk`` tokens (0: one object), each coded by ``coders["whole"]``, or by ``"first"``,
-    ``"mid"`` and ``"last"`` by its place (one chunk alone is both first and last: ``"whole"``)."""
+    ``"mid"`` and ``"last"`` by its place (one chunk alone is both first and last: ``"whole"``),
+    or all at once by ``coders["seq"].encode_sequence``."""
     from kvcodec.integrations.lmcache import from_chunks, to_chunks
 
     parts = to_chunks(cache, chunk or cache.num_tokens)
     total, decoded = 0, []
+    if "seq" in coders and len(parts) > 1:  # the whole sequence at once
+        coder = coders["seq"]
+        for part, frame in zip(parts, coder.encode_sequence(parts)):
+            total += len(frame)
+            out = torch.empty_like(part)
+            coder.decode_into(frame, out)
+            decoded.append(out)
+        return total, from_chunks(decoded, coder.num_kv_heads, coder.head_dim)
     for i, part in enumerate(parts):
         place = "whole" if len(parts) == 1 or "mid" not in coders else \
             "first" if i == 0 else "last" if i == len(parts) - 1 else "mid"
@@ -104,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--continuation", type=int, default=512)
     ap.add_argument("--domains", default="prose,code,docs")
     ap.add_argument("--codecs", default=",".join(BASELINES + LEVELS + PARTS),
-                    help="codecs; a kvc level with /part or /pos: objects as parts of a longer sequence (docstring)")
+                    help="codecs; a kvc level with /part, /pos or /seq: objects as parts of a longer sequence (docstring)")
     ap.add_argument("--out", default="eval/results/lmcache_chunks")
     args = ap.parse_args(argv)
     prov = provenance(argv)
@@ -138,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                 base, _, mode = c.partition("/")
                 kw = dict(num_kv_heads=heads, head_dim=dim, profile=str(path) if base in LEVELS else None, model=name)
                 coders = {"whole": ChunkCoder(base, **kw)}
-                if mode:  # parts: no sink token or ramp of their own; /pos: the first and the last keep theirs
+                if mode == "seq":
+                    coders["seq"] = ChunkCoder(base, **kw)
+                elif mode:  # parts: no sink token or ramp of their own; /pos: the first and the last keep theirs
                     pos = {"query_pos": ref.num_tokens} if mode == "pos" else {}
                     coders.update(first=ChunkCoder(base, part=True, first=mode == "pos", **pos, **kw),
                                   mid=ChunkCoder(base, part=True, **pos, **kw),

@@ -76,6 +76,11 @@ _COARSEN_TRIES = 12
 _BISECT_TRIES = 3
 
 
+def _frame(flags: int, payload: bytes, key: Any) -> bytes:
+    """A frame: the 32-byte header (formats/lmcache-frame.md) and the stored payload."""
+    return FRAME_HEADER.pack(FRAME_MAGIC, FRAME_VERSION, flags, 0, len(payload), key_digest(key)) + payload
+
+
 def _store(kvc: bytes) -> tuple[int, bytes]:
     """``(flags, stored payload)`` of a KVC file: its header zstd-compressed when that is smaller
     (it always is for a real file; a file too short to have a header is stored as it is)."""
@@ -313,11 +318,37 @@ class ChunkCoder:
                                  f"with steps {coarser:g}x coarser; budget_bits={self.budget_bits} allows {limit}")
             # never larger than max_bytes (its definition), compressed header or not
             flags, payload = _store(get_codec("raw").encode(cache))
-        header = FRAME_HEADER.pack(FRAME_MAGIC, FRAME_VERSION, flags, 0, len(payload), key_digest(key))
-        frame = header + payload
+        frame = _frame(flags, payload, key)
         if self.budget_bits:
             frame += bytes(limit + FRAME_HEADER.size - len(frame))
         return frame
+
+    def encode_sequence(self, chunks: list[torch.Tensor], keys: list[Any] | None = None) -> list[bytes]:
+        """The frames of consecutive chunks of one sequence that starts with the first and ends
+        with the last (variable size), for a caller that holds them all (a prefix offloaded at
+        once): a kvc codec codes them as parts with the whole sequence's attention estimates
+        (``KVCCodec.encode_parts``), which keeps 256-token chunks within about 10 % of the whole
+        file's bits at its KL (eval/results/lmcache_chunks_256.md); other codecs code each chunk
+        as :meth:`encode` does.
+
+        Raises:
+            ConfigError: in the fixed-budget mode (each chunk must then fit its own budget: use
+                :meth:`encode`), or chunks of different lengths but the last.
+        """
+        if self.budget_bits:
+            raise ConfigError("kvcodec serde: encode_sequence writes variable sizes; the fixed-budget mode "
+                              "codes each chunk with encode")
+        keys = [None] * len(chunks) if keys is None else list(keys)
+        if len(keys) != len(chunks) or not chunks:
+            raise ConfigError(f"encode_sequence: {len(chunks)} chunks and {len(keys)} keys")
+        sizes = [int(c.shape[2]) for c in chunks]
+        if any(n != sizes[0] for n in sizes[:-1]) or sizes[-1] > sizes[0]:
+            raise ConfigError(f"encode_sequence: chunks of {sizes} tokens; all but the last must be equal")
+        codec = get_codec(self._config())
+        if not hasattr(codec, "encode_parts"):
+            return [self.encode(c, k) for c, k in zip(chunks, keys)]
+        cache = from_chunks([c.detach().cpu() for c in chunks], self.num_kv_heads, self.head_dim, model=self.model)
+        return [_frame(*_store(blob), key) for blob, key in zip(codec.encode_parts(cache, sizes[0]), keys)]
 
     @staticmethod
     def payload(buf: bytes | bytearray | memoryview, key: Any = None) -> bytes:

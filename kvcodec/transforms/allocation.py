@@ -58,14 +58,15 @@ def waterlevel_for_rate(variances: np.ndarray, rate: float, iters: int = 200) ->
     return float(np.exp(0.5 * (lo + hi)))
 
 
-def weighted_steps(step: float, weights: np.ndarray) -> np.ndarray:
+def weighted_steps(step: float, weights: np.ndarray, mean: float | None = None) -> np.ndarray:
     """Steps ``step * (w / mean(w)) ** -1/2``: equal *weighted* distortion per coordinate.
 
     Weights are normalised to mean 1 so ``step`` keeps its meaning; zero weights get the largest
-    finite step of the others.
+    finite step of the others. ``mean``: normalise by this instead of the weights' own mean
+    (the weights are a slice of a longer sequence whose mean it is).
     """
     w = np.asarray(weights, dtype=np.float64)
-    m = w.mean() if w.size else 1.0
+    m = (w.mean() if w.size else 1.0) if mean is None else float(mean)
     if w.size == 0 or m <= 0:
         return np.full(w.shape, float(step))
     r = w / m

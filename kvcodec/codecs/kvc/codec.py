@@ -11,6 +11,7 @@ docs/kvc-design.md.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from types import SimpleNamespace
 from typing import Any
 
@@ -281,6 +282,75 @@ class KVCCodec(Codec):
             config["query_pos"] = int(query_pos)
         return config
 
+    def encode_parts(self, cache: KVCache, chunk_tokens: int, last: bool = True,
+                     only: Any = None) -> list[bytes | None]:
+        """``cache`` as independent files of ``chunk_tokens`` tokens (the last may be shorter),
+        each a part of one sequence (:meth:`part_config`): the first keeps the sink tokens, the
+        last (when ``last``: it ends the sequence) the recency ramp. With a calibration, every
+        part's attention estimates are the whole cache's (the queries at its end, normalised over
+        all its tokens), so each token gets the step it would get in the whole file; a part that
+        estimated its own (``query_pos``) normalised within itself, which left the chunk with the
+        most attention coarser and the others finer than the whole file
+        (eval/results/lmcache_chunks_256.md). One part is :meth:`encode`, byte for byte.
+        ``only``: the indices of the parts wanted (the others come back as None, uncoded).
+
+        Example:
+            >>> import kvcodec, torch
+            >>> layer = (torch.randn(40, 2, 8, dtype=torch.float16),) * 2
+            >>> cache = kvcodec.KVCache.from_tensors([layer])
+            >>> [len(kvcodec.decode(b).layers[0]["k"]) for b in kvcodec.get_codec("kvc-near").encode_parts(cache, 16)]
+            [16, 16, 8]
+
+        Raises:
+            ConfigError: ``chunk_tokens`` < 1, or what :meth:`encode` raises.
+        """
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ConfigError(f"encode_parts: chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        t = cache.num_tokens
+        bounds = [(a, min(a + chunk_tokens, t)) for a in range(0, t, chunk_tokens)] or [(0, 0)]
+        codecs = [type(self)(**{k: v for k, v in self.part_config(first=i == 0, last=last and i == len(bounds) - 1)
+                                .items() if k != "id"}) for i in range(len(bounds))]
+        whole = self._sequence_attention(cache, codecs[0].params) if self.params["calibration"] else None
+        out: list[bytes | None] = []
+        for n, ((a, b), codec) in enumerate(zip(bounds, codecs)):
+            if only is not None and n not in only:
+                out.append(None)
+                continue
+            token = _PART_ATTENTION.set(None if whole is None else
+                                        {i: (att[a:b], norm) for i, (att, norm) in whole.items()})
+            try:
+                out.append(codec.encode(cache.tokens(a, b)))
+            finally:
+                _PART_ATTENTION.reset(token)
+        return out
+
+    def _sequence_attention(self, cache: KVCache, p: dict[str, Any]) -> dict[int, tuple[np.ndarray, dict[str, np.ndarray]]]:
+        """Per layer, the whole cache's attention estimates and, per role, the mean of their
+        weights over the tokens the whole file would code (all but its first ``sinks`` and last
+        ``recent`` tokens): what :func:`_attn_factor` normalises by (``p``: the parts' settings)."""
+        if p["k_attn"] <= 0 and p["v_attn"] <= 0:
+            return {}
+        stats = Calibration.load(self.params["calibration"]).stats
+        t = cache.num_tokens
+        s = min(p["sinks"], t)
+        r = min(p["recent"], t - s)
+        keep = np.ones(t, dtype=bool)
+        keep[:s] = False
+        if r:
+            keep[t - r:] = False
+        out = {}
+        for i, layer in enumerate(cache.layers):
+            if "k" not in layer or i >= stats.num_layers:
+                continue
+            att = attention_estimate(stats, i, layer["k"].float().numpy())
+            if att is None:
+                continue
+            a = np.maximum(np.asarray(att[keep], dtype=np.float64), 1e-12)
+            norm = {role: np.array([(a[:, j] ** e).mean() if a.shape[0] else 1.0 for j in range(a.shape[1])])
+                    for role, e in (("k", p["k_attn"]), ("v", p["v_attn"]))}
+            out[i] = (att, norm)
+        return out
+
     def _calibration_plan(self, cache: KVCache, stats: QueryStats, pool: Any = None,
                           params: Any = None) -> dict[Any, dict[str, Any]]:
         """Per layer: ``q_energy``, ``attn`` (with ``pool``, an executor, a future of it, resolved
@@ -291,6 +361,7 @@ class KVCCodec(Codec):
             raise ConfigError(f"kvc calibration {self.params['calibration']!r} has {stats.num_layers} "
                               f"layers, the cache {cache.num_layers}: it is for another model")
         plan: dict[int, dict[str, Any]] = {}
+        seq = _PART_ATTENTION.get()  # a part of a longer sequence (encode_parts): its attention is given
         for i, layer in enumerate(cache.layers):
             if "k" not in layer:
                 continue
@@ -302,7 +373,10 @@ class KVCCodec(Codec):
                     raise ConfigError(f"kvc calibration: layer {i} query energy is {list(e.shape)}, "
                                       f"K heads x channels {list(k.shape[1:])}")
                 entry["q_energy"] = e.astype(np.float64)
-            if p["v_attn"] > 0 or p["k_attn"] > 0:
+            if seq is not None:
+                if i in seq:
+                    entry["attn"], entry["attn_norm"] = seq[i]
+            elif p["v_attn"] > 0 or p["k_attn"] > 0:
                 if pool is not None:
                     entry["attn"] = pool.submit(lambda i=i, k=k: attention_estimate(stats, i, k.float().numpy(),
                                                                                      query_pos=p["query_pos"]))
@@ -441,7 +515,8 @@ class KVCCodec(Codec):
                 # kept so every sum stays a valid code), coded as H extra rows
                 m = np.ones((n, h))
                 if use_attn:
-                    m = _attn_factor(attn[~mask], p["k_attn"], p["attn_clip"], p["attn_coarse"])
+                    m = _attn_factor(attn[~mask], p["k_attn"], p["attn_clip"], p["attn_coarse"],
+                                     calib.get("attn_norm", {}).get("k"))
                 if rec is not None:
                     m = m * rec[:, None]
                 lo = STEP_CODE_MIN - sc.min(axis=1)
@@ -467,7 +542,8 @@ class KVCCodec(Codec):
             attn = vcal.get("attn")
             if attn is not None and n and attn.shape == (t, h) and p["v_attn"] > 0:
                 # the output error of a token's V scales with the attention it receives
-                rel = rel * _attn_factor(attn[~mask], p["v_attn"], p["attn_clip"], p["attn_coarse"])
+                rel = rel * _attn_factor(attn[~mask], p["v_attn"], p["attn_clip"], p["attn_coarse"],
+                                         vcal.get("attn_norm", {}).get("v"))
             if rec is not None:
                 rel = rel * rec[:, None]
             sc = step_code(rel)
@@ -653,3 +729,9 @@ class KVCCodec(Codec):
         xh = np.clip(xh, -lim, lim)
         out[~keep] = torch.from_numpy(np.ascontiguousarray(xh)).to(ctx.dtype)
         return out
+
+
+#: While :meth:`KVCCodec.encode_parts` codes a part: per layer ``(the whole cache's attention
+#: estimates on the part's tokens [t, H], {"k": mean weight [H], "v": mean weight [H]})``.
+_PART_ATTENTION: ContextVar[dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] | None] = \
+    ContextVar("kvc_part_attention", default=None)

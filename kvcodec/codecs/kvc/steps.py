@@ -97,7 +97,8 @@ def recency_factor(t: int, coded: np.ndarray, ramp: int, fine: float) -> np.ndar
     return np.clip(np.sqrt((d + 1.0) / ramp), 1.0 / fine, 1.0)
 
 
-def _attn_factor(a: np.ndarray, exponent: float, clip: float, coarse: float | None = None) -> np.ndarray:
+def _attn_factor(a: np.ndarray, exponent: float, clip: float, coarse: float | None = None,
+                 norm: np.ndarray | None = None) -> np.ndarray:
     """Step multipliers per (token, head) from estimated attention ``a [n, H]``:
     ``weighted_steps(1, a ** exponent)`` per head, i.e. ``(w / mean w) ** -1/2`` with
     ``w = a ** exponent``, clipped to ``[1/clip, coarse]`` (``coarse`` defaults to ``clip``).
@@ -113,12 +114,17 @@ def _attn_factor(a: np.ndarray, exponent: float, clip: float, coarse: float | No
     queries, not the real future ones, so a smaller exponent and a tight clip measured best
     (eval/results/kvc_presets.md).
 
+    ``norm [H]``: the mean of ``w`` to normalise by, per head, when ``a`` is a part of a longer
+    sequence whose estimates are on the same scale (:meth:`KVCCodec.encode_parts`); the part's
+    tokens then get the steps they would get in the whole sequence's file.
+
     Example:
         >>> _attn_factor(np.array([[0.2], [0.05], [0.0]]), 2.0, 2.0).round(3).tolist()
         [[0.595], [2.0], [2.0]]
     """
     a = np.maximum(np.asarray(a, dtype=np.float64), 1e-12)
-    m = np.stack([weighted_steps(1.0, a[:, j] ** exponent) for j in range(a.shape[1])], axis=1)
+    m = np.stack([weighted_steps(1.0, a[:, j] ** exponent, None if norm is None else norm[j])
+                  for j in range(a.shape[1])], axis=1)
     return np.clip(m, 1.0 / clip, clip if coarse is None else coarse)
 
 

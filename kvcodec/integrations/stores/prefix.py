@@ -3,9 +3,10 @@
 Engines reuse a cache by its *prefix*: a request that starts with the same tokens as a stored
 one can load the stored chunks and compute only the rest. :func:`put_prefix` cuts a cache into
 chunks of ``chunk_tokens`` tokens, codes each as an independent KVC file recording its token ids (kvc
-codes it as a part of a longer sequence, ``KVCCodec.part_config``: the first chunk keeps its
+codes it as a part of a longer sequence, ``KVCCodec.encode_parts``: the first chunk keeps its
 exact sink token, the last stored chunk, which ends the prefix, keeps the finer steps for the
-latest tokens, and the chunks between get neither), and stores it
+latest tokens, the chunks between get neither, and every chunk's attention-weighted steps are
+those of the whole prefix's file), and stores it
 under :func:`chunk_keys`; :func:`get_prefix` walks the keys of a new token sequence and loads
 the longest stored prefix of whole chunks.
 
@@ -63,13 +64,6 @@ def chunk_keys(token_ids: Any, chunk_tokens: int = 256, model: str = "", salt: s
     return keys
 
 
-def _slice(cache: KVCache, start: int, end: int) -> KVCache:
-    return KVCache(layers=[{r: t[start:end] for r, t in layer.items()} for layer in cache.layers],
-                   layer_info=list(cache.layer_info), token_ids=cache.token_ids[start:end],
-                   positions=None if cache.positions is None else cache.positions[start:end],
-                   model=cache.model, rope_applied=cache.rope_applied, rope=dict(cache.rope))
-
-
 def put_prefix(store: Store, cache: KVCache, codec: Any = "kvc-near", chunk_tokens: int = 256, model: str = "",
                salt: str = "", namespace: str = "kvc") -> int:
     """Store the whole chunks of ``cache`` (which must carry ``token_ids``) that the store does not
@@ -84,11 +78,17 @@ def put_prefix(store: Store, cache: KVCache, codec: Any = "kvc-near", chunk_toke
         raise InputError("put_prefix keys chunks by their token ids: the cache has none")
     c = codec if isinstance(codec, Codec) else get_codec(codec)
     keys = chunk_keys(cache.token_ids, chunk_tokens, model or cache.model.model_id, salt, namespace)
-    for i, key in enumerate(keys):
-        if not store.exists(key):
-            one = get_codec(c.part_config(first=i == 0, last=i == len(keys) - 1, query_pos=cache.num_tokens)) \
-                if hasattr(c, "part_config") else c
-            store.put(key, one.encode(_slice(cache, i * chunk_tokens, (i + 1) * chunk_tokens)))
+    missing = {i for i, key in enumerate(keys) if not store.exists(key)}
+    if not missing:
+        return len(keys)
+    stored = cache.tokens(0, len(keys) * chunk_tokens)
+    if hasattr(c, "encode_parts"):  # kvc: parts of one sequence, the whole cache's attention estimates
+        blobs = c.encode_parts(stored, chunk_tokens, only=missing)
+    else:
+        blobs = [c.encode(stored.tokens(i * chunk_tokens, (i + 1) * chunk_tokens)) if i in missing else None
+                 for i in range(len(keys))]
+    for i in sorted(missing):
+        store.put(keys[i], blobs[i])
     return len(keys)
 
 
