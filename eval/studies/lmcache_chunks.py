@@ -8,7 +8,8 @@ finer steps for its last tokens); ``L/part`` codes every object as a part of a l
 and the last, which ends the cache, its recency ramp, and every part's attention estimates take
 the queries at the cache's end (``query_pos``); ``L/seq`` as parts placed like ``L/pos``, every
 part's attention estimates being the whole cache's (``ChunkCoder.encode_sequence``,
-``KVCCodec.encode_parts``; what ``stores.prefix.put_prefix`` does since stop 31).
+``KVCCodec.encode_parts``; what ``stores.prefix.put_prefix`` does since stop 31); ``L/seq@F``
+the same at the level's target times ``F`` (a second point, to compare bits at equal KL).
 The whole cache (chunk 0) of ``L/part`` and ``L/pos`` is coded as ``L``.
 
 For each model and evaluation domain (kvcodec.harness.texts, never used by calibration): a cache of
@@ -27,16 +28,55 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvcodec.codecs.kvc.profile import LEVELS as PROFILE_LEVELS
 from kvcodec.harness.results import provenance, write_result
 
 BASELINES = ["fp8-e4m3", "kivi-4-ans", "cachegen", "cachegen-lmcache"]
 LEVELS = ["kvc-transparent", "kvc-near", "kvc-aggressive"]
 PARTS = [f"{c}/{m}" for m in ("part", "pos", "seq") for c in LEVELS]
+LEVEL_KL = {f"kvc-{name}": kl for name, kl in PROFILE_LEVELS.items()}
+
+
+def equal_kl(doc: dict[str, Any]) -> list[str]:
+    """Markdown: for each ``L/seq`` measured at two targets (``L/seq`` and ``L/seq@F``), the bits of
+    the last chunk size at the whole cache's KL, per domain by linear interpolation in log KL
+    between the two measured points (extrapolated, and said so, when the whole's KL lies outside),
+    then the mean over the domains."""
+    by = {(r["model"], r["domain"], r["codec"], r["chunk"]): r for r in doc["rows"]}
+    n = doc["chunks"][-1]
+    out = []
+    for m in doc["models"]:
+        for c in doc["codecs"]:
+            if not c.endswith("/seq"):
+                continue
+            others = [x for x in doc["codecs"] if x.startswith(c + "@")]
+            base = c.split("/")[0]
+            cells, outside = [], False
+            for dom in doc["domains"]:
+                w, a = by.get((m, dom, base, 0)), by.get((m, dom, c, n))
+                b = next((by[(m, dom, x, n)] for x in others if (m, dom, x, n) in by), None)
+                if not (w and a and b) or a["kl"] == b["kl"]:
+                    continue
+                t = (math.log(w["kl"]) - math.log(a["kl"])) / (math.log(b["kl"]) - math.log(a["kl"]))
+                outside |= not 0 <= t <= 1
+                cells.append((w["bits"], a["bits"] + t * (b["bits"] - a["bits"]), w["kl"]))
+            if cells:
+                wb, sb = float(np.mean([x[0] for x in cells])), float(np.mean([x[1] for x in cells]))
+                out.append(f"| {m} | {c} | {wb:.3f} | {float(np.mean([x[2] for x in cells])):.5f} | {sb:.3f} | "
+                           f"{sb / wb - 1:+.1%} | {len(cells)}{' (extrapolated)' if outside else ''} |")
+    if not out:
+        return []
+    return ["## At equal KL", "", f"Bits of {n}-token chunks coded as a sequence (`L/seq`) at the whole cache's KL: "
+            "per domain, interpolated in log KL between `L/seq` and `L/seq@F` (the level's target times F), "
+            "both measured; mean over the domains.", "",
+            "| model | codec | whole bits | whole KL | chunks at that KL | overhead | domains |",
+            "|---|---|---|---|---|---|---|", *out, ""]
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -71,6 +111,7 @@ def report(doc: dict[str, Any]) -> str:
                 cells.append(f"{b:.3f} b, KL {kl:.5f}{extra}")
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += equal_kl(doc)
     lines += ["Every window:", "", "| model | domain | codec | chunk | bits | KL | top-1 |", "|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         lines.append(f"| {r['model']} | {r['domain']} | {r['codec']} | {r['chunk'] or 'whole'} | {r['bits']:.3f} | "
@@ -147,10 +188,12 @@ def main(argv: list[str] | None = None) -> int:
             heads, dim = int(ref.layers[0]["k"].shape[1]), int(ref.layers[0]["k"].shape[2])
             for c in codecs:
                 base, _, mode = c.partition("/")
+                mode, _, scale = mode.partition("@")  # L/seq@F: the level's target times F
                 kw = dict(num_kv_heads=heads, head_dim=dim, profile=str(path) if base in LEVELS else None, model=name)
                 coders = {"whole": ChunkCoder(base, **kw)}
                 if mode == "seq":
-                    coders["seq"] = ChunkCoder(base, **kw)
+                    cfg = {"id": base, "target_kl": LEVEL_KL[base] * float(scale)} if scale else base
+                    coders["seq"] = ChunkCoder(cfg, **kw)
                 elif mode:  # parts: no sink token or ramp of their own; /pos: the first and the last keep theirs
                     pos = {"query_pos": ref.num_tokens} if mode == "pos" else {}
                     coders.update(first=ChunkCoder(base, part=True, first=mode == "pos", **pos, **kw),
