@@ -43,9 +43,9 @@ kvc_entropy_levels|python eval/studies/kvc_entropy_levels.py --out eval/results/
 kvc_ctx_levels|python eval/studies/kvc_ctx_levels.py --out eval/results/kvc_ctx_levels
 kvc_gpu_layout|python eval/studies/kvc_gpu_layout.py --out eval/results/kvc_gpu_layout
 kvc_ctx_parts|python eval/studies/kvc_ctx_parts.py --out eval/results/kvc_ctx_parts
-lmcache_chunks|python eval/studies/lmcache_chunks.py --models smollm2-135m --out eval/results/lmcache_chunks
+lmcache_chunks|python eval/studies/lmcache_chunks.py --models smollm2-135m --codecs fp8-e4m3,kivi-4-ans,cachegen,cachegen-lmcache,kvc-transparent,kvc-near,kvc-aggressive,kvc-transparent/seq,kvc-near/seq,kvc-aggressive/seq --out eval/results/lmcache_chunks
 lmcache_chunks_256|python eval/studies/lmcache_chunks.py --models smollm2-135m --chunks 0,256 --codecs kvc-transparent,kvc-near,kvc-aggressive,kvc-transparent/pos,kvc-near/pos,kvc-aggressive/pos,kvc-transparent/seq,kvc-near/seq,kvc-aggressive/seq,kvc-transparent/seq@1.3,kvc-near/seq@1.3,kvc-aggressive/seq@1.3 --out eval/results/lmcache_chunks_256
-lmcache_chunks_256_qwen|python eval/studies/lmcache_chunks.py --models qwen2.5-coder-0.5b --domains prose,code --chunks 0,256 --codecs kvc-transparent,kvc-near,kvc-aggressive,kvc-transparent/pos,kvc-near/pos,kvc-aggressive/pos,kvc-transparent/seq,kvc-near/seq,kvc-aggressive/seq,kvc-transparent/seq@1.3,kvc-near/seq@1.3,kvc-aggressive/seq@1.3 --out eval/results/lmcache_chunks_256_qwen
+lmcache_chunks_256_qwen|python eval/studies/lmcache_chunks.py --models qwen2.5-coder-0.5b --domains prose,code --chunks 0,256 --codecs kvc-transparent,kvc-near,kvc-aggressive,kvc-transparent/seq,kvc-near/seq,kvc-aggressive/seq,kvc-transparent/seq@1.3,kvc-near/seq@1.3,kvc-aggressive/seq@1.3 --out eval/results/lmcache_chunks_256_qwen
 lmcache_chunks_qwen|python eval/studies/lmcache_chunks.py --models qwen2.5-coder-0.5b --domains prose --out eval/results/lmcache_chunks_qwen
 offload_lmcache_redis|python eval/bench_offload.py --out eval/results/offload_lmcache_redis
 bench_profile_smollm2|kvcodec bench --context 1536 --repeat 3 --codecs cachegen,kvc-transparent,kvc-near,kvc-aggressive --calibration "$HOME/.cache/kvcodec/profiles/smollm2-135m.profile.safetensors" --out eval/results/bench_profile_smollm2
