@@ -327,7 +327,9 @@ class KVCCodec(Codec):
     def _sequence_attention(self, cache: KVCache, p: dict[str, Any]) -> dict[int, tuple[np.ndarray, dict[str, np.ndarray]]]:
         """Per layer, the whole cache's attention estimates and, per role, the mean of their
         weights over the tokens the whole file would code (all but its first ``sinks`` and last
-        ``recent`` tokens): what :func:`_attn_factor` normalises by (``p``: the parts' settings)."""
+        ``recent`` tokens; sinks that ``sink_v_ratio > 0`` detects are not left out, so with it the
+        parts' steps only approximate the whole file's): what :func:`_attn_factor` normalises by
+        (``p``: the parts' settings)."""
         if p["k_attn"] <= 0 and p["v_attn"] <= 0:
             return {}
         stats = Calibration.load(self.params["calibration"]).stats
