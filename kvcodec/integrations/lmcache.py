@@ -173,7 +173,8 @@ class ChunkCoder:
     A serde cannot tell which chunk ends a sequence (LMCache hands it one chunk and its hash), so
     it codes every chunk whole (``part`` off), which keeps the level's KL. A caller that knows
     where the sequence ends gives it as ``query_pos`` (its token count) with ``part``: the
-    calibrated encoder then estimates attention from queries there.
+    calibrated encoder then estimates attention from queries there. A caller holding the whole
+    prefix does better with :meth:`encode_sequence` (the whole prefix's attention estimates).
 
     Example:
         >>> import torch
