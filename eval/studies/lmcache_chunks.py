@@ -127,25 +127,19 @@ def code_in_chunks(cache: Any, coders: dict[str, Any], chunk: int) -> tuple[int,
     from kvcodec.integrations.lmcache import from_chunks, to_chunks
 
     parts = to_chunks(cache, chunk or cache.num_tokens)
-    total, decoded = 0, []
     if "seq" in coders and len(parts) > 1:  # the whole sequence at once
-        coder = coders["seq"]
-        for part, frame in zip(parts, coder.encode_sequence(parts)):
-            total += len(frame)
-            out = torch.empty_like(part)
-            coder.decode_into(frame, out)
-            decoded.append(out)
-        return total, from_chunks(decoded, coder.num_kv_heads, coder.head_dim)
-    for i, part in enumerate(parts):
-        place = "whole" if len(parts) == 1 or "mid" not in coders else \
-            "first" if i == 0 else "last" if i == len(parts) - 1 else "mid"
-        coder = coders[place]
-        frame = coder.encode(part)
-        total += len(frame)
+        coders_of = [coders["seq"]] * len(parts)
+        frames = coders["seq"].encode_sequence(parts)
+    else:
+        coders_of = [coders["whole" if len(parts) == 1 or "mid" not in coders else
+                            "first" if i == 0 else "last" if i == len(parts) - 1 else "mid"] for i in range(len(parts))]
+        frames = [coder.encode(part) for coder, part in zip(coders_of, parts)]
+    decoded = []
+    for coder, part, frame in zip(coders_of, parts, frames):
         out = torch.empty_like(part)
         coder.decode_into(frame, out)
         decoded.append(out)
-    return total, from_chunks(decoded, coder.num_kv_heads, coder.head_dim)
+    return sum(len(f) for f in frames), from_chunks(decoded, coders_of[0].num_kv_heads, coders_of[0].head_dim)
 
 
 def main(argv: list[str] | None = None) -> int:

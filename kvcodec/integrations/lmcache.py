@@ -226,11 +226,12 @@ class ChunkCoder:
             config["calibration"] = str(self.profile)
         return config
 
-    def _make_codec(self) -> Codec:
-        """The codec the chunks are coded with (as a part of a sequence with ``part``)."""
+    def _make_codec(self, part: bool | None = None) -> Codec:
+        """The codec the chunks are coded with (as a part of a sequence with ``part``, default
+        the coder's own)."""
         codec = get_codec(self._config())
         codec.check_requirements()
-        if self.part and hasattr(codec, "part_config"):
+        if (self.part if part is None else part) and hasattr(codec, "part_config"):
             codec = get_codec(codec.part_config(first=self.first, last=self.last, query_pos=self.query_pos))
         return codec
 
@@ -345,7 +346,7 @@ class ChunkCoder:
         sizes = [int(c.shape[2]) for c in chunks]
         if any(n != sizes[0] for n in sizes[:-1]) or sizes[-1] > sizes[0]:
             raise ConfigError(f"encode_sequence: chunks of {sizes} tokens; all but the last must be equal")
-        codec = get_codec(self._config())
+        codec = self._make_codec(part=False) if self.part else self._codec  # encode_parts places the parts
         if not hasattr(codec, "encode_parts"):
             return [self.encode(c, k) for c, k in zip(chunks, keys)]
         cache = from_chunks([c.detach().cpu() for c in chunks], self.num_kv_heads, self.head_dim, model=self.model)

@@ -308,8 +308,9 @@ class KVCCodec(Codec):
             raise ConfigError(f"encode_parts: chunk_tokens must be a positive int, got {chunk_tokens!r}")
         t = cache.num_tokens
         bounds = [(a, min(a + chunk_tokens, t)) for a in range(0, t, chunk_tokens)] or [(0, 0)]
-        codecs = [type(self)(**{k: v for k, v in self.part_config(first=i == 0, last=last and i == len(bounds) - 1)
-                                .items() if k != "id"}) for i in range(len(bounds))]
+        places = [(i == 0, last and i == len(bounds) - 1) for i in range(len(bounds))]
+        made = {pl: type(self)(**{k: v for k, v in self.part_config(*pl).items() if k != "id"}) for pl in set(places)}
+        codecs = [made[pl] for pl in places]
         whole = self._sequence_attention(cache, codecs[0].params) if self.params["calibration"] else None
         out: list[bytes | None] = []
         for n, ((a, b), codec) in enumerate(zip(bounds, codecs)):
