@@ -262,6 +262,37 @@ def reconstruction_errors(
     }
 
 
+def next_token_kl(ref_logits: torch.Tensor, test_logits: torch.Tensor,
+                  ref_probs: torch.Tensor | None = None) -> torch.Tensor:
+    """``KL(ref || test)`` per row (nats, float64 ``[N]``), as :func:`next_token_metrics` gives it
+    but about 7x faster: the closed-loop calibration scores a window many times against one
+    reference, so the reference's probabilities are passed in (``softmax(ref_logits)``, float32).
+
+    With ``d = test - ref`` (float32 logits, so ``d`` is small where the codec is good), ``KL =
+    log(sum_y p_y e^d_y) - sum_y p_y d_y`` and ``log(sum p e^d) = log1p(sum p expm1(d))``: both
+    terms keep their precision however small the KL (``log_softmax`` of both sides loses ~1e-6
+    nats to the ~30-nat magnitude of the logits). Rows whose ``d`` reaches 30 (``expm1``
+    would lose range) are computed like :func:`next_token_metrics`, in float64.
+
+    Example:
+        >>> z = torch.tensor([[0.0, 1.0, 2.0]])
+        >>> float(next_token_kl(z, z))
+        0.0
+    """
+    if ref_logits.shape != test_logits.shape or ref_logits.dim() != 2:
+        raise InputError(f"logits must both be [N, vocab]; got {list(ref_logits.shape)} and {list(test_logits.shape)}")
+    zr, zt = ref_logits.float(), test_logits.float()
+    p = torch.softmax(zr, dim=-1) if ref_probs is None else ref_probs
+    d = zt - zr
+    kl = (torch.log1p((p * torch.expm1(d)).sum(-1).clamp_min(-1.0 + 1e-12)) - (p * d).sum(-1)).double()
+    wide = d.amax(-1) >= 30.0
+    if bool(wide.any()):
+        lr = torch.log_softmax(zr[wide].double(), dim=-1)
+        lt = torch.log_softmax(zt[wide].double(), dim=-1)
+        kl[wide] = (lr.exp() * (lr - lt)).sum(-1)
+    return kl.clamp_min(0.0)
+
+
 def next_token_metrics(
     ref_logits: torch.Tensor, test_logits: torch.Tensor, targets: torch.Tensor | None = None
 ) -> dict[str, float]:
@@ -327,6 +358,7 @@ __all__ = [
     "attention_reference",
     "RECONSTRUCTION_METRICS",
     "attention_errors",
+    "next_token_kl",
     "next_token_metrics",
     "reconstruction_errors",
     "rel_l2",

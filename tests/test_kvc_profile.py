@@ -475,8 +475,8 @@ def test_build_profile_on_a_tiny_model(monkeypatch, tmp_path):
     orig = evaluate.Evaluator.score_next_token
     real_ratio = hp.kv_ratio
 
-    def spy(self, codec):
-        r = orig(self, codec)
+    def spy(self, codec, **kw):
+        r = orig(self, codec, **kw)
         if id(self) not in windows:
             windows.append(id(self))
             alive.append(self)  # ids stay unique while the test runs
@@ -511,8 +511,16 @@ def test_build_profile_on_a_tiny_model(monkeypatch, tmp_path):
     # every point is a measurement: its criterion max(mean / margin, worst / 1.2) over the search
     # windows' KL at that step, and the mean bits; the encoder then aims at the target itself
     assert p.margin == 1.0 and str(margin) in raw["criterion"]
-    assert len(search) == 2 * len(p.points) and len(p.points) >= len(levels)
+    # a step that one window already proves over the level searched is not scored further: it
+    # guides the search by its lower bound and is never a point (points hold exact criteria)
     window_kl = {s: kls for s, kls in raw["window_kl"]}
+    stopped = raw["stopped_early"]
+    assert len(search) == 2 * len(p.points) + len(stopped) and len(p.points) >= len(levels)
+    for k, bound, kls in stopped:
+        got = [x for x in kls if x is not None]
+        assert len(got) == 1 and k not in window_kl and [x[1] for x in search if x[0] == k] == got
+        assert bound == pytest.approx(max(got[0] / (2 * margin), got[0] / hp.WORST_FACTOR), rel=1e-12)
+        assert bound > min(levels.values())
     for k, crit, bits in p.points:
         at = [x for x in search if x[0] == k][:2]
         assert sorted(x[3] for x in at) == [0, 1], (k, scored)
@@ -564,6 +572,109 @@ def test_the_search_never_scores_the_same_step_twice():
     # its points before scoring and stops there; test_a_search_that_cannot_meet_its_aim_returns_bounded)
 
 
+def test_an_unbracketed_step_uses_the_slope_of_every_point():
+    from kvcodec.harness.profile import _next_step
+
+    # a power law of slope 2.7 (Qwen2.5-Coder's KL against k_step) measured at 0.5 and 0.99, and
+    # a close pair near 0.47 whose own slope (3.9) is noise: the step for a finer aim follows the
+    # fit through all points, not the close pair (which sent Qwen's transparent level to a miss)
+    law = lambda k: 0.0114 * (k / 0.5) ** 2.7  # noqa: E731
+    pts = [(k, law(k) * f, 0.0) for k, f in ((0.5, 1.0), (0.99, 1.0), (0.4629, 0.97), (0.4764, 1.06))]
+    s = _next_step(pts, 0.0018)
+    assert s == pytest.approx(0.5 * (0.0018 / 0.0114) ** (1 / 2.7), rel=0.03), s
+
+
+def test_the_search_goes_fine_first_from_the_predicted_step():
+    from kvcodec.harness.profile import _solve_step, search_levels
+
+    predict = lambda k: 0.02 * k ** 1.8  # noqa: E731
+    s, p = _solve_step(predict, 0.0018, 0.5)
+    assert p == pytest.approx(0.0018, rel=0.03) and predict(s) == p
+    # the criterion: 1.3x the prediction, growing as k_step^2.7 (as on Qwen2.5-Coder): starting
+    # at the predicted step of the finest level, each level is met in at most two scores
+    crit = lambda k: 1.3 * predict(s) * (k / s) ** 2.7  # noqa: E731
+    calls = []
+
+    def score(k):
+        calls.append(k)
+        c = crit(k)
+        return c, [c], 4.0 - math.log2(k)
+
+    levels = {"aggressive": 0.05, "transparent": 0.002, "near": 0.01}
+    _, _, chosen = search_levels(score, levels, 2.0, first=s)
+    assert calls[0] == s and len(calls) <= 6, calls
+    assert [min(levels, key=lambda n: abs(math.log(crit(k) / levels[n]))) for k in calls][-1] == "aggressive"
+    for name, target in levels.items():
+        assert 0.8 * target <= chosen[name]["kl_search"] <= target
+    assert chosen["transparent"]["k_step"] < chosen["near"]["k_step"] < chosen["aggressive"]["k_step"]
+
+
+class _KLWindow:
+    """A window whose KL is ``scale * k_step**2`` (counts its scores)."""
+
+    def __init__(self, scale):
+        self.scale, self.calls = scale, 0
+
+    def score_next_token(self, codec, kl_only=False):
+        self.calls += 1
+        return {"bits_per_element": 2.0, "bytes": 1, "next_token": {"kl_mean": self.scale * codec["k_step"] ** 2}}
+
+
+def test_a_window_that_proves_a_step_over_the_target_stops_its_score():
+    from kvcodec.harness.profile import score_windows, score_windows_until
+
+    evs = [_KLWindow(0.02), _KLWindow(0.05), _KLWindow(0.03), _KLWindow(0.02)]
+    full = score_windows(evs, {"k_step": 1.0}, 0.8)
+    # in the given order the 0.02 window alone proves nothing; with the 0.05 window first it does
+    crit, kls, bits, complete = score_windows_until(evs, {"k_step": 1.0}, 0.8, 1.2, 0.03, order=[1, 0, 2, 3])
+    assert not complete and kls == [None, 0.05, None, None] and crit == pytest.approx(0.05 / 1.2)
+    assert crit <= full[0]  # a lower bound of the criterion
+    crit, kls, _, complete = score_windows_until(evs, {"k_step": 1.0}, 0.8, 1.2, 0.03)
+    assert not complete and kls[:2] == [0.02, 0.05] and kls[2:] == [None, None]
+    # under the target nothing stops: the same numbers as score_windows
+    crit, kls, bits, complete = score_windows_until(evs, {"k_step": 1.0}, 0.8, 1.2, 1.0)
+    assert complete and (crit, kls, bits) == full
+
+
+def test_lower_bounds_never_flatten_the_slope():
+    from kvcodec.harness.profile import _next_step
+
+    # SmolLM2's transparent level: one exact point and two steps stopped early with lower bounds
+    # that barely rise; taken as points they gave a slope of 1 and sent near to k_step 3.0
+    pts = [(0.5717, 0.00191, 2.4)]
+    bounds = [(0.7004, 0.00221, 2.2), (0.8132, 0.00243, 2.0)]
+    s = _next_step(pts, 0.009, bounds)
+    assert s == pytest.approx(0.5717 * math.sqrt(0.009 / 0.00191), rel=1e-9)
+    # a bound over the aim caps the step: between the exact point below and the bound, with at
+    # least the slope to the bound (the true criterion there is higher still) ...
+    s = _next_step(pts, 0.009, bounds + [(1.2, 0.015, 1.5)])
+    to_bound = math.log(0.015 / 0.00191) / math.log(1.2 / 0.5717)
+    assert s == pytest.approx(0.5717 * (0.009 / 0.00191) ** (1 / to_bound), rel=1e-9) and s < 1.2
+    # ... and from the bound alone when no exact point lies below the aim (slope 2 without points)
+    assert _next_step([], 0.009, [(0.8, 0.05, 1.5)]) == pytest.approx(0.8 * math.sqrt(0.009 / 0.05), rel=1e-9)
+    with pytest.raises(ValueError):  # no exact point and no bound over the aim: nothing to step from
+        _next_step([], 0.009, bounds)
+
+
+def test_a_search_that_stops_early_keeps_only_exact_points():
+    from kvcodec.harness.profile import score_windows_until, search_levels
+
+    evs = [_KLWindow(0.05), _KLWindow(0.02), _KLWindow(0.03), _KLWindow(0.02)]
+    partial = []
+    levels = {"transparent": 0.002, "near": 0.01, "aggressive": 0.05}
+    points, detail, chosen = search_levels(
+        lambda k, stop: score_windows_until(evs, {"k_step": k}, 0.8, 1.2, stop), levels, 2.0, first=0.5,
+        partial=partial)
+    assert partial, "some step was proven over its level by one window"
+    assert all(None in kls for _, _, kls in partial) and not {k for k, _, _ in partial} & set(detail)
+    for name, target in levels.items():  # every level met, on exact points
+        lv = chosen[name]
+        assert lv["k_step"] in detail and 0.8 * target <= max(np.mean(detail[lv["k_step"]]) / 0.8,
+                                                             max(detail[lv["k_step"]]) / 1.2) <= target
+    calls = sum(e.calls for e in evs)
+    assert calls < 4 * (len(points) + len(partial))  # the stopped steps cost fewer window scores
+
+
 def _search(crit_of, max_scores=8):
     from kvcodec.harness.profile import search_levels
 
@@ -613,10 +724,13 @@ class _FakeEvaluator:
 
     calls: list[float] = []
 
-    def __init__(self, *a, **k):
-        pass
+    def __init__(self, model, tok, text, context, continuation, **k):
+        from kvcodec.harness.capture import capture
 
-    def score_next_token(self, codec):
+        # the search's predictor encodes window 0's real cache; only the scores are fake
+        self.reference = capture(model, tok, token_ids=k["token_ids"][:context], dtype=torch.float16)
+
+    def score_next_token(self, codec, kl_only=False):
         k = float(codec["k_step"])
         _FakeEvaluator.calls.append(k)
         return {"bits_per_element": 4.0 - math.log2(k), "bytes": 1,

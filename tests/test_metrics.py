@@ -12,6 +12,7 @@ from kvcodec.errors import InputError
 from kvcodec.metrics import (
     attention_errors,
     attention_reference,
+    next_token_kl,
     next_token_metrics,
     reconstruction_errors,
     rel_l2,
@@ -148,6 +149,35 @@ def test_next_token_metrics_by_hand():
     assert m["top1_agreement"] == 0.0  # reference argmax 2; test ties 1 and 2, argmax takes 1
     assert m["ppl_ref"] == pytest.approx(4.0) and m["ppl_test"] == pytest.approx(2.5)
     assert m["delta_ppl"] == pytest.approx(-1.5)
+
+
+@pytest.mark.parametrize("noise", [1e-4, 1e-2, 0.3, 3.0])
+def test_next_token_kl_equals_the_float64_kl(noise):
+    # the closed loop's fast KL: the same numbers as next_token_metrics on a large vocabulary of
+    # 30-nat logits, from tiny to large differences, with and without cached probabilities
+    g = torch.Generator().manual_seed(11)
+    ref = 8 * torch.randn(64, 50_000, generator=g)
+    test = ref + noise * torch.randn(64, 50_000, generator=g)
+    lr, lt = torch.log_softmax(ref.double(), -1), torch.log_softmax(test.double(), -1)
+    exact = (lr.exp() * (lr - lt)).sum(-1)
+    for probs in (None, torch.softmax(ref, -1)):
+        kl = next_token_kl(ref, test, probs)
+        assert kl.dtype == torch.float64 and kl.shape == (64,)
+        assert torch.allclose(kl, exact, rtol=1e-3, atol=1e-9), float((kl - exact).abs().max())
+    assert float(next_token_kl(ref, test).mean()) == pytest.approx(next_token_metrics(ref, test)["kl_mean"], rel=1e-3)
+
+
+def test_next_token_kl_wide_rows_and_bad_shapes():
+    ref = torch.zeros(3, 5)
+    test = ref.clone()
+    test[1, 2] = 60.0  # expm1 would overflow float32: that row is computed in float64
+    lr, lt = torch.log_softmax(ref.double(), -1), torch.log_softmax(test.double(), -1)
+    exact = (lr.exp() * (lr - lt)).sum(-1)
+    kl = next_token_kl(ref, test)
+    assert torch.isfinite(kl).all() and torch.allclose(kl, exact, rtol=1e-9, atol=1e-12)
+    assert kl[0] == 0 and kl[2] == 0
+    with pytest.raises(InputError):
+        next_token_kl(torch.zeros(2, 3), torch.zeros(2, 4))
 
 
 def test_next_token_identity_and_quantiles():

@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "0.01, kvc-aggressive 0.05) is met with a margin, and check it on a second window of the "
         "text. kvc reads the profile when named by its 'calibration' parameter: the level "
         "presets, and any {\"id\": \"kvc\", \"target_kl\": T}, then code with this model's steps. "
-        "About 2.5 minutes for SmolLM2-135M and 9 for a 0.5B model on 2 cores. Needs the [eval] extra.",
+        "About 4 minutes for SmolLM2-135M and 8 for a 0.5B model on 2 cores, with progress. "
+        "Needs the [eval] extra.",
     )
     p.add_argument("--model", default=None,
                    help="a known model (smollm2-135m, qwen2.5-coder-0.5b), a local model directory or a .gguf file (default: built-in SmolLM2-135M-Instruct)")

@@ -258,8 +258,10 @@ def query_statistics(
     cont_ids = ids[context:]
     ids = ids[:context]
     device = next(model.parameters()).device
-    with record_queries(model) as store:
-        model(ids[None].to(device), use_cache=False)
+    from ..integrations.transformers import last_logits_kwargs
+
+    with record_queries(model) as store, torch.no_grad():
+        model(ids[None].to(device), use_cache=False, **last_logits_kwargs(model))
     cfg = getattr(model.config, "text_config", None) or model.config
     applied, rope = rope_info(model.config)
     theta = float(rope.get("rope_theta", 0.0)) if applied and rope.get("rope_type", "default") == "default" else 0.0
@@ -303,6 +305,7 @@ def fisher_diagonal(
     seed: int = 0,
     progress: Any = None,
     exact: bool = False,
+    reference: KVCache | None = None,
 ) -> tuple[KVCache, list[dict[str, torch.Tensor]]]:
     """The cache of ``ids`` (float32) and, per layer, ``{"k", "v"}`` ``[T, Hkv, D]`` float64: the
     diagonal of the Fisher information of the next-token distributions over ``cont_ids``
@@ -318,6 +321,9 @@ def fisher_diagonal(
     ``y`` is enumerated instead: ``F = mean_pos sum_y p(y) (d log p(y) / d cache)**2``, one
     batched pass per 64 tokens, each batch row holding its own copy of the cache.
 
+    ``reference``: the cache of ``ids`` when the caller holds it already (taken as float32; the
+    closed-loop search passes its first window's, saving a prefill).
+
     Raises:
         InputError: the model's cache holds MLA latents (no separate K and V), or nothing to score.
     """
@@ -328,8 +334,13 @@ def fisher_diagonal(
         raise InputError("fisher_diagonal needs samples >= 1 and at least one scored token")
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    with torch.no_grad():
-        ref = capture(model, None, token_ids=ids, dtype=torch.float32)
+    if reference is not None:
+        if reference.num_tokens != ids.numel():
+            raise InputError(f"the reference caches {reference.num_tokens} tokens, ids has {ids.numel()}")
+        ref = reference.to(torch.float32)
+    else:
+        with torch.no_grad():
+            ref = capture(model, None, token_ids=ids, dtype=torch.float32)
     if any("kv" in layer for layer in ref.layers):
         raise InputError("sensitivity needs separate K and V caches (this model caches MLA latents)")
     flags = [p.requires_grad for p in model.parameters()]
@@ -365,6 +376,24 @@ def fisher_diagonal(
             p.requires_grad_(f)
     n = samples * cont_ids.numel()
     return ref, [{r: a[r] / n for r in a} for a in acc]
+
+
+def fisher_kl(fisher: list[dict[str, torch.Tensor]], ref: KVCache, decoded: KVCache) -> float:
+    """The mean next-token KL that :func:`fisher_diagonal`'s ``fisher`` predicts for ``decoded``
+    against ``ref`` (the cache it was measured on): ``0.5 * sum_i F_ii d_i**2``.
+
+    For quantisation errors that are independent across elements the diagonal is exact in
+    expectation (the off-diagonal terms average out); what the second-order expansion misses at
+    coarse steps, the closed-loop search corrects by measuring (:mod:`kvcodec.harness.profile`).
+    """
+    if decoded.num_layers != len(fisher) or decoded.num_tokens != ref.num_tokens:
+        raise InputError("fisher_kl needs a cache of the reference's geometry")
+    total = 0.0
+    for f, r, d in zip(fisher, ref.layers, decoded.layers):
+        for role in ("k", "v"):
+            e = d[role].double() - r[role].double()
+            total += float((f[role] * e * e).sum())
+    return 0.5 * total
 
 
 def _exact_fisher(model: Any, ref: KVCache, cont_ids: torch.Tensor, acc: list[dict[str, torch.Tensor]],
@@ -417,7 +446,12 @@ def fisher_sensitivity(
     centring each channel, ``v_sens[h, c] = mean_t F[t, h, c] * u_{t,h}**2`` with ``u_{t,h}``
     the RMS of token ``t`` in head ``h`` (the units kvc's steps are fractions of).
     """
-    ref, fisher = fisher_diagonal(model, ids, cont_ids, samples, seed, progress)
+    return sensitivities(*fisher_diagonal(model, ids, cont_ids, samples, seed, progress))
+
+
+def sensitivities(ref: KVCache, fisher: list[dict[str, torch.Tensor]],
+                  ) -> tuple[list[np.ndarray | None], list[np.ndarray | None]]:
+    """:func:`fisher_sensitivity` from a :func:`fisher_diagonal` result."""
     k_sens: list[np.ndarray | None] = []
     v_sens: list[np.ndarray | None] = []
     for f, layer in zip(fisher, ref.layers):
@@ -434,5 +468,5 @@ def fisher_sensitivity(
     return k_sens, v_sens
 
 
-__all__ = ["QSTATS_FORMAT", "QSTATS_FORMATS", "QueryStats", "attention_estimate", "fisher_diagonal", "fisher_sensitivity", "load_query_statistics", "pair_mean",
-           "query_statistics", "rotate_queries", "save_query_statistics"]
+__all__ = ["QSTATS_FORMAT", "QSTATS_FORMATS", "QueryStats", "attention_estimate", "fisher_diagonal", "fisher_kl", "fisher_sensitivity", "load_query_statistics", "pair_mean",
+           "query_statistics", "rotate_queries", "save_query_statistics", "sensitivities"]

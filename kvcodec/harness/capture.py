@@ -106,6 +106,7 @@ def capture(
     from ..integrations.transformers import (
         cache_kwargs,
         from_dynamic_cache,
+        last_logits_kwargs,
         layer_infos,
         output_cache,
     )
@@ -123,7 +124,8 @@ def capture(
     # An empty DynamicCache without a config has only full layers: sliding-window layers keep
     # every token instead of the last `window` ones.
     dc = transformers.DynamicCache()
-    out = model(token_ids[None].to(device), use_cache=True, **cache_kwargs(model, dc))
+    with torch.no_grad():
+        out = model(token_ids[None].to(device), use_cache=True, **cache_kwargs(model, dc), **last_logits_kwargs(model))
     dc = output_cache(out)
     applied, rope = rope_info(model.config)
     kv = from_dynamic_cache(

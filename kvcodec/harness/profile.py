@@ -9,13 +9,17 @@ kvc's steps are fractions of an RMS; how much next-token KL a step costs depends
    V sensitivities (in kvc's step units), the steps that minimise the summed weighted error at a
    given rate have ``v_step / k_step = sqrt(g_K / g_V)`` (reverse water-filling at high rate;
    the per-head multipliers inside each role come from the same sensitivities).
-3. **Closed loop**: for each target, encode each search window's fp16 cache (one window of each
-   calibration domain by default: prose, code, documentation, dialogue) at an overall scale, run
-   the model on the next tokens with the decoded cache, measure the mean next-token KL against
-   the fp16 cache, and move the scale (secant steps on log KL against log step) until the mean
-   over the windows sits just under ``margin * target`` and the worst window under 1.2x the
-   target (what a level promises: eval/results/kvc_profile.md holds the profiles to it). Every scored encode becomes a point of the
-   profile's curve, so any later ``target_kl`` maps to steps by interpolation.
+3. **Closed loop**: for each target, finest first, encode each search window's fp16 cache (one
+   window of each calibration domain by default: prose, code, documentation, dialogue) at an
+   overall scale, run the model on the next tokens with the decoded cache, measure the mean
+   next-token KL against the fp16 cache, and move the scale until the mean over the windows
+   sits just under ``margin * target`` and the worst window under 1.2x the target (what a level
+   promises: eval/results/kvc_profile.md holds the profiles to it). The first scale is where
+   the first window's Fisher information predicts the finest target (a second-order prediction:
+   encodes, no model run); the next come from secant steps on log KL against log step with the
+   slope of every point measured. A scale that one window already proves too coarse is not
+   scored on the others. Every fully scored encode becomes a point of the profile's curve, so
+   any later ``target_kl`` maps to steps by interpolation.
 4. **Held-out check**: each level's steps are scored once more on a window the search did not
    use (the second window of the first domain text long enough for two; ``max_held`` for more);
    the profile reports that KL beside the search KL.
@@ -23,8 +27,9 @@ kvc's steps are fractions of an RMS; how much next-token KL a step costs depends
 The windows follow the levels' definition, 512 scored tokens after the cached ones (the tokens
 nearest the cache, which a shorter continuation scores alone, lose most; with 256 the steps
 chosen came out 2-2.5x below the targets on the evaluation texts, commit 76e7ad4's
-eval/results/kvc_profile.md). 1024 cached tokens and one held-out window keep a 0.5B model's
-calibration near 8 minutes on 2 cores (each scored step costs a model run per search window).
+eval/results/kvc_profile.md). Each scored step costs a model run per search window (12 s for a
+0.5B model on 2 cores): 1024 cached tokens, one held-out window, the early stops and the
+count-bounded refinement keep a 0.5B model's calibration under 10 minutes on 2 cores.
 
 The result is the statistics file with a ``profile`` (:mod:`kvcodec.codecs.kvc.profile`); the
 encoder reads it when ``target_kl`` is set (the level presets set it).
@@ -76,10 +81,16 @@ SEARCH_ENTROPY: dict[str, Any] = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chu
 #: (eval/results/kvc_profile.md measures how much).
 DEFAULT_MARGIN = 0.8
 WORST_FACTOR = 1.2
-#: The search refines a level it met low in its band only while it has scored fewer than this
-#: many steps in all (a count, not seconds, so a profile does not depend on the machine's speed;
-#: the levels need 6-8 scores on both models here, so refinement gets what is left of 8).
+#: The search refines a level it met low in its band only while it has made fewer window scores
+#: than this many steps' worth (a count, not seconds, so a profile does not depend on the
+#: machine's speed; a step stopped early counts the windows it scored; the levels need 6-8
+#: steps' worth on both models here, so refinement gets what is left of 8).
 MAX_SCORES = 8
+#: How the search proposes steps (recorded in profiles; studies remake profiles made otherwise):
+#: finest level first, from the step the Fisher information predicts for it, then secant steps
+#: with the slope of every measured point, a step stopped as soon as one window proves it over
+#: the level (:func:`search_levels`, :func:`score_windows_until`).
+SEARCH_METHOD = "fine-first/3"
 
 
 def search_settings() -> dict[str, Any]:
@@ -107,32 +118,117 @@ def score_windows(evaluators: list[Any], config: dict[str, Any], margin: float,
     """Encode and score ``config`` on every window: ``(criterion, per-window KL, mean bits)``, the
     criterion ``max(mean KL / margin, worst KL / worst)`` meeting a target ``t`` when it is at
     most ``t``."""
-    rs = [ev.score_next_token(config) for ev in evaluators]
+    rs = [ev.score_next_token(config, kl_only=True) for ev in evaluators]
     kls = [float(r["next_token"]["kl_mean"]) for r in rs]
     return (max(float(np.mean(kls)) / margin, max(kls) / worst), kls,
             float(np.mean([r["bits_per_element"] for r in rs])))
 
 
-def _next_step(points: list[tuple[float, float, float]], aim: float) -> float:
-    """The next scale to try: log-linear between the nearest measured points either side of
-    the aim when it is bracketed (slope clipped to [1, 4]), else from the nearest point with
-    the slope of its neighbour (one point: slope 2, the high-rate law); at most a factor e**1.5
-    from the nearest point."""
-    pts = sorted(points)
+def score_windows_until(evaluators: list[Any], config: dict[str, Any], margin: float, worst: float,
+                        stop_above: float | None, order: list[int] | None = None,
+                        ) -> tuple[float, list[float | None], float, bool]:
+    """:func:`score_windows` that stops as soon as the windows scored so far prove the criterion
+    above ``stop_above`` (the level being searched cannot take this step):
+    ``(criterion or its lower bound, per-window KL (None where not scored), mean bits of the
+    scored windows, whether every window was scored)``. Windows are scored in ``order`` (the
+    search puts the one with the highest KL so far first). The lower bound after windows ``S``
+    of ``N``: ``max(sum_S KL / (N * margin), max_S KL / worst)`` (the others' KL is >= 0)."""
+    n = len(evaluators)
+    kls: list[float | None] = [None] * n
+    bits = []
+    for i in (order or list(range(n))):
+        r = evaluators[i].score_next_token(config, kl_only=True)
+        kls[i] = float(r["next_token"]["kl_mean"])
+        bits.append(r["bits_per_element"])
+        got = [k for k in kls if k is not None]
+        bound = max(sum(got) / (n * margin), max(got) / worst)
+        if stop_above is not None and len(got) < n and bound > stop_above:
+            return bound, kls, float(np.mean(bits)), False
+    got = [k for k in kls if k is not None]
+    return max(float(np.mean(got)) / margin, max(got) / worst), kls, float(np.mean(bits)), True
+
+
+def _slope(pts: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of log criterion on log x over ``pts``, or None with fewer than two
+    distinct x (every point measured so far: one close pair alone gives a noisy slope)."""
+    xs = np.log([max(p[0], 1e-30) for p in pts])
+    ys = np.log([max(p[1], 1e-12) for p in pts])
+    if len(pts) < 2 or float(np.ptp(xs)) < 1e-6:
+        return None
+    xc = xs - xs.mean()
+    return float((xc * (ys - ys.mean())).sum() / (xc * xc).sum())
+
+
+def _next_x(pts: list[tuple[float, float]], aim: float, slope0: float, lo: float, hi: float,
+            jump: float) -> float:
+    """Where the criterion reaches ``aim`` along the step axis ``x``, from measured
+    ``(x, criterion)`` points: log-linear between
+    the nearest points either side of the aim when it is bracketed (with the slope of all points
+    when those two lie within 10 % of each other), else from the nearest point with the slope
+    of all points (one point: ``slope0``); slopes clipped to ``[lo, hi]``, at most a factor
+    ``e**jump`` from the nearest point."""
+    pts = sorted(pts)
     below = [p for p in pts if p[1] <= aim]
     above = [p for p in pts if p[1] > aim]
+    fit = _slope(pts)
+    slope = slope0 if fit is None else fit
     if below and above and max(below)[0] < min(above)[0]:
-        (s0, k0), (s1, k1) = max(below)[:2], min(above)[:2]
+        (x0, k0), (x1, k1) = max(below), min(above)
+        if abs(math.log(x1 / x0)) >= 0.1:
+            slope = math.log(max(k1, 1e-12) / max(k0, 1e-12)) / math.log(x1 / x0)
     else:
-        near = sorted(pts, key=lambda p: abs(math.log(max(p[1], 1e-12) / aim)))
-        s0, k0 = near[0][:2]
-        s1, k1 = near[1][:2] if len(near) > 1 else (s0, k0)
-    k0, k1 = max(k0, 1e-12), max(k1, 1e-12)
-    slope = 2.0
-    if abs(math.log(s1 / s0)) > 1e-6:
-        slope = float(np.clip(math.log(k1 / k0) / math.log(s1 / s0), 1.0, 4.0))
-    step = math.log(aim / k0) / slope
-    return s0 * math.exp(float(np.clip(step, -1.5, 1.5)))
+        x0, k0 = min(pts, key=lambda p: abs(math.log(max(p[1], 1e-12) / aim)))
+    slope = float(np.clip(slope, lo, hi))
+    step = math.log(aim / max(k0, 1e-12)) / slope
+    return x0 * math.exp(float(np.clip(step, -jump, jump)))
+
+
+def _next_step(points: list[tuple[float, float, float]], aim: float,
+               bounds: list[tuple[float, float, float]] = ()) -> float:
+    """The next scale to try: :func:`_next_x` on the exactly scored ``points`` (one point: slope
+    2, the high-rate law; slopes in [1, 4]; at most a factor e**1.5 from the nearest point).
+
+    ``bounds`` are steps stopped early, ``(k_step, lower bound of the criterion, bits)``: their
+    criterion is not known, only that it exceeds the bound, so they never enter the slope (lower
+    bounds would flatten it). A step at or past one whose bound exceeds the aim is known too
+    coarse: the proposal is then taken from that bound with the slope of the points."""
+    over = [b for b in bounds if b[1] > aim]
+    pts = [(p[0], p[1]) for p in points]
+    fit = _slope(pts)
+    slope = float(np.clip(2.0 if fit is None else fit, 1.0, 4.0))
+    s = _next_x(pts, aim, 2.0, 1.0, 4.0, 1.5) if pts else None
+    if over:
+        sb, lb = min((b[0], b[1]) for b in over)  # the finest step known to be over the aim
+        if s is None or s >= sb:
+            below = [p for p in pts if p[1] <= aim and p[0] < sb]
+            if below:  # bracketed: the true slope to the bound is at least the one to its bound
+                s0, c0 = max(below)
+                to_bound = math.log(lb / max(c0, 1e-12)) / math.log(sb / s0)
+                s = s0 * math.exp(math.log(aim / max(c0, 1e-12)) / float(np.clip(max(to_bound, slope), 1.0, 8.0)))
+            else:
+                s = sb * math.exp(float(np.clip(math.log(aim / lb) / slope, -1.5, 0.0)))
+    if s is None:  # nothing measured at all (a caller's first step is given)
+        raise ValueError("no point to step from")
+    return s
+
+
+def _solve_step(predict: Callable[[float], float], target: float, s: float, tries: int = 8,
+                ) -> tuple[float, float]:
+    """The step whose predicted KL is nearest ``target``, and that KL (secant steps in log-log
+    from ``s``; the prediction grows about as the step squared)."""
+    pts: list[tuple[float, float]] = []
+    for _ in range(tries):
+        p = max(predict(s), 1e-30)
+        pts.append((s, p))
+        if abs(math.log(p / target)) < 0.02:
+            break
+        slope = 2.0
+        if len(pts) > 1:
+            (s0, p0), (s1, p1) = pts[-2], pts[-1]
+            if abs(math.log(s1 / s0)) > 1e-6 and p1 != p0:
+                slope = float(np.clip(math.log(p1 / p0) / math.log(s1 / s0), 0.5, 6.0))
+        s *= math.exp(float(np.clip(math.log(target / p) / slope, -1.5, 1.5)))
+    return min(pts, key=lambda q: abs(math.log(q[1] / target)))
 
 
 def _windows(tokenizer: Any, text: str, context: int, continuation: int, count: int) -> list[torch.Tensor]:
@@ -177,57 +273,84 @@ def split_windows(tokenizer: Any, texts: dict[str, str], context: int, continuat
     return search[:max_search], held[:max_search if max_held is None else max(1, max_held)]
 
 
-def search_levels(score: Callable[[float], tuple[float, list[float], float]], levels: dict[str, float],
+def search_levels(score: Callable[..., Any], levels: dict[str, float],
                   ratio: float, max_evals: int = 5, say: Callable[[str], None] = lambda m: None,
-                  t0: float | None = None, max_scores: int | None = MAX_SCORES,
+                  t0: float | None = None, max_scores: int | None = MAX_SCORES, first: float = 0.5,
+                  partial: list[tuple[float, float, list[float | None]]] | None = None,
                   ) -> tuple[list[tuple[float, float, float]], dict[float, list[float]], dict[str, dict[str, Any]]]:
     """The closed loop of :func:`build_profile`: ``score(k_step) -> (criterion, per-window KL,
-    bits)``; for each level (coarsest first) secant steps until the criterion sits in [0.8, 1]
+    bits)``; for each level (finest first) secant steps until the criterion sits in [0.8, 1]
     times the target (at most ``max_evals`` scores, then up to 4 halvings if none met it). A
     level met below 0.9 times its target gets one more score, aimed at 0.96 times it from the
-    points either side, while fewer than ``max_scores`` steps have been scored in all (None:
-    never); every 10 % of KL left unused costs about 0.04 bit per element. The refinement is
+    points either side, while fewer than ``max_scores`` steps' worth of windows have been
+    scored in all (None: never); every 10 % of KL left unused costs about 0.04 bit per element. The refinement is
     bounded by a count, so the same scores give the same profile on any machine; ``t0`` only
-    times the progress messages.
+    times the progress messages. The finest level is searched first, from the step ``first``
+    (:func:`build_profile` passes the step whose KL the Fisher information predicts to be 0.9
+    times that level); every later step comes from the measured points (:func:`_next_step`).
     Returns ``(points, window KLs by step, chosen)``: each level's coarsest measured step that
     meets its target with every finer measured step meeting it too (so a smaller target never
     gets a coarser step).
+
+    With a list ``partial``, ``score(k_step, stop_above)`` may stop early
+    (:func:`score_windows_until`: ``(criterion or lower bound, window KLs, bits, complete)``) once
+    a step is proven over the level's target: such a step guides the next one by its lower
+    bound, is appended to ``partial`` as ``(k_step, bound, window KLs)``, and is never chosen
+    nor among the returned points (whose KLs are exact). On Qwen2.5-Coder this saved three of
+    eight 4-window scores (the prose window alone showed the step too coarse).
     """
     t0 = time.perf_counter() if t0 is None else t0
     points: list[tuple[float, float, float]] = []
     detail: dict[float, list[float]] = {}
     chosen: dict[str, dict[str, Any]] = {}
 
-    def run(s: float) -> float:
-        crit, kls, bits = score(s)
-        points.append((s, crit, bits))
-        detail[s] = kls
+    rough: list[tuple[float, float, float]] = []  # steps stopped early: (k_step, lower bound, bits)
+    runs = [0, 1]  # window scores so far, windows per step
+
+    def run(s: float, stop: float | None) -> float:
+        if partial is None:
+            crit, kls, bits = score(s)
+            complete = True
+        else:
+            crit, kls, bits, complete = score(s, stop)
+        if complete:
+            points.append((s, crit, bits))
+            detail[s] = kls
+        else:
+            rough.append((s, crit, bits))
+            partial.append((s, crit, kls))
+        shown = [k for k in kls if k is not None]
+        runs[0] += len(shown)
+        runs[1] = len(kls)
+        if complete:
+            say(f"{name} (KL <= {target:g}): k_step {s:.4f} -> mean KL {np.mean(shown):.5f}, worst {max(shown):.5f}, "
+                f"{bits:.3f} b ({time.perf_counter() - t0:.0f} s)")
+        else:
+            say(f"{name} (KL <= {target:g}): k_step {s:.4f} -> KL {max(shown):.5f} on {len(shown)} of {len(kls)} "
+                f"windows: over the target, not scored further ({time.perf_counter() - t0:.0f} s)")
         return crit
 
-    for name, target in sorted(levels.items(), key=lambda kv: -kv[1]):  # coarse first: cheap encodes
-        s = _next_step(points, 0.9 * target) if points else 0.5
+    for name, target in sorted(levels.items(), key=lambda kv: kv[1]):  # fine first: where the prediction holds
+        s = _next_step(points, 0.9 * target, rough) if points or rough else first
         refining = False
         for _ in range(max_evals):
-            if any(abs(math.log(s / p[0])) < 1e-3 for p in points):
+            if any(abs(math.log(s / p[0])) < 1e-3 for p in points + rough):
                 break  # already scored: the curve cannot tell more here
-            crit = run(s)
-            kls, bits = detail[s], points[-1][2]
-            say(f"{name} (KL <= {target:g}): k_step {s:.4f} -> mean KL {np.mean(kls):.5f}, worst {max(kls):.5f}, "
-                f"{bits:.3f} b ({time.perf_counter() - t0:.0f} s)")
+            crit = run(s, target)
             if refining:
                 break
             if 0.8 * target <= crit <= target:
-                if crit >= 0.9 * target or max_scores is None or len(points) >= max_scores:
+                if crit >= 0.9 * target or max_scores is None or runs[0] >= max_scores * runs[1]:
                     break
                 refining = True  # met low in the band: one score closer to the target
-                s = _next_step(points, 0.96 * target)
+                s = _next_step(points, 0.96 * target, rough)
                 continue
-            s = _next_step(points, 0.9 * target)
+            s = _next_step(points, 0.9 * target, rough)
         if not [p for p in points if p[1] <= target]:  # none met it: halve from the finest until one does (bounded)
-            s = min(points)[0]
+            s = min(points + rough)[0]
             for _ in range(4):
                 s *= 0.5
-                if run(s) <= target:
+                if run(s, None) <= target:
                     break
     for name, target in levels.items():  # chosen from every point measured, so monotone in the target
         # the coarsest measured step that meets the target with every finer step meeting it too
@@ -273,7 +396,8 @@ def build_profile(
     Raises:
         InputError: a text is shorter than a window, or bad arguments.
     """
-    from .calibration import query_statistics
+    from ..codec import get_codec
+    from .calibration import fisher_diagonal, fisher_kl, query_statistics, sensitivities
     from .evaluate import Evaluator
 
     levels = dict(LEVELS if levels is None else levels)
@@ -290,15 +414,23 @@ def build_profile(
     def fisher_progress(done: int, total: int) -> None:
         say(f"sensitivity draw {done}/{total} ({time.perf_counter() - t0:.0f} s)")
 
+    evs = []
+    for name, w in search:  # the fp16 cache and reference logits of each search window
+        evs.append(Evaluator(model, tokenizer, "", context, continuation, attn_queries=1, token_ids=w))
+        say(f"search window {len(evs)}/{len(search)} ({name}) ready ({time.perf_counter() - t0:.0f} s)")
     say(f"query statistics and sensitivities on {context} + {continuation} tokens of {search[0][0]}")
-    stats = query_statistics(model, tokenizer, "", context=context, samples=samples,
-                             sensitivity_samples=sensitivity_samples, continuation=continuation,
-                             progress=fisher_progress, token_ids=search[0][1])
+    stats = query_statistics(model, tokenizer, "", context=context, samples=samples, token_ids=search[0][1])
+    fisher: list[dict[str, torch.Tensor]] | None = None
+    ref0 = None
+    if sensitivity_samples > 0 and not any("kv" in layer for layer in evs[0].reference.layers):
+        ids0 = search[0][1]
+        ref0, fisher = fisher_diagonal(model, ids0[:context], ids0[context:context + continuation],
+                                       sensitivity_samples, progress=fisher_progress, reference=evs[0].reference)
+        stats.k_sens, stats.v_sens = sensitivities(ref0, fisher)
+        stats.meta["sensitivity"] = f"fisher, {sensitivity_samples} samples, {continuation} scored tokens"
     ratio_measured = kv_ratio(stats)
     ratio = ratio_measured if ratio_measured is not None else 3.0
     say(f"K/V balance v_step / k_step = {ratio:.3f}" + (" (measured)" if ratio_measured else " (no sensitivities)"))
-    evs = [Evaluator(model, tokenizer, "", context, continuation, attn_queries=1, token_ids=w) for _, w in search]
-    say(f"{len(search)} search windows ({', '.join(n for n, _ in search)}) ready ({time.perf_counter() - t0:.0f} s)")
     tmp = tempfile.NamedTemporaryFile(prefix="kvcodec-profile-", suffix=".safetensors", delete=False)
     tmp.close()
     try:
@@ -308,8 +440,26 @@ def build_profile(
             return {"id": "kvc", **SEARCH_ENTROPY, **SEARCH_SETTINGS, "k_step": k_step, "v_step": k_step * ratio,
                     "calibration": tmp.name}
 
-        points, detail, chosen = search_levels(lambda k: score_windows(evs, config(k), margin, worst), levels, ratio,
-                                               max_evals, say, t0, max_scores)
+        first, first_kl = 0.5, None
+        if fisher is not None:
+            # the first step: where window 0's Fisher information predicts 0.9x the finest
+            # level (the second-order prediction holds best at small KL; encodes only, no model run)
+            def predict(k_step: float) -> float:
+                codec = get_codec(config(k_step))
+                return fisher_kl(fisher, ref0, codec.decode(codec.encode(evs[0].reference)))
+
+            first, first_kl = _solve_step(predict, 0.9 * min(levels.values()), 0.5)
+            say(f"first step {first:.4f}: predicted KL {first_kl:.5f} on {search[0][0]}")
+        order = list(range(len(evs)))  # windows by their last KL, highest first: the first proves a step over
+
+        def score(k_step: float, stop: float | None) -> tuple[float, list[float | None], float, bool]:
+            res = score_windows_until(evs, config(k_step), margin, worst, stop, order)
+            if res[3]:
+                order.sort(key=lambda i: -float(res[1][i] or 0.0))
+            return res
+
+        partial: list[tuple[float, float, list[float | None]]] = []
+        points, detail, chosen = search_levels(score, levels, ratio, max_evals, say, t0, max_scores, first, partial)
         evs.clear()  # free the search windows before the held-out ones
         say(f"held-out windows ({', '.join(n for n, _ in held)}) ({time.perf_counter() - t0:.0f} s)")
         evs_h = [Evaluator(model, tokenizer, "", context, continuation, attn_queries=1, token_ids=w) for _, w in held]
@@ -332,6 +482,10 @@ def build_profile(
         "search_margin": margin,
         "search_worst": worst,
         "search_max_scores": max_scores,
+        "search_method": SEARCH_METHOD,
+        "first_step": float(first),
+        "stopped_early": [[float(k), float(b), [None if x is None else float(x) for x in kl]] for k, b, kl in partial],
+        "first_step_predicted_kl": first_kl,
         "criterion": f"max(mean KL / {margin}, worst window KL / {worst}) over the search windows",
         "points": [[float(s), float(c), float(b)] for s, c, b in sorted(points)],
         "window_kl": [[float(s), [float(x) for x in detail[s]]] for s in sorted(detail)],
@@ -346,5 +500,5 @@ def build_profile(
     return stats
 
 
-__all__ = ["DEFAULT_MARGIN", "MAX_SCORES", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "WORST_FACTOR", "build_profile", "kv_ratio", "score_windows",
+__all__ = ["DEFAULT_MARGIN", "MAX_SCORES", "SEARCH_METHOD", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "WORST_FACTOR", "build_profile", "kv_ratio", "score_windows", "score_windows_until",
            "search_levels", "search_settings", "split_windows"]

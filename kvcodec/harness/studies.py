@@ -37,11 +37,12 @@ def profile_dir() -> Path:
 def profile_current(path: Path) -> bool:
     """Whether the profile at ``path`` was searched with today's settings and criterion."""
     from ..codecs.kvc.calibration import load_query_statistics
-    from .profile import DEFAULT_MARGIN, MAX_SCORES, WORST_FACTOR, search_settings
+    from .profile import DEFAULT_MARGIN, MAX_SCORES, SEARCH_METHOD, WORST_FACTOR, search_settings
 
     prof = load_query_statistics(path).profile or {}
     return (prof.get("settings") == search_settings() and prof.get("search_margin") == DEFAULT_MARGIN
-            and prof.get("search_worst", 1.0) == WORST_FACTOR and prof.get("search_max_scores") == MAX_SCORES)
+            and prof.get("search_worst", 1.0) == WORST_FACTOR and prof.get("search_max_scores") == MAX_SCORES
+            and prof.get("search_method") == SEARCH_METHOD)
 
 
 def model_profile(model_name: str, model: Any, tok: Any, out_dir: Path | None = None,

@@ -125,6 +125,13 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     return {cache_keyword(model): cache}
 
 
+def last_logits_kwargs(model: Any) -> dict[str, Any]:
+    """``{"logits_to_keep": 1}`` when ``model.forward`` takes it, else ``{}``: a prefill that
+    only wants the cache skips the output projection of every token but the last (on a 0.5B
+    model with a 152k vocabulary, 4 of 18 s for 1024 tokens on 2 cores)."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 def output_cache(outputs: Any) -> Any:
     """The cache returned by a forward pass (``outputs.cache`` or ``outputs.past_key_values``)."""
     for name in ("cache", "past_key_values"):
@@ -389,5 +396,5 @@ def load(path: str | os.PathLike[str], *, model: Any = None, input_ids: Any = No
     return dc
 
 
-__all__ = ["cache_keyword", "cache_kwargs", "from_dynamic_cache", "layer_infos", "load", "output_cache", "save",
+__all__ = ["cache_keyword", "cache_kwargs", "from_dynamic_cache", "last_logits_kwargs", "layer_infos", "load", "output_cache", "save",
            "to_dynamic_cache", "to_kvcaches"]
