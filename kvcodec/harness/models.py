@@ -167,6 +167,45 @@ def _converted_dir(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{st.st_size}"
 
 
+def _tied_weights_standard(out: Path) -> None:
+    """Store tied embeddings under the embedding's name, the Hugging Face layout that every
+    loader reads (vLLM skips ``lm_head.weight`` of a tied model and would run with an empty
+    embedding). Directories converted before this wrote ``lm_head.weight`` only; they are
+    rewritten once (atomically)."""
+    from safetensors import safe_open
+
+    f = out / "model.safetensors"
+    with safe_open(f, "pt") as sf:
+        keys = set(sf.keys())
+    if "model.embed_tokens.weight" in keys or "lm_head.weight" not in keys:
+        return
+    if not json.loads((out / "config.json").read_text()).get("tie_word_embeddings"):
+        return
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(f)
+    sd["model.embed_tokens.weight"] = sd.pop("lm_head.weight")
+    tmp = f.with_name(f.name + f".tmp-{os.getpid()}")
+    save_file(sd, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, f)
+
+
+def model_dir(name: str | None = None) -> Path:
+    """The converted Hugging Face directory of a model the harness knows by name (default: the
+    built-in SmolLM2), converting its GGUF first if needed: what other engines (vLLM) load."""
+    require_eval()
+    if is_default(name):
+        return default_model_dir()
+    if not is_qwen_coder(name):
+        raise InputError(f"{name!r} is not a model the harness knows ({', '.join(known_models())})")
+    gguf = qwen_coder_gguf()
+    path = _converted_dir(gguf)
+    if not (path / "kvcodec_source.json").exists():
+        _convert_gguf(gguf, path, QWEN_CODER_ID)
+    _tied_weights_standard(path)
+    return path
+
+
 def _convert_gguf(gguf: Path, out: Path, model_id: str = DEFAULT_MODEL_ID) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -191,6 +230,7 @@ def _convert_gguf(gguf: Path, out: Path, model_id: str = DEFAULT_MODEL_ID) -> No
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         # save_model drops the tied lm_head copy; from_pretrained re-ties it from the config.
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _tied_weights_standard(tmp)
         tok.save_pretrained(tmp)
         info = {"source_gguf": gguf.name, "gguf_sha256": _file_digest(gguf),
                 "model_id": model_id, "convert_seconds": time.perf_counter() - t0}
@@ -212,6 +252,7 @@ def default_model_dir() -> Path:
     out = _converted_dir(gguf)
     if not (out / "kvcodec_source.json").exists():
         _convert_gguf(gguf, out)
+    _tied_weights_standard(out)
     return out
 
 
@@ -262,10 +303,7 @@ def load_model(
         if is_default(name_or_path):
             path = default_model_dir()
         else:
-            gguf = qwen_coder_gguf()
-            path = _converted_dir(gguf)
-            if not (path / "kvcodec_source.json").exists():
-                _convert_gguf(gguf, path, QWEN_CODER_ID)
+            path = model_dir(QWEN_CODER)
         src = json.loads((path / "kvcodec_source.json").read_text())
         model_id, revision = src["model_id"], "gguf-sha256:" + src["gguf_sha256"]
     else:
@@ -311,4 +349,4 @@ def _dir_revision(path: Path) -> str:
 
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_MODEL_ID", "cache_dir", "config_hash", "default_gguf",
-           "default_model_dir", "is_default", "load_model", "require_eval", "tokenizer_hash"]
+           "default_model_dir", "is_default", "load_model", "model_dir", "require_eval", "tokenizer_hash"]
