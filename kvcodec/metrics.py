@@ -287,10 +287,15 @@ def next_token_kl(ref_logits: torch.Tensor, test_logits: torch.Tensor,
     kl = (torch.log1p((p * torch.expm1(d)).sum(-1).clamp_min(-1.0 + 1e-12)) - (p * d).sum(-1)).double()
     wide = d.amax(-1) >= 30.0
     if bool(wide.any()):
-        lr = torch.log_softmax(zr[wide].double(), dim=-1)
-        lt = torch.log_softmax(zt[wide].double(), dim=-1)
-        kl[wide] = (lr.exp() * (lr - lt)).sum(-1)
+        kl[wide] = _kl_float64(zr[wide], zt[wide])[0]
     return kl.clamp_min(0.0)
+
+
+def _kl_float64(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``KL(ref || test)`` per row in float64 (not clamped), with both rows' log-probabilities."""
+    lr = torch.log_softmax(ref_logits.double(), dim=-1)
+    lt = torch.log_softmax(test_logits.double(), dim=-1)
+    return (lr.exp() * (lr - lt)).sum(-1), lr, lt
 
 
 def next_token_metrics(
@@ -322,9 +327,8 @@ def next_token_metrics(
     n = ref_logits.shape[0]
     if n == 0:
         raise InputError("no positions to score")
-    lr = torch.log_softmax(ref_logits.double(), dim=-1)
-    lt = torch.log_softmax(test_logits.double(), dim=-1)
-    kl = (lr.exp() * (lr - lt)).sum(-1).clamp_min(0.0)
+    kl, lr, lt = _kl_float64(ref_logits, test_logits)
+    kl = kl.clamp_min(0.0)
     out: dict[str, float] = {
         "kl_mean": float(kl.mean()),
         "kl_p99": float(torch.quantile(kl, 0.99)) if n > 1 else float(kl[0]),

@@ -198,12 +198,16 @@ def model_dir(name: str | None = None) -> Path:
         return default_model_dir()
     if not is_qwen_coder(name):
         raise InputError(f"{name!r} is not a model the harness knows ({', '.join(known_models())})")
-    gguf = qwen_coder_gguf()
-    path = _converted_dir(gguf)
-    if not (path / "kvcodec_source.json").exists():
-        _convert_gguf(gguf, path, QWEN_CODER_ID)
-    _tied_weights_standard(path)
-    return path
+    return _prepared_dir(qwen_coder_gguf(), QWEN_CODER_ID)
+
+
+def _prepared_dir(gguf: Path, model_id: str) -> Path:
+    """The converted directory of ``gguf`` (converted first when missing), in the standard layout."""
+    out = _converted_dir(gguf)
+    if not (out / "kvcodec_source.json").exists():
+        _convert_gguf(gguf, out, model_id)
+    _tied_weights_standard(out)
+    return out
 
 
 def _convert_gguf(gguf: Path, out: Path, model_id: str = DEFAULT_MODEL_ID) -> None:
@@ -248,12 +252,7 @@ def _convert_gguf(gguf: Path, out: Path, model_id: str = DEFAULT_MODEL_ID) -> No
 def default_model_dir() -> Path:
     """Directory of the converted default model, converting the GGUF first if needed."""
     require_eval()
-    gguf = default_gguf()
-    out = _converted_dir(gguf)
-    if not (out / "kvcodec_source.json").exists():
-        _convert_gguf(gguf, out)
-    _tied_weights_standard(out)
-    return out
+    return _prepared_dir(default_gguf(), DEFAULT_MODEL_ID)
 
 
 def _quiet_transformers() -> None:

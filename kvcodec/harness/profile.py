@@ -118,10 +118,8 @@ def score_windows(evaluators: list[Any], config: dict[str, Any], margin: float,
     """Encode and score ``config`` on every window: ``(criterion, per-window KL, mean bits)``, the
     criterion ``max(mean KL / margin, worst KL / worst)`` meeting a target ``t`` when it is at
     most ``t``."""
-    rs = [ev.score_next_token(config, kl_only=True) for ev in evaluators]
-    kls = [float(r["next_token"]["kl_mean"]) for r in rs]
-    return (max(float(np.mean(kls)) / margin, max(kls) / worst), kls,
-            float(np.mean([r["bits_per_element"] for r in rs])))
+    crit, kls, bits, _ = score_windows_until(evaluators, config, margin, worst, None)
+    return crit, kls, bits
 
 
 def score_windows_until(evaluators: list[Any], config: dict[str, Any], margin: float, worst: float,
@@ -159,34 +157,29 @@ def _slope(pts: list[tuple[float, float]]) -> float | None:
     return float((xc * (ys - ys.mean())).sum() / (xc * xc).sum())
 
 
-def _next_x(pts: list[tuple[float, float]], aim: float, slope0: float, lo: float, hi: float,
-            jump: float) -> float:
-    """Where the criterion reaches ``aim`` along the step axis ``x``, from measured
-    ``(x, criterion)`` points: log-linear between
-    the nearest points either side of the aim when it is bracketed (with the slope of all points
-    when those two lie within 10 % of each other), else from the nearest point with the slope
-    of all points (one point: ``slope0``); slopes clipped to ``[lo, hi]``, at most a factor
-    ``e**jump`` from the nearest point."""
+def _secant(pts: list[tuple[float, float]], aim: float, slope: float) -> float:
+    """Where the criterion reaches ``aim``, from measured ``(k_step, criterion)`` points:
+    log-linear between the nearest points either side of the aim when it is bracketed (with
+    ``slope``, the slope of all points, when those two lie within 10 % of each other), else from
+    the nearest point with ``slope``; slopes clipped to [1, 4], at most a factor e**1.5 from the
+    nearest point."""
     pts = sorted(pts)
     below = [p for p in pts if p[1] <= aim]
     above = [p for p in pts if p[1] > aim]
-    fit = _slope(pts)
-    slope = slope0 if fit is None else fit
     if below and above and max(below)[0] < min(above)[0]:
         (x0, k0), (x1, k1) = max(below), min(above)
         if abs(math.log(x1 / x0)) >= 0.1:
             slope = math.log(max(k1, 1e-12) / max(k0, 1e-12)) / math.log(x1 / x0)
     else:
         x0, k0 = min(pts, key=lambda p: abs(math.log(max(p[1], 1e-12) / aim)))
-    slope = float(np.clip(slope, lo, hi))
-    step = math.log(aim / max(k0, 1e-12)) / slope
-    return x0 * math.exp(float(np.clip(step, -jump, jump)))
+    step = math.log(aim / max(k0, 1e-12)) / float(np.clip(slope, 1.0, 4.0))
+    return x0 * math.exp(float(np.clip(step, -1.5, 1.5)))
 
 
 def _next_step(points: list[tuple[float, float, float]], aim: float,
                bounds: list[tuple[float, float, float]] = ()) -> float:
-    """The next scale to try: :func:`_next_x` on the exactly scored ``points`` (one point: slope
-    2, the high-rate law; slopes in [1, 4]; at most a factor e**1.5 from the nearest point).
+    """The next scale to try: :func:`_secant` on the exactly scored ``points`` with the slope of
+    all of them (one point: slope 2, the high-rate law).
 
     ``bounds`` are steps stopped early, ``(k_step, lower bound of the criterion, bits)``: their
     criterion is not known, only that it exceeds the bound, so they never enter the slope (lower
@@ -196,7 +189,7 @@ def _next_step(points: list[tuple[float, float, float]], aim: float,
     pts = [(p[0], p[1]) for p in points]
     fit = _slope(pts)
     slope = float(np.clip(2.0 if fit is None else fit, 1.0, 4.0))
-    s = _next_x(pts, aim, 2.0, 1.0, 4.0, 1.5) if pts else None
+    s = _secant(pts, aim, slope) if pts else None
     if over:
         sb, lb = min((b[0], b[1]) for b in over)  # the finest step known to be over the aim
         if s is None or s >= sb:

@@ -155,7 +155,7 @@ class _PagedLayout:
     def __init__(self, kv: torch.Tensor, head_size: int, cpu_isa: str | None) -> None:
         if kv.dim() != 4:
             raise ValueError(f"a KV cache view of shape {list(kv.shape)}; expected [blocks, heads, tokens, 2*head]")
-        self.blocks, self.heads, self.block_size, c = (int(x) for x in kv.shape)
+        _, self.heads, self.block_size, c = (int(x) for x in kv.shape)
         if c != 2 * head_size:
             raise ValueError(f"the KV view's last axis is {c}; expected 2 x head_size {head_size}")
         self.head_size = head_size
@@ -190,7 +190,7 @@ class _PagedLayout:
         k = k.to(device=kv.device, dtype=kv.dtype).reshape(nb, -1)
         v = v.to(device=kv.device, dtype=kv.dtype).reshape(nb, -1)
         if self.cpu:
-            flat = kv.view(self.blocks, -1)
+            flat = kv.view(kv.shape[0], -1)
             rows = ids[:, None]
             flat[rows, self.idx_k.reshape(1, -1)] = k
             flat[rows, self.idx_v.reshape(1, -1)] = v
@@ -265,9 +265,13 @@ def prefix_keys(model_config: Any, token_ids: list[int], *, model_id: str | None
     (for tools that inspect or evict a store)."""
     from .stores.prefix import chunk_keys
 
-    full = f"{salt}\x1f{cache_salt or ''}\x1ftp{tp_rank}/{tp_size}"
     return chunk_keys(torch.tensor(token_ids, dtype=torch.int64), chunk_tokens, model_key(model_config, model_id),
-                      full, namespace)
+                      _key_salt(salt, cache_salt, tp_rank, tp_size), namespace)
+
+
+def _key_salt(salt: str, cache_salt: str | None, tp_rank: int, tp_size: int) -> str:
+    """The salt hashed into a request's keys: the connector's, the request's and the rank's."""
+    return f"{salt}\x1f{cache_salt or ''}\x1ftp{tp_rank}/{tp_size}"
 
 
 # ------------------------------------------------------------------ the connector
@@ -326,7 +330,6 @@ class KVCodecConnector(KVConnectorBase_V1):
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._codec = None
-        self.stats = {"loaded_tokens": 0, "load_seconds": 0.0, "saved_chunks": 0, "load_misses": 0}
         logger.info("KVCodecConnector (%s): codec %s, store %s, chunks of %d tokens, model key %s",
                     role.name, self.codec_config, self.store_url, self.chunk, self.model_key)
 
@@ -342,7 +345,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         return self._store
 
     def _salt(self, cache_salt: str | None) -> str:
-        return f"{self.salt}\x1f{cache_salt or ''}\x1ftp{self.tp_rank}/{self.tp_size}"
+        return _key_salt(self.salt, cache_salt, self.tp_rank, self.tp_size)
 
     def _keys(self, token_ids: list[int], salt: str) -> list[str]:
         from .stores.prefix import chunk_keys
@@ -470,14 +473,10 @@ class KVCodecConnector(KVConnectorBase_V1):
 
                     isa = _get_attn_isa(kv.dtype, int(kv.shape[2]), self.head_size,
                                         str(self._vllm_config.cache_config.cache_dtype))
-            # layers of one geometry share a probe
-            same = next((v for v in self._layouts.values() if v.heads == kv.shape[1] and v.block_size == kv.shape[2]
-                         and v.dtype == kv.dtype and v.cpu == (isa is not None)), None)
-            if same is not None:
-                lay = _PagedLayout.__new__(_PagedLayout)
-                lay.__dict__.update(same.__dict__)
-                lay.blocks = int(kv.shape[0])
-            else:
+            # layers of one geometry share a layout (and its probe)
+            lay = next((v for v in self._layouts.values() if v.heads == kv.shape[1] and v.block_size == kv.shape[2]
+                        and v.dtype == kv.dtype and v.cpu == (isa is not None)), None)
+            if lay is None:
                 lay = _PagedLayout(kv, self.head_size, isa)
             self._layouts[name] = lay
         return lay
@@ -495,11 +494,8 @@ class KVCodecConnector(KVConnectorBase_V1):
             if err is not None:  # the blocks from the first bad chunk on are recomputed
                 first, last = done // self.block_size, -(-job.end // self.block_size)
                 self._errors.update(job.block_ids[first:last])
-                self.stats["load_misses"] += 1
                 logger.warning("KVCodecConnector: request %s: tokens [%d, %d) not loaded, vLLM recomputes them: %s",
                                job.req_id, done, job.end, err)
-            self.stats["loaded_tokens"] += done - job.start
-            self.stats["load_seconds"] += time.perf_counter() - t0
             logger.info("KVCodecConnector: request %s: tokens [%d, %d) loaded in %.3f s", job.req_id, job.start,
                         done, time.perf_counter() - t0)
 
@@ -623,7 +619,6 @@ class KVCodecConnector(KVConnectorBase_V1):
                          for i in range(len(keys))]
             for i in sorted(missing):
                 self.store.put(keys[i], blobs[i])
-            self.stats["saved_chunks"] += len(missing)
             logger.info("KVCodecConnector: request %s: %d chunks stored in %.2f s (%d bytes)", job.req_id,
                         len(missing), time.perf_counter() - t0, sum(len(blobs[i]) for i in missing))
         except Exception as e:  # noqa: BLE001 - a failed save loses nothing but the offload
@@ -635,11 +630,6 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
-
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until every queued save is stored."""
-        if self._queue is not None:
-            self._queue.join()
 
     def shutdown(self) -> None:
         if self._queue is not None and self._thread is not None:
