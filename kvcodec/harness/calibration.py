@@ -449,19 +449,33 @@ def fisher_sensitivity(
     return sensitivities(*fisher_diagonal(model, ids, cont_ids, samples, seed, progress))
 
 
-def sensitivities(ref: KVCache, fisher: list[dict[str, torch.Tensor]],
+def sensitivities(ref: KVCache, fisher: list[dict[str, torch.Tensor]], rope: list[Any] | None = None,
                   ) -> tuple[list[np.ndarray | None], list[np.ndarray | None]]:
-    """:func:`fisher_sensitivity` from a :func:`fisher_diagonal` result."""
+    """:func:`fisher_sensitivity` from a :func:`fisher_diagonal` result. K's step unit is its
+    head RMS after centring as kvc centres it: with ``rope`` (per layer a
+    :class:`~kvcodec.codecs.kvc.calibration.LayerAttention`, for ``k_rope_mean``) by rotating
+    means on the layers that rotate (the cache's positions start at 0), else by channel means."""
+    from ..transforms.rope import STYLES, phase_steps, rotated_means, unrotated_mean
+
     k_sens: list[np.ndarray | None] = []
     v_sens: list[np.ndarray | None] = []
-    for f, layer in zip(fisher, ref.layers):
+    for i, (f, layer) in enumerate(zip(fisher, ref.layers)):
         k = layer["k"][1:].double()
         v = layer["v"][1:].double()
         if k.shape[0] == 0:
             k_sens.append(None)
             v_sens.append(None)
             continue
-        uk = (k - k.mean(0, keepdim=True)).pow(2).mean(dim=(0, 2))  # [H]
+        la = rope[i] if rope is not None and i < len(rope) else None
+        if la is not None and la.rope == "rotary" and la.inv_freq is not None \
+                and la.offset + 2 * la.inv_freq.shape[0] <= k.shape[2] and la.style in STYLES:
+            pos = np.arange(1, k.shape[0] + 1)
+            st = phase_steps(la.inv_freq)
+            mu = unrotated_mean(k.numpy(), pos, st, la.offset, la.style)
+            rot = torch.from_numpy(rotated_means(mu.astype(np.float32), pos, st, la.offset, la.style)).double()
+            uk = (k - rot).pow(2).mean(dim=(0, 2))  # [H]
+        else:
+            uk = (k - k.mean(0, keepdim=True)).pow(2).mean(dim=(0, 2))  # [H]
         uv = v.pow(2).mean(dim=2)  # [T, H]
         k_sens.append((f["k"][1:].mean(0) * uk[:, None]).float().numpy())
         v_sens.append((f["v"][1:] * uv[:, :, None]).mean(0).float().numpy())

@@ -70,7 +70,7 @@ from ..errors import InputError
 SEARCH_SETTINGS: dict[str, Any] = {
     "k_qgamma": 1.0, "v_attn": 0.5, "k_attn": 1.0, "attn_clip": 3.0, "attn_coarse": 1.0,
     "sens": 1.0, "sens_clip": 8.0, "sens_coarse": 1.5, "recent_ramp": 128, "recent_fine": 4.0, "k_recon": 4,
-    "sink_v_ratio": 0.0,
+    "sink_v_ratio": 0.0, "k_rope_mean": 1,
 }
 #: Entropy settings of the search's encodes (lossless: they change the bits it reports, not the KL).
 SEARCH_ENTROPY: dict[str, Any] = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chunk": 2048, "max_level": 32}
@@ -419,7 +419,9 @@ def build_profile(
         ids0 = search[0][1]
         ref0, fisher = fisher_diagonal(model, ids0[:context], ids0[context:context + continuation],
                                        sensitivity_samples, progress=fisher_progress, reference=evs[0].reference)
-        stats.k_sens, stats.v_sens = sensitivities(ref0, fisher)
+        # in the step units of the search's centring (rotating K means where the settings use them)
+        rope = stats.attention if SEARCH_SETTINGS.get("k_rope_mean") and stats.attention is not None else None
+        stats.k_sens, stats.v_sens = sensitivities(ref0, fisher, rope)
         stats.meta["sensitivity"] = f"fisher, {sensitivity_samples} samples, {continuation} scored tokens"
     ratio_measured = kv_ratio(stats)
     ratio = ratio_measured if ratio_measured is not None else 3.0

@@ -6,6 +6,8 @@
   channel axis (fixed, no calibration; power-of-two widths).
 * :mod:`~kvcodec.transforms.pca` — per-head principal axes (Karhunen–Loève transform) and the
   coding gain they buy over per-channel coding.
+* :mod:`~kvcodec.transforms.rope` — RoPE's rotation as kvc's rotating K means define it (integer
+  phases and one sine table: normative, the same on every decode path).
 * :mod:`~kvcodec.transforms.allocation` — bit allocation across coordinates by reverse
   water-filling, and the weighted step rule it implies for entropy-coded uniform quantizers.
 

@@ -35,6 +35,7 @@ from ...transforms.allocation import weighted_steps
 from .calibration import Calibration, QueryStats, attention_estimate
 from .profile import parse_profile, steps_for_target
 from .plan import _layer_calib
+from ...transforms.rope import STYLES, phase_steps, rotated_means, unrotated_mean
 from .sinks import detect_sinks
 from .steps import _attn_factor, _checked_codes, _checked_recon, _quantize_tokens, _sens_multipliers, recency_factor, token_steps
 from .symbols import _narrowest, _stage, delta_rows, escape_join, pred_mask, running_sums, split_tokens
@@ -115,6 +116,13 @@ class KVCCodec(Codec):
             ConfigError, as the target cannot be kept) or ``"steps"`` (code with ``k_step`` and
             ``v_step`` as given; the level presets, whose steps were measured on SmolLM2 and
             Qwen2.5-Coder-0.5B).
+        k_rope_mean: 1 to centre K by rotating means (:mod:`kvcodec.transforms.rope`): the channel
+            means taken before RoPE and turned to each token's position, where the calibration
+            file knows the layer's rotation (its ``LayerAttention``; other layers, and encodes
+            without a calibration, centre as with 0). A constant part of K before RoPE (Qwen2's K
+            bias) turns with the position, which a plain channel mean cannot remove. The file
+            records the rotation (the global plane ``kvc_rope`` and the tensors' ``rope``), so
+            the decoder needs nothing else.
         sens, sens_clip, sens_coarse: per-(layer, head) steps from the file's sensitivities, when
             it has them: multiplier ``(s / geometric mean) ** (-sens / 2)`` clipped to
             ``[1/sens_clip, sens_coarse]`` (see :func:`_sens_multipliers`; 0 = off).
@@ -133,7 +141,7 @@ class KVCCodec(Codec):
         "calibration": "", "k_qgamma": 1.5, "v_attn": 0.5, "k_attn": 1.0, "attn_clip": 2.0, "attn_coarse": 1.5,
         "sens": 1.0, "sens_clip": 2.0, "sens_coarse": 1.5, "recent_ramp": 0, "recent_fine": 1.0,
         "delta": 1, "calibration_sha256": "", "ctx": [], "k_recon": 0, "pack": 2, "target_kl": 0.0,
-        "fallback": "refuse", "query_pos": 0,
+        "fallback": "refuse", "query_pos": 0, "k_rope_mean": 0,
     }
 
     def check_params(self) -> None:
@@ -178,6 +186,8 @@ class KVCCodec(Codec):
             raise ConfigError(f"kvc target_kl must be in [0, 10] (0 = off), got {p['target_kl']}")
         if p["fallback"] not in ("refuse", "steps"):
             raise ConfigError(f"kvc fallback must be 'refuse' or 'steps', got {p['fallback']!r}")
+        if not isinstance(p["k_rope_mean"], int) or isinstance(p["k_rope_mean"], bool) or p["k_rope_mean"] not in (0, 1):
+            raise ConfigError(f"kvc k_rope_mean must be 0 or 1, got {p['k_rope_mean']!r}")
         q = p["query_pos"]
         if not isinstance(q, int) or isinstance(q, bool) or not 0 <= q <= 1 << 40:
             raise ConfigError(f"kvc query_pos must be an integer in [0, 2**40] (0 = after the cache), got {q!r}")
@@ -202,6 +212,8 @@ class KVCCodec(Codec):
         """
         config = self.get_config()
         del config["query_pos"]  # encoder-only: where the attention estimates put the queries
+        if not self.params["k_rope_mean"]:
+            del config["k_rope_mean"]  # files without rotating means keep the config they always had
         target = self.params["target_kl"]
         refuse = self.params["fallback"] == "refuse"
         if not target or not self.params["calibration"]:
@@ -245,6 +257,12 @@ class KVCCodec(Codec):
             raise
         if params != dict(self.params):
             state["params"] = params  # the profile's settings, read by encode_planes
+        if params["k_rope_mean"]:
+            rope = _rope_plan(cache, cal.stats)
+            if rope is not None:
+                state["rope"] = rope
+        elif "k_rope_mean" in config:
+            del config["k_rope_mean"]  # files without rotating means keep the config they always had
         return Prepared(config, state, lambda: pool.shutdown(wait=True, cancel_futures=True))
 
     def part_config(self, first: bool = False, last: bool = False, query_pos: int = 0) -> dict[str, Any]:
@@ -408,14 +426,19 @@ class KVCCodec(Codec):
 
     def encode_globals(self, cache: KVCache, state: Any = None) -> dict[str, np.ndarray]:
         """With ``sink_v_ratio > 0`` (a profile's, else the codec's): the detected sink tokens of
-        every layer, ``int32 [N, 2]`` rows ``(layer, position)`` (see :func:`detect_sinks`)."""
+        every layer, ``int32 [N, 2]`` rows ``(layer, position)`` (see :func:`detect_sinks`). With
+        rotating K means (``k_rope_mean``): ``kvc_rope``, the phase steps of the rotations used."""
         p = (state or {}).get("params", self.params)
+        out = {}
+        if (state or {}).get("rope") is not None:
+            out["kvc_rope"] = state["rope"]["table"]
         thr = p["sink_v_ratio"]
         if thr <= 0:
-            return {}
+            return out
         rows = [(i, int(pos)) for i, layer in enumerate(cache.layers) if "v" in layer
                 for pos in detect_sinks(layer["v"], thr, p["sinks"])]
-        return {"kvc_sinks": np.array(rows, dtype=np.int32).reshape(-1, 2)}
+        out["kvc_sinks"] = np.array(rows, dtype=np.int32).reshape(-1, 2)
+        return out
 
     def _mask(self, ctx: TensorContext, s: int, r: int, where: str) -> np.ndarray:
         t = ctx.shape[0]
@@ -475,8 +498,22 @@ class KVCCodec(Codec):
             y = x.numpy()[~mask]
         else:
             y = x[~keep].double().numpy()
-        mean = channel_means(y) if (is_k or p["v_center"]) else np.zeros((h, d))
-        if from_f16:
+        rope = _tensor_rope(ctx, n, use_h) if ctx.role == "k" else None
+        if rope is not None:
+            # rotating means: the channel means before RoPE, turned to each coded token's position
+            # (the decoder's float32 values, kvcodec.transforms.rope), subtracted in float32
+            (u, off, sty, r2), steps = rope
+            pos = np.flatnonzero(~mask)
+            mean = np.clip(unrotated_mean(y, pos, steps, off, STYLES[sty]), -65504.0, 65504.0)
+            mean = mean.astype(np.float16).astype(np.float64)  # what side[0] holds
+            rot = rotated_means(mean.astype(np.float32), pos, steps, off, STYLES[sty])
+            z = (y.astype(np.float32) - rot).astype(np.float32)
+            params["rope"] = [u, off, sty, r2]
+        else:
+            mean = channel_means(y) if (is_k or p["v_center"]) else np.zeros((h, d))
+        if rope is not None:
+            pass
+        elif from_f16:
             # float16 values and float16-rounded means: their difference is exact in float64, so
             # one float32 subtraction rounds it exactly as the float64 route would
             z = y - mean.astype(np.float32)[None]
@@ -674,8 +711,9 @@ class KVCCodec(Codec):
         rc = _checked_recon(pr.get("rc"), where)
         if rc and not per_channel:
             raise FormatError(f"{where}: kvc rc (reconstruction offsets) is for per-channel tensors only")
+        rope = _checked_rope(pr.get("rope"), ctx, tr, where)
         v.__dict__.update(lv=lv, tr=tr, per_channel=per_channel, k_tok=k_tok, rows=rows, stage_planes=stage_planes,
-                          esc=esc, use=use, sc_ch=sc_ch, base=base, mean=mean, rc=rc)
+                          esc=esc, use=use, sc_ch=sc_ch, base=base, mean=mean, rc=rc, rope=rope)
         return v
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
@@ -712,7 +750,10 @@ class KVCCodec(Codec):
             sc = codes[:, h * d:] + np.array(v.base, dtype=np.int64)[None]
             step = step_from_code(_checked_codes(sc, where))[:, :, None]
         mean, rc = v.mean, v.rc
-        if v.tr == "none":  # the same float32 arithmetic, saturation and cast in one native pass
+        if v.rope is not None:  # rotating means: one per coded token (kvcodec.transforms.rope)
+            off, style, steps = v.rope
+            mean = rotated_means(mean, np.flatnonzero(~mask), steps, off, style)
+        if v.tr == "none" and v.rope is None:  # the same float32 arithmetic, saturation and cast in one native pass
             free = np.flatnonzero(~mask)
             try:
                 if free[-1] - free[0] + 1 == n:  # the coded tokens are one run: write them in place
@@ -727,12 +768,85 @@ class KVCCodec(Codec):
         z = (recon_values(main, rc) if rc else main.astype(np.float32)) * step
         if v.tr == "hadamard":
             z = fwht(z)
-        xh = z + mean[None]
+        xh = z + (mean if v.rope is not None else mean[None])
         lim = float(torch.finfo(ctx.dtype).max)  # saturate instead of overflowing to inf
         xh = np.clip(xh, -lim, lim)
         out[~keep] = torch.from_numpy(np.ascontiguousarray(xh)).to(ctx.dtype)
         return out
 
+
+def _rope_plan(cache: KVCache, stats: QueryStats) -> dict[str, Any] | None:
+    """The rotations of rotating K means (``k_rope_mean``) for ``cache`` from the calibration's
+    per-layer facts: ``{"table": uint32 [U, F] distinct phase-step rows, "layers": {i: (row,
+    offset, style number, pairs)}}``, or None when no layer rotates or the cache's positions are
+    not consecutive (the rotation counts positions from the tensor's first token: where the
+    sequence starts does not matter, as rotations commute and the mean absorbs the rest)."""
+    rows: list[bytes] = []
+    layers: dict[int, tuple[int, int, int, int]] = {}
+    for i, layer in enumerate(cache.layers):
+        if "k" not in layer or i >= stats.num_layers:
+            continue
+        la = stats.layer_attention(i)
+        if la.rope != "rotary" or la.inv_freq is None or not la.inv_freq.size:
+            continue
+        r2 = int(la.inv_freq.shape[0])
+        if la.offset + 2 * r2 > layer["k"].shape[-1]:
+            continue
+        key = phase_steps(la.inv_freq).tobytes()
+        if key not in rows:
+            rows.append(key)
+        layers[i] = (rows.index(key), int(la.offset), STYLES.index(la.style), r2)
+    if not layers:
+        return None
+    t = cache.num_tokens
+    if cache.positions is not None and t:
+        pos = cache.positions.detach().cpu().to(torch.int64).numpy()
+        if not np.array_equal(pos, pos[0] + np.arange(t)):
+            return None  # the decoder counts positions from the first token, one by one
+    width = max(len(r) for r in rows) // 4
+    table = np.zeros((len(rows), width), dtype=np.uint32)
+    for j, r in enumerate(rows):
+        v = np.frombuffer(r, dtype=np.uint32)
+        table[j, : len(v)] = v
+    return {"table": table, "layers": layers}
+
+
+def _checked_rope(raw: Any, ctx: TensorContext, tr: str, where: str) -> tuple[int, str, np.ndarray] | None:
+    """A K tensor's ``rope`` param checked against the global ``kvc_rope`` (formats/codecs/kvc.md
+    §4): ``(offset, style, phase steps uint32 [pairs])``, or None when absent.
+
+    Raises:
+        FormatError: a malformed param, on a tensor that cannot have one, or without its table.
+    """
+    if raw is None:
+        return None
+    t, h, d = ctx.shape
+    if (not isinstance(raw, list) or len(raw) != 4 or not all(type(x) is int for x in raw)
+            or ctx.role != "k" or tr != "none"):
+        raise FormatError(f"{where}: kvc rope must be 4 integers [row, offset, style, pairs] "
+                          f"on a 'k' tensor without a transform, got {raw!r}")
+    u, off, sty, r2 = raw
+    table = ctx.globals.get("kvc_rope")
+    if table is None:
+        raise FormatError(f"{where}: kvc rope given but the file has no global kvc_rope plane")
+    table = np.asarray(table)
+    if table.dtype != np.uint32 or table.ndim != 2 or table.shape[0] < 1 or table.shape[1] < 1:
+        raise FormatError(f"{where}: global kvc_rope must be uint32 [U, F] with U, F >= 1")
+    if (not 0 <= u < table.shape[0] or off < 0 or sty not in (0, 1) or not 1 <= r2 <= table.shape[1]
+            or off + 2 * r2 > d):
+        raise FormatError(f"{where}: kvc rope {raw!r} out of range (kvc_rope is {list(table.shape)}, "
+                          f"head width {d})")
+    return off, STYLES[sty], table[u, :r2]
+
+
+def _tensor_rope(ctx: TensorContext, n: int, hadamard: bool) -> tuple[tuple[int, int, int, int], np.ndarray] | None:
+    """``((row, offset, style, pairs), phase steps)`` of a K tensor coded with
+    rotating means, or None (no plan for its layer, nothing coded, or a Hadamard transform)."""
+    rope = (ctx.state or {}).get("rope") if isinstance(ctx.state, dict) else None
+    if rope is None or not n or hadamard or ctx.layer not in rope["layers"]:
+        return None
+    u, off, sty, r2 = rope["layers"][ctx.layer]
+    return (u, off, sty, r2), rope["table"][u, :r2]
 
 #: While :meth:`KVCCodec.encode_parts` codes a part: per layer ``(the whole cache's attention
 #: estimates on the part's tokens [t, H], {"k": mean weight [H], "v": mean weight [H]})``.

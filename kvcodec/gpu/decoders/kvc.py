@@ -88,6 +88,7 @@ def _gpu_kvc(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: to
     ``[T, H, D]`` output (protected tokens copied as they are). Validation is the CPU decoder's
     own (:meth:`~kvcodec.codecs.kvc.KVCCodec.parse_tensor`)."""
     from ...entropy.stage import StageLayout
+    from ...transforms.rope import rotated_means
     from ...quant.deadzone import recon_values, step_from_code
 
     v = codec.parse_tensor(enc, ctx)
@@ -146,7 +147,10 @@ def _gpu_kvc(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: to
     d_tok = to_device(free.astype(np.int32), dev)
     d_free = torch.from_numpy(free).to(dev)
     status = torch.zeros(1, dtype=torch.int32, device=dev)
-    raw = v.tr == "hadamard"
+    raw = v.tr == "hadamard" or v.rope is not None
+    if v.rope is not None:  # rotating means: the reference's float32 values, added on the device
+        off, style, steps = v.rope
+        d_rot = to_device(rotated_means(v.mean, free, steps, off, style), dev)
     lim = float(torch.finfo(ctx.dtype).max)
 
     def params(codes, counts, base, out) -> KvcParams:
@@ -174,8 +178,9 @@ def _gpu_kvc(codec: "Codec", enc: "EncodedTensor", ctx: "TensorContext", dev: to
         dst = torch.empty((n, h, d), dtype=torch.float32, device=dev) if raw else out
         launch("kvc_dequant_" + _out_name(torch.float32 if raw else ctx.dtype), n * hd,
                params(codes, None, None, dst), dst)
-        if raw:  # Hadamard files: the reference's inverse transform, mean, saturation and cast
-            xh = torch.clamp(fwht_torch(dst) + d_mean.view(1, h, d), -lim, lim)
+        if raw:  # Hadamard files, rotating means: the reference's transform, means, saturation and cast
+            xh = torch.clamp((dst + d_rot) if v.rope is not None else (fwht_torch(dst) + d_mean.view(1, h, d)),
+                             -lim, lim)
             out[d_free] = xh.to(ctx.dtype)
         return out
 

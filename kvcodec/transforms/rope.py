@@ -1,0 +1,119 @@
+"""Rotating channel means for K after RoPE (formats/codecs/kvc.md §3.1 and §10, normative).
+
+A constant component of K before RoPE (Qwen2's K bias, the large fixed channels of many models)
+turns with the position once RoPE is applied, so a per-channel mean of the rotated K no longer
+removes it: on Qwen2.5-Coder-0.5B centring leaves 4.3 % of K's energy after RoPE and 1.4 %
+before (eval/results/kvc_prerope.md). With ``k_rope_mean`` the encoder takes the channel means
+before RoPE, ``mu``, and subtracts ``R(p) mu`` from the token at position ``p``; the decoder adds
+the same ``R(p) mu`` back. The rotation does not have to equal the model's to the last bit, only
+be the same on both sides, so it is defined here with integers and one table:
+
+* each rotation pair ``c`` turns by a *phase step* ``f[c]``, a uint32 in units of ``2**-32``
+  turns per position (the encoder rounds the model's ``inv_freq / 2 pi``);
+* the phase at position ``p`` is ``(p mod 2**32) * f[c] mod 2**32``, exact in uint64;
+* ``sin`` and ``cos`` are looked up in :func:`sin_table` (65536 float32 values, 16 phase bits):
+  ``sin = S[phase >> 16]``, ``cos = S[((phase >> 16) + 16384) mod 65536]``;
+* ``R(p) mu`` is ``(mu_a cos - mu_b sin, mu_b cos + mu_a sin)`` on each pair ``(a, b)``, every
+  product and sum a separately rounded float32 operation in that order; channels outside the
+  pairs keep ``mu``.
+
+The phase is exact; the table's angle is within ``2 pi / 2**17`` of it (5e-5 rad).
+
+Example:
+    >>> import numpy as np
+    >>> f = phase_steps(np.array([1.0, 0.01], np.float32))
+    >>> m = rotated_means(np.ones((1, 4), np.float32), np.arange(3), f, 0, "half")
+    >>> m.shape, bool(np.allclose(m[0], 1.0))
+    ((3, 1, 4), True)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+#: phase bits the table resolves
+SIN_BITS = 16
+#: ``style`` numbers as tensor params write them
+STYLES = ("half", "interleaved")
+
+
+@functools.lru_cache(maxsize=1)
+def sin_table() -> np.ndarray:
+    """``S[i]``: the float32 nearest to ``sin(2 pi i / 65536)``, ``i < 65536`` (read-only).
+
+    Computed in float64 and rounded once: a float64 ``sin`` within a few units in the last place
+    rounds to the same float32 (tests pin the table's SHA-256)."""
+    n = 1 << SIN_BITS
+    t = np.sin(np.arange(n, dtype=np.float64) * (2.0 * math.pi / n)).astype(np.float32)
+    # exact zeros and ones where the real sine has them
+    t[0] = t[n // 2] = 0.0
+    t[n // 4], t[3 * n // 4] = 1.0, -1.0
+    t.setflags(write=False)
+    return t
+
+
+def phase_steps(inv_freq: np.ndarray) -> np.ndarray:
+    """The uint32 phase step of each pair from RoPE's angular frequencies (radians per position),
+    rounded to the nearest ``2**-32`` turn (encoder side: any steps decode; these are the model's)."""
+    turns = np.asarray(inv_freq, dtype=np.float64) / (2.0 * math.pi)
+    return (np.round(turns * 2.0**32).astype(np.int64) % (1 << 32)).astype(np.uint32)
+
+
+def pairs(r2: int, offset: int, style: str) -> tuple[np.ndarray, np.ndarray]:
+    """Channel indices ``(a, b)`` of the ``r2`` rotation pairs: ``"half"`` pairs ``(offset + c,
+    offset + r2 + c)``, ``"interleaved"`` pairs ``(offset + 2c, offset + 2c + 1)``."""
+    c = np.arange(r2, dtype=np.int64)
+    if style == "half":
+        return offset + c, offset + r2 + c
+    return offset + 2 * c, offset + 2 * c + 1
+
+
+def cos_sin(positions: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``(cos, sin)`` ``[n, r2]`` at ``positions`` (int64 ``[n]``, >= 0) for phase
+    ``steps`` (uint32 ``[r2]``), from :func:`sin_table`."""
+    p = (np.asarray(positions, dtype=np.int64) & 0xFFFFFFFF).astype(np.uint64)
+    ph = (p[:, None] * np.asarray(steps, dtype=np.uint64)[None]) & np.uint64(0xFFFFFFFF)
+    i = (ph >> np.uint64(32 - SIN_BITS)).astype(np.int64)
+    s = sin_table()
+    return s[(i + (1 << (SIN_BITS - 2))) & ((1 << SIN_BITS) - 1)], s[i]
+
+
+def rotated_means(mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offset: int,
+                  style: str) -> np.ndarray:
+    """``R(p) mu`` for every position: float32 ``[n, H, D]`` from ``mu`` float32 ``[H, D]``
+    (the normative arithmetic of the module docstring)."""
+    mu = np.asarray(mu, dtype=np.float32)
+    n = len(positions)
+    out = np.broadcast_to(mu[None], (n,) + mu.shape).copy()
+    a, b = pairs(len(steps), offset, style)
+    if not len(a) or not n:
+        return out
+    c, s = cos_sin(positions, steps)
+    c, s = c[:, None, :], s[:, None, :]
+    ma, mb = mu[None, :, a], mu[None, :, b]
+    out[:, :, a] = ma * c - mb * s
+    out[:, :, b] = mb * c + ma * s
+    return out
+
+
+def unrotated_mean(k: np.ndarray, positions: np.ndarray, steps: np.ndarray, offset: int,
+                   style: str) -> np.ndarray:
+    """The mean over tokens of ``R(p)^-1 k`` (float64 ``[H, D]``; encoder side) for ``k``
+    ``[n, H, D]``: the channel means before RoPE, with the table's rotation."""
+    x = np.asarray(k, dtype=np.float64)
+    out = x.mean(axis=0)
+    a, b = pairs(len(steps), offset, style)
+    if not len(a) or not len(x):
+        return out
+    c, s = (t.astype(np.float64)[:, None, :] for t in cos_sin(positions, steps))
+    xa, xb = x[:, :, a], x[:, :, b]
+    out[:, a] = (xa * c + xb * s).mean(axis=0)
+    out[:, b] = (xb * c - xa * s).mean(axis=0)
+    return out
+
+
+__all__ = ["SIN_BITS", "STYLES", "cos_sin", "pairs", "phase_steps", "rotated_means", "sin_table",
+           "unrotated_mean"]
