@@ -14,7 +14,11 @@ from . import format_table, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="show a KVC file's manifest, sizes and per-layer bits/element")
+    p = sub.add_parser(
+        "info", help="show a KVC file's manifest, sizes and per-layer bits/element",
+        description="Show a KVC file's model identity, codec (its preset name and full config), "
+        "cache geometry, where the bytes go and each layer's bits per element. Only the header "
+        "is read and validated; `kvcodec verify` checks every checksum and decodes.")
     p.add_argument("file", help="KVC file")
     p.add_argument("--json", action="store_true", help="print JSON to stdout")
     p.set_defaults(func=run)
