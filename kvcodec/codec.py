@@ -409,6 +409,26 @@ def preset_description(name: str) -> str:
     return _PRESETS[name].description if name in _PRESETS else ""
 
 
+def preset_for_config(config: dict[str, Any]) -> str | None:
+    """The first registered preset (in registration order) whose full config equals ``config``,
+    or None: the name of a file's settings when the file does not record one.
+
+    Example:
+        >>> preset_for_config(get_codec("kivi-4").get_config())
+        'kivi-4'
+        >>> preset_for_config({**get_codec("kivi-4").get_config(), "group": 64}) is None
+        True
+    """
+    _load_builtins()
+    for name in _PRESETS:
+        try:
+            if get_codec(name).get_config() == config:
+                return name
+        except ConfigError:
+            continue
+    return None
+
+
 def codec_ids() -> list[str]:
     """Every registered codec id."""
     _load_builtins()
@@ -425,6 +445,7 @@ __all__ = [
     "get_codec",
     "list_codecs",
     "preset_description",
+    "preset_for_config",
     "register_codec",
     "register_preset",
 ]

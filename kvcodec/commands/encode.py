@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {
         "input": os.fspath(args.input),
         "output": os.fspath(args.output),
+        "preset": codec.preset,  # the name the codec was given, when a preset (also in the file)
         "codec": codec.get_config(),
         "layers": cache.num_layers,
         "tokens": cache.num_tokens,
@@ -69,6 +70,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(
             f"{summary['output']}: {nbytes} bytes, {summary['bits_per_element']:.3f} bits/element, "
-            f"{summary['ratio_vs_fp16']:.2f}x smaller than fp16 ({codec.codec_id}, {dt:.2f} s)"
+            f"{summary['ratio_vs_fp16']:.2f}x smaller than fp16 ({name}, {dt:.2f} s)"
         )
     return 0
