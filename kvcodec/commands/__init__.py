@@ -41,7 +41,7 @@ def format_table(rows: list[dict[str, Any]], columns: list[str], headers: dict[s
     for row in cells:
         last = [row[-1]]
         if room is not None and room >= 20 and len(row[-1]) > room:
-            last = textwrap.wrap(row[-1], room) or [""]
+            last = textwrap.wrap(row[-1], room, break_on_hyphens=False) or [""]
         for k, piece in enumerate(last):
             lead = row[:-1] if k == 0 else [""] * (len(row) - 1)
             lines.append("  ".join(v.ljust(w) for v, w in zip(lead + [piece], widths)).rstrip())

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from . import format_table, positive_int, print_json
+from . import codes_with_fixed_steps, format_table, positive_int, print_json
 
 COLUMNS = ["codec", "bits_per_element", "ratio_vs_fp16", "rel_err_k", "rel_err_v", "encode_MBps", "decode_MBps"]
 #: with a reference codec in the run: each codec's best encode / decode time over the reference's
@@ -158,6 +158,11 @@ def run(args: argparse.Namespace) -> int:
     # with a calibration file the kvc presets tuned for one (*-cal) use it: rows "<name> +calibration"
     settings, skipped = with_calibration([(name, get_codec(name)) for name in names], args.calibration,
                                          skip_uncalibrated=args.codecs == "all")
+    fixed = [name for name, codec in settings if codes_with_fixed_steps(codec)]
+    if fixed and not args.calibration:
+        print(f"bench: warning: {', '.join(fixed)}: no calibration file, so fixed steps measured on "
+              "SmolLM2-135M and Qwen2.5-Coder-0.5B, not on this model; give --calibration FILE (from "
+              "kvcodec calibrate)", file=sys.stderr, flush=True)
     if skipped:
         print(f"bench: left out {', '.join(skipped)} (tuned for a calibration file: give one with "
               "--calibration FILE, from kvcodec calibrate)", file=sys.stderr, flush=True)

@@ -42,10 +42,11 @@ def run(args: argparse.Namespace) -> int:
     from ..format import write_file
 
     codec = get_codec(args.codec)
+    codec.check_requirements()  # a -cal preset without its calibration file: say so before reading
     name = codec.preset or codec.codec_id
     if codes_with_fixed_steps(codec):
         # a level preset without a profile: its fixed steps, not a measurement on this model
-        print(f"kvcodec encode: note: {name} has no profile of this model, so it codes with fixed steps "
+        print(f"kvcodec encode: warning: {name} has no profile of this model, so it codes with fixed steps "
               f"(measured on SmolLM2-135M and Qwen2.5-Coder-0.5B only); for its level on your model run "
               f"`kvcodec calibrate --model M --out F` and add \"calibration\": F", file=sys.stderr)
     cache = KVCache.from_safetensors(args.input)
