@@ -114,7 +114,7 @@ def test_published_suites_are_valid():
     assert (default["context"], default["continuation"]) == (2048, 512)
 
 
-@pytest.mark.parametrize("name", ["capture", "evaluate", "models", "report"])
+@pytest.mark.parametrize("name", ["capture", "evaluate", "models", "rdplot", "report"])
 def test_harness_docstring_examples(name):
     import doctest
     import importlib

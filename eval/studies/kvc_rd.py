@@ -26,6 +26,8 @@ Usage:
     python eval/studies/kvc_rd.py --context 512 --continuation 128 --quick --out /tmp/kvc_rd
     # another evaluation window of the same text (tokens 4096.. ; calibration stays at 8192..):
     python eval/studies/kvc_rd.py --quick --text-offset 4096 --out /tmp/kvc_rd_off4096
+    # draw the PNGs again from committed results (no model):
+    python eval/studies/kvc_rd.py --replot eval/results/kvc_rd.json eval/results/kvc_presets*.json
     # preset rows only, plus extra kvc configurations (a JSON list) for a targeted search:
     python eval/studies/kvc_rd.py --quick --no-baselines --configs '[{"id": "kvc", "k_step": 0.22, "v_step": 0.66}]'
 """
@@ -39,7 +41,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from kvcodec.harness.results import provenance, with_provenance_block, write_result
 from kvcodec.harness.studies import text_window
@@ -123,11 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-calibration", action="store_true", help="skip the calibrated rows")
     ap.add_argument("--out", default="eval/results/kvc_rd")
     ap.add_argument("--rerender", action="store_true", help="only rewrite <out>.md/.png from <out>.json")
+    ap.add_argument("--replot", nargs="+", metavar="JSON",
+                    help="only draw each JSON's .png again (no model; JSON and .md untouched), e.g. "
+                    "eval/results/kvc_presets*.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        replot(args.replot)
+        return 0
     prov = provenance(argv)
     if args.rerender:
         rerender(Path(args.out).with_suffix(".json"))
         return 0
+
+    import torch
 
     import kvcodec
     from kvcodec.harness.capture import read_text
@@ -309,40 +318,121 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict, path: Path) -> None:
-    try:
-        import matplotlib
+#: The quality targets of the presets (issue 7): next-token KL bars drawn across the plot.
+TARGETS = ((0.002, "transparent ≤ 0.002"), (0.01, "near-lossless ≤ 0.01"), (0.05, "aggressive ≤ 0.05"))
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+
+def plot(res: dict, path: Path) -> None:
+    """The study's PNG: mean next-token KL against all-in bits per element, log KL, the Pareto
+    front over every point, the preset targets, labels by preset name, the legend to the right."""
+    try:
+        from kvcodec.harness.rdplot import pyplot
+
+        plt = pyplot()
     except ImportError:
         print("matplotlib missing: no plot (pip install 'kvcodec[eval]')")
         return
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    recs = [r for r in res["records"] if not r.get("error")]
-    kv = sorted((r for r in recs if r["kind"] in ("kvc-sweep", "kvc-preset", "kvc-point")), key=lambda r: r["bits_per_element"])
-    ax.plot([r["bits_per_element"] for r in kv], [max(r["next_token"]["kl_mean"], 1e-6) for r in kv],
-            "o-", color="C3", label="kvc (sweep + presets)")
-    for r in recs:
-        if r["kind"] == "kvc-preset":
-            ax.annotate(r["name"], (r["bits_per_element"], max(r["next_token"]["kl_mean"], 1e-6)), fontsize=7)
-    for i, r in enumerate(x for x in recs if x["kind"] == "baseline"):
-        ax.plot(r["bits_per_element"], max(r["next_token"]["kl_mean"], 1e-6), "s", color=f"C{i if i < 3 else i + 1}",
-                label=r["name"])
-    ab = [r for r in recs if r["kind"] == "kvc-ablation"]
-    ax.plot([r["bits_per_element"] for r in ab], [max(r["next_token"]["kl_mean"], 1e-6) for r in ab], "x", color="gray", label="kvc ablation")
-    for y, lab in ((0.002, "transparent"), (0.01, "near-lossless"), (0.05, "aggressive")):
-        ax.axhline(y, ls=":", color="gray", lw=0.8)
-        ax.text(0.99, y * 1.05, lab, fontsize=7, color="gray", ha="right", transform=ax.get_yaxis_transform())
+    fig = figure(res, plt)
+    fig.savefig(path, dpi=fig.dpi)
+    plt.close(fig)
+
+
+def figure(res: dict, plt) -> object:
+    """The figure :func:`plot` saves (tests inspect it before it is written)."""
+    from kvcodec.harness import rdplot
+
+    recs = [r for r in res["records"] if not r.get("error") and r.get("bits_per_element") is not None]
+    kls = [r["next_token"]["kl_mean"] for r in recs]
+    floor = min((k for k in kls if k), default=1e-6) / 10
+    any_zero = any(not k for k in kls)
+
+    def y(r: dict) -> float:
+        return max(r["next_token"]["kl_mean"], floor)
+
+    def calibrated(r: dict) -> bool:
+        return "(+calibration)" in r["name"] or bool((r.get("config") or {}).get("calibration"))
+
+    def preset(r: dict) -> bool:  # a preset row, or a --configs row that names a preset as is
+        return r["kind"] == "kvc-preset" or (r["kind"] == "kvc-point" and not rdplot.has_params(r["name"]))
+
+    # (legend label, which rows, style, label the points?, label priority)
+    series = [
+        ("baselines", lambda r: r["kind"] == "baseline", {"marker": "s", "color": "C0", "ls": "none", "ms": 7}, True, 0),
+        ("kvc presets", lambda r: preset(r) and not calibrated(r),
+         {"marker": "D", "color": "C3", "ls": "none", "ms": 7}, True, 0),
+        ("kvc presets, calibrated", lambda r: preset(r) and calibrated(r),
+         {"marker": "*", "color": "C4", "ls": "none", "ms": 11}, True, 0),
+        ("kvc step sweep (v step = 3 × k step)", lambda r: r["kind"] == "kvc-sweep",
+         {"marker": "o", "color": "C1", "ls": "-", "lw": 1.3, "ms": 5}, True, 2),
+        ("kvc search points", lambda r: r["kind"] == "kvc-point" and not preset(r) and not calibrated(r),
+         {"marker": "o", "color": "C3", "mfc": "white", "ls": "none", "ms": 6}, True, 3),
+        ("kvc search points, calibrated", lambda r: r["kind"] == "kvc-point" and not preset(r) and calibrated(r),
+         {"marker": "o", "color": "C4", "mfc": "white", "ls": "none", "ms": 6}, True, 3),
+        ("kvc ablation steps (named in the table)", lambda r: r["kind"] == "kvc-ablation",
+         {"marker": "x", "color": "0.45", "ls": "none", "ms": 6}, False, 9),
+    ]
+    fig, ax = plt.subplots(figsize=(rdplot.FIG_WIDTH_IN - 1, 6.0), dpi=rdplot.DPI + 10)
+    xy, texts, prio, colors = [], [], [], []
+    for label, keep, style, labelled, p in series:
+        rows = sorted((r for r in recs if keep(r)), key=lambda r: r["bits_per_element"])
+        if not rows:
+            continue
+        xs, ys = [r["bits_per_element"] for r in rows], [y(r) for r in rows]
+        # presets drawn over the search points that sit on them (same bits: k_recon, pack)
+        ax.plot(xs, ys, label=label, zorder=3.4 if p == 0 else 3, **style)
+        for r, x_, y_ in zip(rows, xs, ys):
+            xy.append((x_, y_))
+            # presets by name; sweep and search points by their parameters (legend and colour
+            # say kvc; a search point sits by the preset it varies)
+            texts.append(rdplot.short_label(r["name"], base=False) if labelled else None)
+            prio.append(p)
+            colors.append(style["color"] if style["color"] != "C1" else "#a0520f")
+            if not r["next_token"]["kl_mean"]:
+                ax.plot(x_, y_, style["marker"], color=style["color"], mfc="white", ms=style["ms"], zorder=3.5)
+    front_idx = set(rdplot.pareto_front([p[0] for p in xy], [p[1] for p in xy]))
+    rdplot.draw_front(ax, [p[0] for p in xy], [p[1] for p in xy])
+    for kl, lab in TARGETS:  # named in the margin right of the axes, where no point can be
+        ax.axhline(kl, ls=":", color="0.5", lw=0.9, zorder=1)
+        ax.text(1.01, kl, lab.replace(" ≤", "\n≤"), fontsize=rdplot.LABEL_PT, color="0.35", ha="left",
+                va="center", transform=ax.get_yaxis_transform(), linespacing=1.1)
     ax.set_yscale("log")
-    ax.set_xlim(left=0)
-    ax.set_xlabel("bits per element (all-in)")
-    ax.set_ylabel("mean next-token KL (nats)")
-    ax.set_title(f"SmolLM2-135M, ctx {res['setup']['context']}, {res['setup']['continuation']} scored tokens")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.set_xlim(left=0, right=max(p[0] for p in xy) * 1.12 if xy else None)
+    ax.margins(y=0.12)
+    ax.set_xlabel("bits per element (all-in)", fontsize=rdplot.AXIS_PT)
+    ax.set_ylabel("mean next-token KL (nats)", fontsize=rdplot.AXIS_PT)
+    ax.tick_params(labelsize=rdplot.LABEL_PT + 0.5)
+    s = res["setup"]
+    title = (f"{s['model'].get('model_id', 'SmolLM2-135M').split('/')[-1]}: context {s['context']}, "
+             f"{s['continuation']} scored tokens; text {s['text']['name']}")
+    cal = res.get("calibration") or {}
+    if cal.get("text") and cal["text"] != "the evaluation text":
+        title += f"\ncalibrated on another text: {Path(cal['text']).name}"
+    if any_zero:
+        title += "\nhollow marker: KL exactly 0, drawn at the floor"
+    ax.set_title(title, fontsize=rdplot.TITLE_PT)
+    ax.grid(True, which="major", alpha=0.35)
+    ax.grid(True, which="minor", alpha=0.12)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.11), fontsize=rdplot.LABEL_PT,
+              frameon=False, ncol=2 if len(labels) > 2 else len(labels), columnspacing=2.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    avoid = [rdplot.better_hint(ax, xy)]
+    rdplot.place_labels(ax, xy, texts, priority=[p - (i in front_idx) for i, p in enumerate(prio)],
+                        colors=colors, avoid=avoid)
+    return fig
+
+
+def replot(paths: list[str]) -> list[Path]:
+    """Draw ``<stem>.png`` again from each ``<stem>.json`` (a result of this study); no model runs
+    and neither the JSON nor the Markdown is touched. Returns the PNGs written."""
+    out = []
+    for p in paths:
+        js = Path(p)
+        png = js.with_suffix(".png")
+        plot(json.loads(js.read_text()), png)
+        out.append(png)
+        print(f"wrote {png}")
+    return out
 
 
 if __name__ == "__main__":

@@ -164,47 +164,110 @@ def markdown_report(doc: dict[str, Any]) -> str:
 
 
 def rd_plot(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Rate–distortion PNG: bits per element against next-token KL and against attention
-    output error, one curve per codec family (log y; exact zeros drawn at the floor, hollow)."""
-    import matplotlib
+    """Rate–distortion PNG: bits per element against next-token KL (left) and against attention
+    output error (right), log y, one colour per codec id (a line per family), each point labelled with its preset
+    name (:func:`kvcodec.harness.rdplot.short_label` for parameter points), the Pareto front over
+    all points dashed grey, the legend below the panels. Exact zeros (lossless rows) are drawn
+    hollow at a floor a decade under the smallest non-zero value, and only then does the title say
+    so. Needs matplotlib (the ``[eval]`` extra).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Example:
+        >>> import tempfile, os
+        >>> doc = {"run": {"model": {"model_id": "demo"}, "context": 8, "continuation": 4},
+        ...        "results": [{"name": n, "family": "kivi", "bits_per_element": b,
+        ...                     "next_token": {"kl_mean": k}, "attention": {"out_rel_l2": k}}
+        ...                    for n, b, k in (("kivi-2", 3.0, 0.2), ("kivi-4", 5.0, 0.003))]}
+        >>> p = os.path.join(tempfile.mkdtemp(), "rd.png"); rd_plot(doc, p); os.path.getsize(p) > 0
+        True
+    """
+    from . import rdplot
 
-    results = [r for r in doc.get("results", []) if not r.get("error")]
-    fams: dict[str, list[dict[str, Any]]] = {}
+    plt = rdplot.pyplot()
+    fig = _rd_figure(doc, plt)
+    fig.savefig(os.fspath(path), dpi=rdplot.DPI)
+    plt.close(fig)
+
+
+def _rd_figure(doc: dict[str, Any], plt: Any) -> Any:
+    """The figure :func:`rd_plot` saves (tests inspect it before it is written)."""
+    from . import rdplot
+
+    results = [r for r in doc.get("results", []) if not r.get("error") and r.get("bits_per_element") is not None]
+    # one colour and legend entry per codec id (the family up to its parameters); one line per
+    # family inside it (kivi-ans and kivi-ans(delta=8) are two curves of one colour)
+    groups: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for r in results:
-        fams.setdefault(r["family"], []).append(r)
+        fam = r.get("family") or r["name"]
+        groups.setdefault(fam.split("(")[0], {}).setdefault(fam, []).append(r)
     panels = [("next_token", "kl_mean", "next-token KL (nats, mean)"),
               ("attention", "out_rel_l2", "attention output rel. L2 error")]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    fig, axes = plt.subplots(1, 2, figsize=(rdplot.FIG_WIDTH_IN, 6.4), dpi=rdplot.DPI)
+    handles: dict[str, Any] = {}
+    any_zero = False
+    per_axes = []
     for ax, (group, key, label) in zip(axes, panels):
-        vals = [_get(r, (group, key)) for r in results]
-        pos = [v for v in vals if v]
+        pos = [v for r in results if (v := _get(r, (group, key)))]
         floor = min(pos) / 10 if pos else 1e-6
-        for i, (fam, rs) in enumerate(sorted(fams.items())):
-            rs = sorted(rs, key=lambda r: r["bits_per_element"])
-            xs = [r["bits_per_element"] for r in rs]
-            ys = [(_get(r, (group, key)) or 0.0) for r in rs]
+        xy: list[tuple[float, float]] = []
+        names: list[str] = []
+        colors: list[Any] = []
+        for i, (cid, fams) in enumerate(sorted(groups.items())):
             # tab10 first (ten distinct hues), then the lighter tab20 shades.
             color = plt.cm.tab10(i % 10) if i < 10 else plt.cm.tab20((2 * (i - 10) + 1) % 20)
             marker = "os^Dv<>ph*"[i % 10]
-            ax.plot(xs, [max(y, floor) for y in ys], "-", color=color, label=fam, lw=1.5)
-            for r, x, y in zip(rs, xs, ys):
-                ax.plot(x, max(y, floor), marker, color=color, mfc=color if y > 0 else "white", ms=6)
-                ax.annotate(r["name"], (x, max(y, floor)), fontsize=6.5, xytext=(3, 3),
-                            textcoords="offset points")
+            for j, (fam, rs) in enumerate(sorted(fams.items(), key=lambda f: (f[0] != cid, f[0]))):
+                rs = sorted(rs, key=lambda r: r["bits_per_element"])
+                xs = [r["bits_per_element"] for r in rs]
+                ys = [(_get(r, (group, key)) or 0.0) for r in rs]
+                shown = [max(y, floor) for y in ys]
+                (h,) = ax.plot(xs, shown, ls="-" if j == 0 else ":", marker=marker, color=color, lw=1.5,
+                               ms=6.5, zorder=3, label=cid)
+                for x, y, y_shown in zip(xs, ys, shown):
+                    if y <= 0:
+                        any_zero = True
+                        ax.plot(x, y_shown, marker, color=color, mfc="white", ms=6.5, zorder=3.5)
+                handles.setdefault(cid, h)
+                xy += list(zip(xs, shown))
+                names += [r["name"] for r in rs]
+                colors += [color] * len(rs)
+        front = rdplot.draw_front(ax, [p[0] for p in xy], [p[1] for p in xy])
+        if front is not None:
+            handles.setdefault(rdplot.FRONT_LABEL, front)
         ax.set_yscale("log")
-        ax.set_xlabel("bits per element (all-in)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
+        ax.set_xlabel("bits per element (all-in)", fontsize=rdplot.AXIS_PT)
+        ax.set_ylabel(label, fontsize=rdplot.AXIS_PT)
+        ax.tick_params(labelsize=rdplot.LABEL_PT + 0.5)
+        ax.grid(True, which="major", alpha=0.35)
+        ax.grid(True, which="minor", alpha=0.12)
+        ax.margins(x=0.08, y=0.12)
+        per_axes.append((ax, xy, names, colors))
     run = doc.get("run", {})
-    fig.suptitle(f"{run.get('model', {}).get('model_id', '')}: context {run.get('context')}, "
-                 f"continuation {run.get('continuation')} (hollow = exactly 0)", fontsize=10)
-    axes[1].legend(fontsize=7, loc="upper right", ncol=2)
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=110)
-    plt.close(fig)
+    title = (f"{run.get('model', {}).get('model_id', '')}: context {run.get('context')}, "
+             f"continuation {run.get('continuation')}")
+    if any_zero:
+        title += " — hollow marker: exactly 0, drawn at the floor"
+    fig.suptitle(title, fontsize=rdplot.TITLE_PT)
+    legend = fig.legend(list(handles.values()), list(handles.keys()), loc="lower center",
+                        bbox_to_anchor=(0.5, 0.005), ncol=min(5, len(handles)), fontsize=rdplot.LABEL_PT,
+                        frameon=False, columnspacing=1.6, handlelength=2.6)
+    fig.canvas.draw()
+    legend_h = legend.get_window_extent().height / fig.bbox.height
+    fig.tight_layout(rect=(0, legend_h + 0.01, 1, 0.965))
+    for ax, xy, names, colors in per_axes:
+        hint = rdplot.better_hint(ax, xy)
+        front = set(rdplot.pareto_front([p[0] for p in xy], [p[1] for p in xy]))
+        # Pareto points and preset names first; parameter points take what room is left
+        prio = [(0 if i in front else 1) + (0 if rdplot.short_label(n) == n else 2) for i, n in enumerate(names)]
+        # a parameter point's label is its parameters: colour and legend name the family
+        rdplot.place_labels(ax, xy, [rdplot.short_label(n, base=False) for n in names], priority=prio,
+                            colors=[_darker(c) for c in colors], avoid=[hint])
+    return fig
+
+
+def _darker(color: Any) -> tuple[float, float, float]:
+    """A label colour: the family's colour, darkened so thin text stays legible on white."""
+    r, g, b = color[:3]
+    return (0.6 * r, 0.6 * g, 0.6 * b)
 
 
 def _clean(obj: Any) -> Any:
@@ -234,5 +297,31 @@ def write_run(doc: dict[str, Any], out_dir: str | os.PathLike[str], stem: str = 
     return paths
 
 
-__all__ = ["SCHEMA", "machine_info", "markdown_report", "markdown_table", "rd_plot", "versions",
-           "write_run"]
+def replot(json_path: str | os.PathLike[str]) -> Path:
+    """Draw ``<stem>_rd.png`` again beside a results ``<stem>.json`` (no model runs; the JSON and
+    the Markdown are not touched). Returns the PNG's path."""
+    js = Path(json_path)
+    png = js.with_name(f"{js.stem}_rd.png")
+    rd_plot(json.loads(js.read_text(encoding="utf-8")), png)
+    return png
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvcodec.harness.report RESULTS.json ...``: redraw each run's rate–distortion PNG."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvcodec.harness.report",
+                                 description="Draw <stem>_rd.png again from kvcodec eval results <stem>.json "
+                                 "(no model). Example: python -m kvcodec.harness.report eval/results/smollm2_*.json")
+    ap.add_argument("json", nargs="+", help="results JSON files written by kvcodec eval")
+    for p in ap.parse_args(argv).json:
+        print(f"wrote {replot(p)}")
+    return 0
+
+
+__all__ = ["SCHEMA", "machine_info", "main", "markdown_report", "markdown_table", "rd_plot", "replot",
+           "versions", "write_run"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,266 @@
+"""The rate–distortion plots (kvcodec.harness.report.rd_plot, eval/studies/kvc_rd.py): Pareto
+front, preset-name labels that do not collide, legend outside the data, readable text, the
+hollow-marker note only when a value is exactly 0. No model is loaded: the documents are made up."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcodec.harness import rdplot
+from kvcodec.harness.rdplot import has_params, pareto_front, short_label
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- pure helpers --------------------------------------------------------------------------------
+
+def test_pareto_front_is_exactly_the_non_dominated_points():
+    xs = [1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 0.5, 5.0, 2.5]
+    ys = [0.9, 0.2, 0.3, 0.2, 0.05, 0.05, 1.0, 0.0, 0.2]
+    # (2, .3) loses to (2, .2); (3, .2) and (2.5, .2) lose to (2, .2); (4, .05) loses to (3, .05)
+    assert pareto_front(xs, ys) == [6, 0, 1, 4, 7]
+    # brute force agrees on every point
+    for i in range(len(xs)):
+        dominated = any(xs[j] <= xs[i] and ys[j] <= ys[i] and (xs[j] < xs[i] or ys[j] < ys[i])
+                        for j in range(len(xs)))
+        assert (i in pareto_front(xs, ys)) is (not dominated)
+
+
+def test_pareto_front_keeps_ties_and_skips_missing():
+    assert pareto_front([1.0, 1.0, 2.0], [0.5, 0.5, 0.1]) == [0, 1, 2]  # equal points: both kept
+    assert pareto_front([16.0, 16.0], [0.0, 0.0]) == [0, 1]  # raw and fp16, both exact
+    assert pareto_front([1.0, float("nan"), 0.5], [0.1, 0.01, math.nan]) == [0]
+    assert pareto_front([], []) == []
+
+
+def test_short_labels_name_presets_and_shorten_parameter_points():
+    assert short_label("kvc-near") == "kvc-near"
+    assert short_label("kvc-near-cal (+calibration)") == "kvc-near-cal"
+    assert short_label("kivi-4[bits=3]") == "kivi-4 bits 3"
+    assert short_label("kivi-4[bits=3]", base=False) == "bits 3"
+    assert short_label("kvc[k_step=0.7,v_step=0.7]", base=False) == "k,v 0.7"
+    assert short_label("kvc(k_step=0.35, v_step=1.05)", base=False) == "k 0.35 v 1.05"
+    assert short_label("cachegen[levels=[63, 31, 31]]") == "cachegen levels 63/31/31"
+    assert short_label("kvc-near-cal {'pack': 0} (+calibration)", base=False) == "pack 0"
+    # an ablation step is prose: left alone (and never cut mid-word below the limit)
+    assert short_label("kvc: centring only (V per head, no sinks)", max_len=60) == \
+        "kvc: centring only (V per head, no sinks)"
+    assert len(short_label("x" * 80)) == 28
+    assert not has_params("kvc-transparent-cal (+calibration)") and has_params("kivi-4[bits=3]")
+
+
+# --- the kvcodec eval plot ------------------------------------------------------------------------
+
+def _row(name, family, bits, kl, err=None):
+    return {"name": name, "family": family, "bits_per_element": bits, "error": None,
+            "next_token": {"kl_mean": kl}, "attention": {"out_rel_l2": err if err is not None else kl ** 0.5}}
+
+
+def _doc(rows):
+    return {"run": {"model": {"model_id": "demo/model"}, "context": 64, "continuation": 16}, "results": rows}
+
+
+KVC_NEAR_FAMILY = "kvc(precision=14,recent_fine=4.0,recent_ramp=128)"
+CROWDED = [
+    # three kivi-2 variants at nearly the same spot (issue #22: their labels merged into one word)
+    _row("kivi-2", "kivi", 3.02, 0.199), _row("kivi-2-ans", "kivi-ans", 2.77, 0.199),
+    _row("kivi-2-delta-ans", "kivi-ans(delta=8)", 3.22, 0.199),
+    _row("kivi-4", "kivi", 5.03, 0.0034), _row("kivi-4-ans", "kivi-ans", 4.90, 0.0034),
+    _row("kivi-4-delta-ans", "kivi-ans(delta=8)", 5.42, 0.0034),
+    _row("kivi-4[bits=3]", "kivi", 4.03, 0.0176), _row("kivi-4-ans[bits=3]", "kivi-ans", 3.86, 0.0176),
+    _row("cachegen", "cachegen", 4.04, 0.0092), _row("nvfp4", "nvfp4", 4.53, 0.0122),
+    _row("kvc-near", KVC_NEAR_FAMILY, 2.34, 0.0043),
+    _row("kvc-transparent", "kvc(max_level=48,precision=14,recent_fine=4.0,recent_ramp=128)", 3.03, 0.0015),
+    _row("kvc-aggressive", "kvc(max_level=16,precision=14,recent_fine=4.0,recent_ramp=128)", 1.25, 0.043),
+    _row("fp8-e4m3", "fp8", 8.02, 0.0015), _row("fp8-e5m2", "fp8", 8.02, 0.0067),
+]
+
+
+@pytest.fixture
+def plt():
+    pytest.importorskip("matplotlib")
+    p = rdplot.pyplot()
+    yield p
+    p.close("all")
+
+
+def _point_labels(ax):
+    from matplotlib.text import Annotation
+
+    return [t for t in ax.texts if isinstance(t, Annotation) and "lower left is better" not in t.get_text()]
+
+
+def _text_box(t, renderer):
+    """The text's own box (an Annotation's extent would include its leader line)."""
+    from matplotlib.text import Text
+
+    return Text.get_window_extent(t, renderer)
+
+
+def _all_texts(fig):
+    from matplotlib.text import Text
+
+    return [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+
+
+def test_rd_plot_labels_are_preset_names_and_never_overlap(plt):
+    from kvcodec.harness.report import _rd_figure
+
+    fig = _rd_figure(_doc(CROWDED), plt)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        labels = _point_labels(ax)
+        texts = [t.get_text() for t in labels]
+        for name in ("kivi-2", "kivi-2-ans", "kivi-2-delta-ans", "kvc-near", "kvc-transparent", "kvc-aggressive"):
+            assert name in texts, f"{name} not labelled: {texts}"
+        assert "bits 3" in texts  # a parameter point: its parameters, the colour names the codec
+        assert not any("precision=" in t or "max_level" in t for t in texts)
+        assert len(labels) == len(CROWDED), f"a label was left out: {texts}"
+        boxes = [_text_box(t, renderer) for t in labels]
+        hint = next(t for t in ax.texts if "lower left is better" in t.get_text())
+        for i, a in enumerate(boxes):
+            assert not a.overlaps(_text_box(hint, renderer)), f"{texts[i]!r} covers the hint"
+            assert ax.get_window_extent(renderer).contains(a.x0, a.y0) and \
+                ax.get_window_extent(renderer).contains(a.x1, a.y1), f"{texts[i]!r} outside the axes"
+            for j in range(i + 1, len(boxes)):
+                assert not a.overlaps(boxes[j]), f"labels {texts[i]!r} and {texts[j]!r} overlap"
+
+
+def test_rd_plot_legend_outside_the_axes_with_codec_names_and_the_front(plt):
+    from kvcodec.harness.report import _rd_figure
+
+    fig = _rd_figure(_doc(CROWDED), plt)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    lb = legend.get_window_extent(renderer)
+    for ax in fig.axes:
+        assert not lb.overlaps(ax.get_window_extent(renderer)), "the legend covers a panel"
+    entries = [t.get_text() for t in legend.get_texts()]
+    assert entries.count("kvc") == 1 and "kivi-ans" in entries
+    assert not any("(" in e and "=" in e for e in entries if e != rdplot.FRONT_LABEL), entries
+    assert rdplot.FRONT_LABEL in entries
+    # the front is drawn in each panel as the staircase through the non-dominated points
+    for ax in fig.axes:
+        (front,) = [ln for ln in ax.get_lines() if ln.get_label() == rdplot.FRONT_LABEL]
+        assert front.get_drawstyle() == "steps-post"
+    xs = [front.get_xdata() for ax in fig.axes[:1] for front in ax.get_lines()
+          if front.get_label() == rdplot.FRONT_LABEL][0]
+    assert list(xs) == [1.25, 2.34, 3.03]  # kvc-aggressive, kvc-near, kvc-transparent (KL panel)
+
+
+def test_rd_plot_text_is_readable_at_the_saved_size(plt):
+    from kvcodec.harness.report import _rd_figure
+
+    fig = _rd_figure(_doc(CROWDED), plt)
+    fig.canvas.draw()
+    for t in _all_texts(fig):
+        assert t.get_fontsize() >= 8, f"{t.get_text()!r} at {t.get_fontsize()} pt"
+    for ax in fig.axes:
+        for t in ax.get_xticklabels() + ax.get_yticklabels():
+            assert t.get_fontsize() >= 8
+    assert fig.get_figwidth() * rdplot.DPI >= 1000  # shown ~1000 px wide: not scaled up
+
+
+def test_hollow_note_only_when_a_value_is_exactly_zero(plt):
+    from kvcodec.harness.report import _rd_figure
+
+    fig = _rd_figure(_doc(CROWDED), plt)
+    assert "hollow" not in fig._suptitle.get_text()
+    plt.close(fig)
+    fig = _rd_figure(_doc(CROWDED + [_row("raw", "raw", 16.0, 0.0, 0.0)]), plt)
+    assert "hollow" in fig._suptitle.get_text()
+
+
+def test_rd_plot_writes_a_png(plt, tmp_path):
+    from kvcodec.harness.report import rd_plot
+
+    rd_plot(_doc(CROWDED + [_row("kvc", "kvc", 2.0, 0.009), {"name": "bad", "family": "x", "error": "E: no"}]),
+            tmp_path / "rd.png")
+    assert (tmp_path / "rd.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_main_redraws_the_png_beside_the_json(plt, tmp_path):
+    from kvcodec.harness.report import main
+
+    js = tmp_path / "run.json"
+    js.write_text(json.dumps(_doc(CROWDED)))
+    before = js.read_bytes()
+    assert main([str(js)]) == 0
+    assert (tmp_path / "run_rd.png").read_bytes()[:4] == b"\x89PNG"
+    assert js.read_bytes() == before
+
+
+# --- eval/studies/kvc_rd.py -----------------------------------------------------------------------
+
+def _kvc_rd():
+    spec = importlib.util.spec_from_file_location("kvc_rd_study", ROOT / "eval" / "studies" / "kvc_rd.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rec(kind, name, bits, kl, **extra):
+    return {"kind": kind, "name": name, "bits_per_element": bits, "error": None,
+            "next_token": {"kl_mean": kl}, **extra}
+
+
+STUDY = {
+    "setup": {"model": {"model_id": "HuggingFaceTB/SmolLM2-135M-Instruct"}, "context": 64, "continuation": 16,
+              "text": {"name": "demo text"}},
+    "calibration": None,
+    "records": [
+        _rec("baseline", "kivi-2", 3.03, 0.15), _rec("baseline", "kivi-4", 5.03, 0.0036),
+        _rec("baseline", "fp8-e4m3", 8.03, 0.0012),
+        _rec("kvc-preset", "kvc-near", 2.39, 0.0035), _rec("kvc-preset", "kvc-transparent", 3.08, 0.0012),
+        _rec("kvc-preset", "kvc-near-cal (+calibration)", 1.556, 0.0040),
+        # search points crowded on the calibrated preset
+        _rec("kvc-point", "kvc-near-cal {'k_recon': 0} (+calibration)", 1.556, 0.0043),
+        _rec("kvc-point", "kvc-near-cal {'pack': 0} (+calibration)", 1.62, 0.0040),
+        _rec("kvc-point", "kvc-near-cal {'pack': 1} (+calibration)", 1.58, 0.0040),
+        _rec("kvc-sweep", "kvc(k_step=0.2, v_step=0.6)", 3.13, 0.0013),
+        _rec("kvc-sweep", "kvc(k_step=1.0, v_step=3.0)", 1.08, 0.064),
+        _rec("kvc-ablation", "kvc: + sink token 0 exact", 2.94, 0.0078),
+    ],
+}
+
+
+def test_kvc_rd_figure_names_presets_legend_outside_no_overlap(plt):
+    fig = _kvc_rd().figure(STUDY, plt)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    labels = _point_labels(ax)
+    texts = [t.get_text() for t in labels]
+    assert {"kvc-near", "kvc-transparent", "kvc-near-cal", "kivi-2", "pack 0", "pack 1", "k_recon 0",
+            "k 0.2 v 0.6"} <= set(texts), texts
+    assert not any("+calibration" in t or "{" in t for t in texts)
+    assert not any(t.startswith("kvc:") for t in texts)  # ablation steps are named in the table
+    boxes = [_text_box(t, renderer) for t in labels]
+    for i in range(len(boxes)):
+        for j in range(i + 1, len(boxes)):
+            assert not boxes[i].overlaps(boxes[j]), f"{texts[i]!r} and {texts[j]!r} overlap"
+    lb = ax.get_legend().get_window_extent(renderer)
+    assert not lb.overlaps(ax.get_window_extent(renderer))
+    assert rdplot.FRONT_LABEL in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "hollow" not in ax.get_title()
+    for t in _all_texts(fig):
+        assert t.get_fontsize() >= 8, f"{t.get_text()!r} at {t.get_fontsize()} pt"
+
+
+def test_kvc_rd_replot_draws_the_png_and_leaves_the_json(plt, tmp_path):
+    js = tmp_path / "study.json"
+    js.write_text(json.dumps(STUDY))
+    before = js.read_bytes()
+    subprocess.run([sys.executable, "eval/studies/kvc_rd.py", "--replot", str(js)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=120)
+    assert js.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert js.read_bytes() == before and not js.with_suffix(".md").exists()
