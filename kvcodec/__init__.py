@@ -11,21 +11,49 @@ Example:
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .api import KVCReader, decode, open  # noqa: A004  (kvcodec.open: lazy, validated decoding)
-from .cache import KVCache, LayerInfo, ModelIdentity
-from .codec import (
-    Codec,
-    EncodedTensor,
-    TensorContext,
-    codec_ids,
-    get_codec,
-    list_codecs,
-    register_codec,
-    register_preset,
-)
-from .errors import KVCodecError
-from . import format  # noqa: A004  (kvcodec.format: the container, planes without codecs)
+
+# The public names load on first use (PEP 562): ``import kvcodec`` alone imports no torch, so the
+# command line starts at once (``kvcodec --help``); ``kvcodec.get_codec`` and the rest work as if
+# imported here. Name -> the submodule that defines it.
+_LAZY = {
+    "KVCReader": "api", "decode": "api", "open": "api",  # kvcodec.open: lazy, validated decoding
+    "KVCache": "cache", "LayerInfo": "cache", "ModelIdentity": "cache",
+    "Codec": "codec", "EncodedTensor": "codec", "TensorContext": "codec", "codec_ids": "codec",
+    "get_codec": "codec", "list_codecs": "codec", "register_codec": "codec", "register_preset": "codec",
+    "KVCodecError": "errors",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports them
+    from . import format  # noqa: F401, A004
+    from .api import KVCReader, decode, open  # noqa: F401, A004
+    from .cache import KVCache, LayerInfo, ModelIdentity  # noqa: F401
+    from .codec import (  # noqa: F401
+        Codec, EncodedTensor, TensorContext, codec_ids, get_codec, list_codecs, register_codec, register_preset,
+    )
+    from .errors import KVCodecError  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name, or a submodule (``kvcodec.format``, ``kvcodec.codecs``), on first use."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def save(cache, path, codec="kvc-near", **kwargs):  # noqa: ANN001, ANN201 - documented where it lives

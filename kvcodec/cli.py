@@ -19,7 +19,8 @@ import os
 import sys
 from typing import Sequence
 
-from . import __version__
+from ._version import __version__
+from .commands import Parser
 from .errors import KVCodecError
 
 #: Subcommand modules in the order ``--help`` lists them.
@@ -27,8 +28,9 @@ COMMANDS = ("codecs", "encode", "decode", "info", "verify", "capture", "calibrat
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvcodec", description="Compress, inspect and evaluate LLM KV caches."
+    p = Parser(
+        prog="kvcodec", description="Compress, inspect and evaluate LLM KV caches.",
+        epilog="`kvcodec COMMAND --help` describes each command; `kvcodec codecs` lists the codecs.",
     )
     p.add_argument("--version", action="version", version=f"kvcodec {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")

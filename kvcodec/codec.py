@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 from abc import ABC, abstractmethod
@@ -280,9 +281,29 @@ class _Preset:
 
 _PRESETS: dict[str, _Preset] = {}
 
+#: The package whose import registers the built-in codecs. The registry loads it on first use (the
+#: way numcodecs' registry loads its entry points): ``import kvcodec`` stays light (``kvcodec
+#: --help`` imports no torch), yet every lookup sees the built-in codecs whichever kvcodec module a
+#: program imported first. By name, not an import statement: the codecs depend on this module.
+BUILTIN_CODECS = "kvcodec.codecs"
+_builtins_loaded = False
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True  # first: the modules it imports register through this registry
+    try:
+        importlib.import_module(BUILTIN_CODECS)
+    except BaseException:
+        _builtins_loaded = False
+        raise
+
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
     """Class decorator: register a codec class under its pinned ``codec_id``."""
+    _load_builtins()
     cid = cls.__dict__.get("codec_id")
     if not cid or not isinstance(cid, str):
         raise ConfigError(f"{cls.__name__} must define a string codec_id")
@@ -305,6 +326,7 @@ def register_preset(name: str, config: dict[str, Any], description: str = "",
     presets: ``calibration``); encoding with the preset while one is empty raises ConfigError.
     ``target`` is the quality the preset promises (keys in :data:`TARGET_KEYS`), or None.
     """
+    _load_builtins()
     if name in _PRESETS and _PRESETS[name].config != config:
         raise ConfigError(f"preset {name!r} is already registered with another config")
     if target is not None and (not target or set(target) - set(TARGET_KEYS)
@@ -326,6 +348,7 @@ def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
     """
     if isinstance(name_or_config, Codec):
         return name_or_config
+    _load_builtins()
     if isinstance(name_or_config, str):
         s = name_or_config.strip()
         if s.startswith("{"):
@@ -365,6 +388,7 @@ def get_codec(name_or_config: str | dict[str, Any] | Codec) -> Codec:
 
 def list_codecs() -> list[str]:
     """Names of every registered preset, in registration order."""
+    _load_builtins()
     return list(_PRESETS)
 
 
@@ -375,16 +399,39 @@ def preset_target(name: str) -> dict[str, float] | None:
         >>> preset_target("kvc-near")
         {'kl_mean': 0.01, 'dppl': 0.01}
     """
+    _load_builtins()
     target = _PRESETS[name].target if name in _PRESETS else None
     return None if target is None else dict(target)
 
 
 def preset_description(name: str) -> str:
+    _load_builtins()
     return _PRESETS[name].description if name in _PRESETS else ""
+
+
+def preset_for_config(config: dict[str, Any]) -> str | None:
+    """The first registered preset (in registration order) whose full config equals ``config``,
+    or None: the name of a file's settings when the file does not record one.
+
+    Example:
+        >>> preset_for_config(get_codec("kivi-4").get_config())
+        'kivi-4'
+        >>> preset_for_config({**get_codec("kivi-4").get_config(), "group": 64}) is None
+        True
+    """
+    _load_builtins()
+    for name in _PRESETS:
+        try:
+            if get_codec(name).get_config() == config:
+                return name
+        except ConfigError:
+            continue
+    return None
 
 
 def codec_ids() -> list[str]:
     """Every registered codec id."""
+    _load_builtins()
     return sorted(_CODECS)
 
 
@@ -398,6 +445,7 @@ __all__ = [
     "get_codec",
     "list_codecs",
     "preset_description",
+    "preset_for_config",
     "register_codec",
     "register_preset",
 ]

@@ -75,8 +75,9 @@ def test_verify_bad_files_exit_1_with_one_line(kvc, tmp_path, capsys, damage, er
 
         bad.write_bytes(save({"layers.0.k": torch.zeros(2, 1, 4)}))
     assert main(["verify", str(bad)]) == 1
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and out.startswith(f"FAIL {bad}: {err}: ")
+    captured = capsys.readouterr()  # the verdict goes to stderr, nothing to stdout
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith(f"FAIL {bad}: {err}: ")
     assert main(["verify", str(bad), "--json"]) == 1
     d = json.loads(capsys.readouterr().out)
     assert d["ok"] is False and d["error"] == err and d["message"]
@@ -105,7 +106,7 @@ def test_info_works_without_the_codec_and_verify_fails(tmp_path, capsys):
     assert main(["info", str(p), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["codec"]["id"] == "codec-from-the-future"
     assert main(["verify", str(p)]) == 1
-    assert "UnknownCodecError: unknown codec id 'codec-from-the-future'" in capsys.readouterr().out
+    assert "UnknownCodecError: unknown codec id 'codec-from-the-future'" in capsys.readouterr().err
     import pytest as _pytest
 
     from kvcodec import format as kvf

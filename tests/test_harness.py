@@ -85,8 +85,8 @@ def test_eval_and_capture_cli_reject_bad_arguments(tmp_path, capsys):
 
     assert main(["eval", "--help"]) == 0
     assert "--continuation" in capsys.readouterr().out
-    assert main(["eval", "--context", "0", "--codecs", "raw"]) == 1
-    assert "must be >= 1" in capsys.readouterr().err
+    assert main(["eval", "--context", "0", "--codecs", "raw"]) == 2  # argparse: a usage error
+    assert "--context: must be an integer >= 1, got 0" in capsys.readouterr().err
     assert main(["eval", "--suite", str(tmp_path / "missing.json")]) == 1
     assert "cannot read suite" in capsys.readouterr().err
     bad = tmp_path / "bad.json"

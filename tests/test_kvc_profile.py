@@ -771,16 +771,16 @@ def test_calibrate_help_mentions_the_profile(capsys):
     assert "profile" in out and "--no-profile" in out and "--margin" in out and "target_kl" in out
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--margin", "0"], "--margin"),
-    (["--margin", "1.5"], "--margin"),
-    (["--margin", "nan"], "--margin"),
-    (["--sensitivity", "0"], "--no-profile"),
-    (["--skip-tokens", "10"], "--no-profile"),
-    (["--no-profile", "--sensitivity", "-1"], "--sensitivity"),
-    (["--context", "1"], "--context"),
+@pytest.mark.parametrize("args, needle, code", [
+    (["--margin", "0"], "--margin", 2),  # out of range for the option alone: argparse, exit 2
+    (["--margin", "1.5"], "--margin", 2),
+    (["--margin", "nan"], "--margin", 2),
+    (["--no-profile", "--sensitivity", "-1"], "--sensitivity", 2),
+    (["--context", "1"], "--context", 2),
+    (["--sensitivity", "0"], "--no-profile", 1),  # wrong only together: a one-line error, exit 1
+    (["--skip-tokens", "10"], "--no-profile", 1),
 ])
-def test_calibrate_argument_errors_exit_1_before_any_model_loads(args, needle, capsys, monkeypatch, tmp_path):
+def test_calibrate_argument_errors_exit_before_any_model_loads(args, needle, code, capsys, monkeypatch, tmp_path):
     pytest.importorskip("transformers")  # without the [eval] extra the command stops before its checks
     from kvcodec.harness import models
 
@@ -789,8 +789,12 @@ def test_calibrate_argument_errors_exit_1_before_any_model_loads(args, needle, c
 
     monkeypatch.setattr(models, "load_model", no_model)
     out = tmp_path / "p.safetensors"
-    assert main(["calibrate", *args, "--out", str(out)]) == 1
-    _one_line_error(capsys, needle)
+    assert main(["calibrate", *args, "--out", str(out)]) == code
+    if code == 1:
+        _one_line_error(capsys, needle)
+    else:
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and f"argument {needle}" in err, err
     assert not out.exists()
 
 

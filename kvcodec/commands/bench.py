@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from . import format_table, print_json
+from . import codes_with_fixed_steps, format_table, positive_int, print_json
 
 COLUMNS = ["codec", "bits_per_element", "ratio_vs_fp16", "rel_err_k", "rel_err_v", "encode_MBps", "decode_MBps"]
 #: with a reference codec in the run: each codec's best encode / decode time over the reference's
@@ -24,19 +24,29 @@ REF_COLUMNS = ["encode_x_ref", "decode_x_ref"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="bits/element, error and CPU MB/s of codecs on one cache")
+    p = sub.add_parser(
+        "bench", help="bits/element, error and CPU MB/s of codecs on one cache",
+        description="Encode and decode one KV cache with each codec on one CPU thread; print each "
+        "codec's bits per element, size ratio to fp16, relative error of K and V, and encode and "
+        "decode MB/s (of fp16-equivalent input). Without --input the cache is the built-in one "
+        "(SmolLM2-135M on a text excerpt: loads the model, needs the [eval] extra).",
+        epilog="examples:\n"
+        "  kvcodec bench --input kv.safetensors --codecs fp8-e4m3,kivi-4,kvc-near --repeat 5\n"
+        "  kvcodec bench --context 2048 --out runs/bench")
     p.add_argument("--input", help="raw safetensors dump (default: the built-in SmolLM2 cache)")
-    p.add_argument("--context", type=int, default=1024, help="tokens of the built-in cache (default 1024)")
-    p.add_argument("--codecs", default="all", help="comma-separated codec names, or 'all'")
-    p.add_argument("--repeat", type=int, default=3,
+    p.add_argument("--context", type=positive_int, default=1024, help="tokens of the built-in cache")
+    p.add_argument("--codecs", default="all", help="comma-separated preset names (`kvcodec codecs`), or 'all'")
+    p.add_argument("--repeat", type=positive_int, default=3,
                    help="timed rounds; each round runs every codec once (interleaved, so a machine "
                    "whose speed drifts skews no codec more than another); the fastest is kept")
     p.add_argument("--reference", default="cachegen",
                    help="codec whose times the others' are divided by (columns encode_x_ref, "
                    "decode_x_ref; default cachegen, when it is in the run)")
     p.add_argument("--calibration", metavar="FILE",
-                   help="calibration file (kvcodec calibrate) for the kvc presets tuned for one (names "
-                   "ending in -cal): their encode time then includes the encoder's use of it")
+                   help="calibration file (kvcodec calibrate): the kvc presets ending in -cal need one "
+                   "('all' leaves them out without it) and their encode time then includes its use; when "
+                   "it holds a profile, kvc-transparent, kvc-near and kvc-aggressive also run with it "
+                   "('<name> +profile')")
     p.add_argument("--out", help="write bench.json and bench.md into this directory")
     p.add_argument("--json", action="store_true", help="print JSON to stdout")
     p.set_defaults(func=run)
@@ -148,6 +158,11 @@ def run(args: argparse.Namespace) -> int:
     # with a calibration file the kvc presets tuned for one (*-cal) use it: rows "<name> +calibration"
     settings, skipped = with_calibration([(name, get_codec(name)) for name in names], args.calibration,
                                          skip_uncalibrated=args.codecs == "all")
+    fixed = [name for name, codec in settings if codes_with_fixed_steps(codec)]
+    if fixed and not args.calibration:
+        print(f"bench: warning: {', '.join(fixed)}: no calibration file, so fixed steps measured on "
+              "SmolLM2-135M and Qwen2.5-Coder-0.5B, not on this model; give --calibration FILE (from "
+              "kvcodec calibrate)", file=sys.stderr, flush=True)
     if skipped:
         print(f"bench: left out {', '.join(skipped)} (tuned for a calibration file: give one with "
               "--calibration FILE, from kvcodec calibrate)", file=sys.stderr, flush=True)

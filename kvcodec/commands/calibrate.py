@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from . import print_json
+from . import int_at_least, non_negative_int, positive_int, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,26 +42,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text", default=None,
                    help="UTF-8 text file (default: the built-in calibration text: prose, code, documentation "
                    "and dialogue that no evaluation scores)")
-    p.add_argument("--context", type=int, default=None,
+    p.add_argument("--context", type=int_at_least(2), default=None,
                    help="cached tokens per window (default 1024 for a profile, 1536 with --no-profile)")
-    p.add_argument("--skip-tokens", type=int, default=0,
+    p.add_argument("--skip-tokens", type=non_negative_int, default=0,
                    help="skip this many tokens of the text first (keep evaluation text out)")
-    p.add_argument("--samples", type=int, default=64, help="queries sampled per layer and head (default 64)")
-    p.add_argument("--sensitivity", type=int, default=2, metavar="DRAWS",
+    p.add_argument("--samples", type=positive_int, default=64, help="queries sampled per layer and head (default 64)")
+    p.add_argument("--sensitivity", type=non_negative_int, default=2, metavar="DRAWS",
                    help="Fisher draws for the per-(layer, head) sensitivities (default 2; 0 = skip, "
                    "only with --no-profile)")
-    p.add_argument("--continuation", type=int, default=512,
+    p.add_argument("--continuation", type=positive_int, default=512,
                    help="scored tokens after the context (sensitivities and the KL the search measures, as "
                    "the levels are defined: default 512)")
     p.add_argument("--no-profile", action="store_true",
                    help="write the query statistics only (no closed-loop search; the level presets then "
                    "code with their fixed steps)")
-    p.add_argument("--margin", type=float, default=None,
+    p.add_argument("--margin", type=_fraction, default=None,
                    help="a step meets a target when the mean KL over the search windows is at most this "
                    "fraction of it (and the worst window at most 1.2x the target; default 0.8)")
     p.add_argument("--out", required=True, help="safetensors file to write (atomically)")
     p.add_argument("--json", action="store_true", help="print a JSON summary to stdout")
     p.set_defaults(func=run)
+
+
+def _fraction(text: str) -> float:
+    """An argparse ``type=``: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,18 +81,12 @@ def run(args: argparse.Namespace) -> int:
     from ..harness.capture import read_text
     from ..harness.models import load_model, require_eval
 
-    require_eval()
     if args.context is None:
         args.context = 1536 if args.no_profile else 1024
-    if (args.context < 2 or args.skip_tokens < 0 or args.samples < 1 or args.sensitivity < 0
-            or args.continuation < 1):
-        raise InputError("--context must be >= 2, --skip-tokens >= 0, --samples >= 1, --sensitivity >= 0 "
-                         "and --continuation >= 1")
     if not args.no_profile and (args.sensitivity < 1 or args.skip_tokens):
         raise InputError("a profile needs --sensitivity >= 1 and no --skip-tokens (cut the text instead), "
                          "or give --no-profile")
-    if args.margin is not None and not 0 < args.margin <= 1:
-        raise InputError(f"--margin must be in (0, 1], got {args.margin}")
+    require_eval()
     if args.text is None:
         from ..harness.texts import CALIBRATION_DOMAINS, calibration_text
 

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from . import print_json
+from . import positive_int, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="a known model (smollm2-135m, qwen2.5-coder-0.5b), a local model directory or a .gguf file (default: built-in SmolLM2-135M-Instruct)")
     p.add_argument("--text", default=None, help="UTF-8 text file (default: built-in Jargon File excerpt)")
-    p.add_argument("--context", type=int, default=2048, help="tokens to prefill (default 2048)")
+    p.add_argument("--context", type=positive_int, default=2048, help="tokens to prefill (default 2048)")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
                    help="dtype of the written cache (default float16)")
     p.add_argument("--out", required=True, help="raw safetensors file to write (atomically)")
@@ -37,13 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..cache import SOURCE_DTYPES
-    from ..errors import InputError
     from ..harness.capture import capture, read_text, save_raw
     from ..harness.models import load_model, require_eval
 
     require_eval()
-    if args.context < 1:
-        raise InputError(f"--context must be >= 1, got {args.context}")
     text = read_text(args.text)
     t0 = time.perf_counter()
     model, tok = load_model(args.model)

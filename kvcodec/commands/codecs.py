@@ -8,8 +8,14 @@ from . import format_table, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("codecs", help="list codecs and their nominal bits per element")
-    p.add_argument("--json", action="store_true", help="print JSON to stdout")
+    p = sub.add_parser(
+        "codecs", help="list codecs and their nominal bits per element",
+        description="List the codec presets: the names `kvcodec encode --codec` and `kvcodec bench "
+        "--codecs` take. 'nominal b' is the bits per element of the coded values before side "
+        "information (scales, tables, headers); `kvcodec bench` measures the real size. --json adds "
+        "each preset's full config, the quality it promises (target) and the settings it requires.")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON to stdout (config, target and requires of every preset)")
     p.set_defaults(func=run)
 
 
@@ -32,5 +38,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(rows)
     else:
-        print(format_table(rows, ["name", "nominal_bits", "lossless", "description"]))
+        # wrapped to 100 columns; the column header says what the number is (not the file's size)
+        print(format_table(rows, ["name", "nominal_bits", "lossless", "description"],
+                           headers={"nominal_bits": "nominal b"}, width=100))
+        print("\nnominal b: bits per element of the coded values, before scales, tables and headers "
+              "(kvcodec bench\nmeasures files). Use a name with kvcodec encode --codec; --json shows "
+              "each preset's full config.")
     return 0

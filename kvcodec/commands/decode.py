@@ -9,10 +9,14 @@ from . import print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("decode", help="decode a KVC file back into a raw safetensors dump")
+    p = sub.add_parser(
+        "decode", help="decode a KVC file back into a raw safetensors dump",
+        description="Decode a KVC file (any codec this kvcodec knows; the file names its codec and "
+        "settings) back into a raw safetensors dump with tensors layers.<i>.k / layers.<i>.v, the "
+        "input `kvcodec encode` takes. The file is validated before anything is decoded.")
     p.add_argument("input", help="KVC file")
     p.add_argument("output", help="raw safetensors dump to write (atomically)")
-    p.add_argument("--device", default="cpu", help="cpu (reference) or cuda (kernels)")
+    p.add_argument("--device", default="cpu", help="cpu (the reference decoders), or cuda or cuda:N (the GPU kernels)")
     p.add_argument("--json", action="store_true", help="print a JSON summary to stdout")
     p.set_defaults(func=run)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, InputError
-from . import print_json
+from . import non_negative_int, positive_int, print_json
 
 #: Defaults of the built-in suite (the published results use the same lengths).
 DEFAULT_CONTEXT = 2048
@@ -40,11 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "'all' means every registered preset")
     p.add_argument("--suite", default=None,
                    help="suite JSON (eval/suites/*.json): codecs, context, continuation, sweep")
-    p.add_argument("--context", type=int, default=None, help=f"context tokens (default {DEFAULT_CONTEXT})")
-    p.add_argument("--continuation", type=int, default=None,
+    p.add_argument("--context", type=positive_int, default=None, help=f"context tokens (default {DEFAULT_CONTEXT})")
+    p.add_argument("--continuation", type=positive_int, default=None,
                    help=f"scored continuation tokens (default {DEFAULT_CONTINUATION})")
     p.add_argument("--sweep", action="store_true", help="also run each codec family's settings sweep")
-    p.add_argument("--attn-queries", type=int, default=64,
+    p.add_argument("--attn-queries", type=non_negative_int, default=64,
                    help="continuation queries per layer for the attention metrics (default 64; 0 = all)")
     p.add_argument("--cache-dtype", default="float16", choices=["float16", "bfloat16", "float32"],
                    help="dtype of the reference cache the codecs compress (default float16)")

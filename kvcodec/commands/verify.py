@@ -2,13 +2,15 @@
 
 Checks the header and manifest (structure, version, required features, manifest CRC-32, canonical
 layout, size limits), the CRC-32 of every stored tensor, the zero padding, and decodes every layer
-with the file's codec (values must be finite). On failure it prints one line naming the problem.
+with the file's codec (values must be finite). On failure it prints one line naming the problem
+to stderr (with --json, the JSON verdict to stdout).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from . import print_json
 
@@ -36,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print_json({"file": path, "ok": False, "error": type(e).__name__, "message": str(e)})
         else:
-            print(f"FAIL {path}: {type(e).__name__}: {e}")
+            print(f"FAIL {path}: {type(e).__name__}: {e}", file=sys.stderr)  # stdout stays for results
         return 1
     if args.json:
         print_json({"file": path, **summary})

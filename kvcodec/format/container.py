@@ -127,8 +127,10 @@ def _encode_planes(plan: "EncodePlan",
 
 
 def build_manifest(config: dict[str, Any], cache: KVCache, params: dict[tuple[int, str], list[dict[str, Any]]],
-                   storage: dict[str, dict[str, Any]], tokens_per_chunk: int) -> dict[str, Any]:
-    """The manifest of ``cache`` coded with the codec ``config`` (SPEC §4)."""
+                   storage: dict[str, dict[str, Any]], tokens_per_chunk: int,
+                   preset: str | None = None) -> dict[str, Any]:
+    """The manifest of ``cache`` coded with the codec ``config`` (SPEC §4); ``preset``, the name the
+    codec was chosen by, is recorded with the producer (informative: no reader depends on it)."""
     layers = []
     for i, layer in enumerate(cache.layers):
         info = cache.layer_info[i]
@@ -142,7 +144,7 @@ def build_manifest(config: dict[str, Any], cache: KVCache, params: dict[tuple[in
         lm["tensors"] = {r: {"shape": [int(s) for s in t.shape], "chunks": params[(i, r)]} for r, t in layer.items()}
         layers.append(lm)
     return {
-        "producer": {"name": "kvcodec", "version": __version__},
+        "producer": {"name": "kvcodec", "version": __version__, **({"preset": preset} if preset else {})},
         "model": cache.model.to_dict(),
         "source_dtype": DTYPE_NAMES[cache.dtype],
         "rope": {"applied": bool(cache.rope_applied), "params": dict(cache.rope)},
@@ -190,7 +192,7 @@ def _assemble(plan: "EncodePlan", spool: BinaryIO | None) -> tuple[bytes, list[s
             p.data = None
         planes.append(p)
     storage = {p.name: {"dtype": p.dtype, "shape": list(p.shape), "crc32": p.crc} for p in planes}
-    manifest = build_manifest(plan.config, cache, params, storage, tokens_per_chunk)
+    manifest = build_manifest(plan.config, cache, params, storage, tokens_per_chunk, getattr(codec, "preset", None))
     try:
         text = canonical_json(manifest)
     except (TypeError, ValueError) as e:
