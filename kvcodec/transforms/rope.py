@@ -62,6 +62,13 @@ def phase_steps(inv_freq: np.ndarray) -> np.ndarray:
     return (np.round(turns * 2.0**32).astype(np.int64) % (1 << 32)).astype(np.uint32)
 
 
+def _slices(r2: int, offset: int, style: str) -> tuple[slice, slice]:
+    """:func:`pairs` as slices of the channel axis (both layouts are strided runs)."""
+    if style == "half":
+        return slice(offset, offset + r2), slice(offset + r2, offset + 2 * r2)
+    return slice(offset, offset + 2 * r2, 2), slice(offset + 1, offset + 2 * r2, 2)
+
+
 def pairs(r2: int, offset: int, style: str) -> tuple[np.ndarray, np.ndarray]:
     """Channel indices ``(a, b)`` of the ``r2`` rotation pairs: ``"half"`` pairs ``(offset + c,
     offset + r2 + c)``, ``"interleaved"`` pairs ``(offset + 2c, offset + 2c + 1)``."""
@@ -87,15 +94,16 @@ def rotated_means(mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offs
     (the normative arithmetic of the module docstring)."""
     mu = np.asarray(mu, dtype=np.float32)
     n = len(positions)
-    out = np.broadcast_to(mu[None], (n,) + mu.shape).copy()
-    a, b = pairs(len(steps), offset, style)
-    if not len(a) or not n:
+    out = np.empty((n,) + mu.shape, dtype=np.float32)
+    out[:] = mu[None]
+    if not len(steps) or not n:
         return out
+    a, b = _slices(len(steps), offset, style)
     c, s = cos_sin(positions, steps)
     c, s = c[:, None, :], s[:, None, :]
     ma, mb = mu[None, :, a], mu[None, :, b]
-    out[:, :, a] = ma * c - mb * s
-    out[:, :, b] = mb * c + ma * s
+    np.subtract(ma * c, mb * s, out=out[:, :, a])
+    np.add(mb * c, ma * s, out=out[:, :, b])
     return out
 
 
@@ -105,9 +113,9 @@ def unrotated_mean(k: np.ndarray, positions: np.ndarray, steps: np.ndarray, offs
     ``[n, H, D]``: the channel means before RoPE, with the table's rotation."""
     x = np.asarray(k, dtype=np.float64)
     out = x.mean(axis=0)
-    a, b = pairs(len(steps), offset, style)
-    if not len(a) or not len(x):
+    if not len(steps) or not len(x):
         return out
+    a, b = _slices(len(steps), offset, style)
     c, s = (t.astype(np.float64)[:, None, :] for t in cos_sin(positions, steps))
     xa, xb = x[:, :, a], x[:, :, b]
     out[:, a] = (xa * c + xb * s).mean(axis=0)
