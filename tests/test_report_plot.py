@@ -110,6 +110,56 @@ def _all_texts(fig):
     return [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
 
 
+def _leaders(ax, renderer):
+    """(label, point, text centre) in display px for each label drawn with a leader line: the
+    leader runs from the text's centre towards the point (matplotlib's default relpos)."""
+    import numpy as np
+
+    out = []
+    for t in _point_labels(ax):
+        if t.arrow_patch is not None:
+            b = _text_box(t, renderer)
+            out.append((t, ax.transData.transform(np.asarray(t.xy, dtype=float)),
+                        np.array([(b.x0 + b.x1) / 2, (b.y0 + b.y1) / 2])))
+    return out
+
+
+def _segment_enters(a, b, box, steps=400):
+    """Whether the straight segment a-b passes through the inside of ``box`` (sampled, 1 px in)."""
+    import numpy as np
+
+    t = np.linspace(0, 1, steps)[:, None]
+    p = a + (b - a) * t
+    inside = (p[:, 0] > box.x0 + 1) & (p[:, 0] < box.x1 - 1) & (p[:, 1] > box.y0 + 1) & (p[:, 1] < box.y1 - 1)
+    return bool(np.any(inside))
+
+
+def assert_leaders_cross_no_label(ax, renderer):
+    labels = _point_labels(ax)
+    boxes = {id(t): _text_box(t, renderer) for t in labels}
+    for t, a, c in _leaders(ax, renderer):
+        for u in labels:
+            if u is not t:
+                assert not _segment_enters(a, c, boxes[id(u)]), \
+                    f"the leader of {t.get_text()!r} crosses the label {u.get_text()!r}"
+
+
+def assert_front_crosses_no_label(ax, renderer):
+    """The Pareto front (its staircase as drawn) passes through no label's text."""
+    import numpy as np
+
+    (front,) = [ln for ln in ax.get_lines() if ln.get_label() == rdplot.FRONT_LABEL]
+    xy = front.get_xydata()
+    stair = [xy[0]]
+    for (x0, y0), (x1, y1) in zip(xy[:-1], xy[1:]):  # steps-post: across, then down
+        stair += [(x1, y0), (x1, y1)]
+    v = ax.transData.transform(np.asarray(stair))
+    for t in _point_labels(ax):
+        b = _text_box(t, renderer)
+        for a, c in zip(v[:-1], v[1:]):
+            assert not _segment_enters(a, c, b), f"the Pareto front runs through the label {t.get_text()!r}"
+
+
 def test_rd_plot_labels_are_preset_names_and_never_overlap(plt):
     from kvcodec.harness.report import _rd_figure
 
@@ -132,6 +182,68 @@ def test_rd_plot_labels_are_preset_names_and_never_overlap(plt):
                 ax.get_window_extent(renderer).contains(a.x1, a.y1), f"{texts[i]!r} outside the axes"
             for j in range(i + 1, len(boxes)):
                 assert not a.overlaps(boxes[j]), f"labels {texts[i]!r} and {texts[j]!r} overlap"
+        assert_leaders_cross_no_label(ax, renderer)
+        assert_front_crosses_no_label(ax, renderer)
+
+
+def _nearest_marker_is_own(ax, renderer, xy_all):
+    """Each label without a leader is nearer its own marker than any other (markers on top of
+    its own, closer than a marker's size, aside): it cannot be read as a neighbour's."""
+    import numpy as np
+
+    pts = ax.transData.transform(np.asarray(xy_all, dtype=float))
+    px = ax.figure.dpi / 72
+    for t in _point_labels(ax):
+        if t.arrow_patch is not None:
+            continue
+        b = _text_box(t, renderer)
+        own = ax.transData.transform(np.asarray(t.xy, dtype=float))
+        others = pts[np.hypot(*(pts - own).T) > 4.5 * px]
+
+        def dist(p):
+            return np.hypot(np.maximum(np.maximum(b.x0 - p[..., 0], p[..., 0] - b.x1), 0),
+                            np.maximum(np.maximum(b.y0 - p[..., 1], p[..., 1] - b.y1), 0))
+
+        if len(others):
+            assert dist(others).min() > dist(own), f"{t.get_text()!r} sits nearer another marker than its own"
+
+
+def test_rd_plot_labels_read_as_their_own_points(plt):
+    from kvcodec.harness.report import _rd_figure
+
+    fig = _rd_figure(_doc(CROWDED), plt)
+    fig.canvas.draw()
+    for k, ax in enumerate(fig.axes):
+        key = ("next_token", "kl_mean") if k == 0 else ("attention", "out_rel_l2")
+        _nearest_marker_is_own(ax, fig.canvas.get_renderer(),
+                               [(r["bits_per_element"], r[key[0]][key[1]]) for r in CROWDED])
+
+
+def test_rd_plot_off_front_parameter_points_get_no_leader(plt):
+    """In a crowded sweep, a parameter point off the Pareto front is labelled only right beside
+    its marker (or not at all: its row is in the table); presets and front points may use leaders."""
+    from kvcodec.harness.report import _rd_figure
+
+    sweep = [_row(f"kivi-4[bits={b}]", "kivi", b + 0.03, 0.2 / 4 ** (b - 2)) for b in range(2, 9)]
+    sweep += [_row(f"kivi-4-ans[bits={b}]", "kivi-ans", b - 0.1, 0.2 / 4 ** (b - 2)) for b in range(2, 9)]
+    sweep += [_row(f"kvc[k_step={s},v_step={s}]", "kvc", 1 + 2 * s, 0.05 * s) for s in (0.1, 0.2, 0.3, 0.5, 0.7)]
+    fig = _rd_figure(_doc(CROWDED + sweep), plt)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for k, ax in enumerate(fig.axes):
+        rows = CROWDED + sweep
+        key = ("next_token", "kl_mean") if k == 0 else ("attention", "out_rel_l2")
+        xs = [r["bits_per_element"] for r in rows]
+        ys = [r[key[0]][key[1]] for r in rows]
+        front = {rows[i]["name"] for i in pareto_front(xs, ys)}
+        by_text = {}
+        for r in rows:
+            by_text.setdefault(short_label(r["name"], base=False), []).append(r["name"])
+        for t, _a, _c in _leaders(ax, renderer):
+            names = by_text[t.get_text()]
+            assert any(not has_params(n) or n in front for n in names), \
+                f"{t.get_text()!r} (off the front) got a leader line"
+        assert_leaders_cross_no_label(ax, renderer)
 
 
 def test_rd_plot_legend_outside_the_axes_with_codec_names_and_the_front(plt):
@@ -254,6 +366,61 @@ def test_kvc_rd_figure_names_presets_legend_outside_no_overlap(plt):
     assert "hollow" not in ax.get_title()
     for t in _all_texts(fig):
         assert t.get_fontsize() >= 8, f"{t.get_text()!r} at {t.get_fontsize()} pt"
+
+
+def test_kvc_rd_point_labels_give_both_steps():
+    mod = _kvc_rd()
+    assert mod.point_label({"name": "kvc(v_step=1.5)", "config": {"k_step": 0.45, "v_step": 1.5}}) == "k 0.45 v 1.5"
+    assert mod.point_label({"name": "kvc(k_step=0.5)", "config": {"k_step": 0.5, "v_step": 1.35}}) == "k 0.5 v 1.35"
+    assert mod.point_label({"name": "kvc(k_step=0.2, v_step=0.6)", "config": {}}) == "k 0.2 v 0.6"
+    assert mod.point_label({"name": "kvc-near-cal {'pack': 0} (+calibration)", "config": {"k_step": 1}}) == "pack 0"
+    assert mod.point_label({"name": "kvc-near", "config": {"k_step": 0.3, "v_step": 1}}) == "kvc-near"
+
+
+# --- the committed results, drawn again (no model) ------------------------------------------------
+
+@pytest.mark.parametrize("stem", ["kvc_presets", "kvc_presets_ctx2048_off16384", "kvc_rd"])
+def test_committed_study_plots_label_every_point_cleanly(plt, stem):
+    """The committed study results (a crowd of search points round kvc-near-cal): every point but
+    the ablation steps labelled, no two labels overlapping, no leader across a label, the front
+    through no label."""
+    res = json.loads((ROOT / "eval" / "results" / f"{stem}.json").read_text())
+    fig = _kvc_rd().figure(res, plt)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    labels = _point_labels(ax)
+    want = [r for r in res["records"] if not r.get("error") and r["kind"] != "kvc-ablation"]
+    assert len(labels) == len(want)
+    boxes = [_text_box(t, renderer) for t in labels]
+    assert not [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
+    assert_leaders_cross_no_label(ax, renderer)
+    assert_front_crosses_no_label(ax, renderer)
+
+
+@pytest.mark.parametrize("stem", ["smollm2_default", "smollm2_sweep"])
+def test_committed_eval_plots_label_every_preset_cleanly(plt, stem):
+    """The committed ``kvcodec eval`` results: every preset and every Pareto point labelled (the
+    three kivi-2 and three kivi-4 variants included), no overlaps, no leader across a label."""
+    from kvcodec.harness.report import _rd_figure
+
+    doc = json.loads((ROOT / "eval" / "results" / f"{stem}.json").read_text())
+    rows = [r for r in doc["results"] if not r.get("error")]
+    fig = _rd_figure(doc, plt)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for k, ax in enumerate(fig.axes):
+        key = ("next_token", "kl_mean") if k == 0 else ("attention", "out_rel_l2")
+        ys = [r[key[0]][key[1]] or 0.0 for r in rows]
+        floor = min(y for y in ys if y) / 10
+        front = pareto_front([r["bits_per_element"] for r in rows], [max(y, floor) for y in ys])
+        texts = [t.get_text() for t in _point_labels(ax)]
+        for i, r in enumerate(rows):
+            if not has_params(r["name"]) or i in front:
+                assert short_label(r["name"], base=False) in texts, f"{r['name']} not labelled"
+        boxes = [_text_box(t, renderer) for t in _point_labels(ax)]
+        assert not [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
+        assert_leaders_cross_no_label(ax, renderer)
 
 
 def test_kvc_rd_replot_draws_the_png_and_leaves_the_json(plt, tmp_path):

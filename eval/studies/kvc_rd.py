@@ -384,7 +384,7 @@ def figure(res: dict, plt) -> object:
             xy.append((x_, y_))
             # presets by name; sweep and search points by their parameters (legend and colour
             # say kvc; a search point sits by the preset it varies)
-            texts.append(rdplot.short_label(r["name"], base=False) if labelled else None)
+            texts.append(point_label(r) if labelled else None)
             prio.append(p)
             colors.append(style["color"] if style["color"] != "C1" else "#a0520f")
             if not r["next_token"]["kl_mean"]:
@@ -420,6 +420,25 @@ def figure(res: dict, plt) -> object:
     rdplot.place_labels(ax, xy, texts, priority=[p - (i in front_idx) for i, p in enumerate(prio)],
                         colors=colors, avoid=avoid)
     return fig
+
+
+def point_label(r: dict) -> str:
+    """A point's label: a preset's name; a search or sweep point's parameters. A point named by
+    one step only (``kvc(v_step=1.5)``) shows both steps, the other read from its config.
+
+    Example:
+        >>> point_label({"name": "kvc(v_step=1.5)", "config": {"k_step": 0.45, "v_step": 1.5}})
+        'k 0.45 v 1.5'
+        >>> point_label({"name": "kvc-near-cal {'pack': 0} (+calibration)", "config": {}})
+        'pack 0'
+    """
+    from kvcodec.harness import rdplot
+
+    ps = rdplot.params(r["name"])
+    cfg = r.get("config") or {}
+    if ps and {k for k, _ in ps} < {"k_step", "v_step"} and "k_step" in cfg and "v_step" in cfg:
+        return rdplot.short_label(f"kvc(k_step={cfg['k_step']}, v_step={cfg['v_step']})", base=False)
+    return rdplot.short_label(r["name"], base=False)
 
 
 def replot(paths: list[str]) -> list[Path]:

@@ -145,6 +145,17 @@ def has_params(name: str) -> bool:
     return short_label(name, max_len=1000, base=False) != short_label(name, max_len=1000)
 
 
+def params(name: str) -> list[tuple[str, Any]] | None:
+    """The parameters a row's name carries, as (key, value) pairs; None for a plain name.
+
+    Example:
+        >>> params("kvc(v_step=1.5)"), params("kvc-near-cal {'pack': 0} (+calibration)"), params("kvc-near")
+        ([('v_step', 1.5)], [('pack', 0)], None)
+    """
+    m = _PARAMS.match(name.replace(" (+calibration)", "").strip())
+    return _parse_params(m["body"], m["open"]) if m else None
+
+
 def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend (no display needed); ImportError names the extra."""
     try:
@@ -219,14 +230,17 @@ def better_hint(ax: Any, xy: Sequence[tuple[float, float]] = ()) -> Any:
                        arrowprops={"arrowstyle": "->", "color": "0.3", "lw": 1.0, "shrinkA": 0, "shrinkB": 0})
 
 
-def _line_samples(ax: Any, px_per_pt: float) -> Any:
-    """Points every 3 pt along each plotted line of ``ax``, in display coordinates."""
+def _line_samples(ax: Any, px_per_pt: float, *, front: bool | None = None) -> Any:
+    """Points every 3 pt along each plotted line of ``ax``, in display coordinates (``front``:
+    True for the Pareto front's only, False for all but it)."""
     import numpy as np
     from matplotlib.cbook import STEP_LOOKUP_MAP
 
     samples = [np.zeros((0, 2))]
     for line in ax.get_lines():
         if line.get_linestyle() in ("None", "", " ") or len(line.get_xdata()) < 2:
+            continue
+        if front is not None and (line.get_label() == FRONT_LABEL) != front:
             continue
         xy = line.get_xydata()
         if line.get_drawstyle() != "default":  # the staircase as drawn, not just its corners
@@ -244,19 +258,36 @@ _DIRS = ((1, 0), (1, 0.6), (1, -0.6), (-1, 0), (-1, 0.6), (-1, -0.6), (0, 1), (0
          (1, 1.5), (1, -1.5), (-1, 1.5), (-1, -1.5), (0.5, 1), (0.5, -1), (-0.5, 1), (-0.5, -1))
 #: Beyond this offset the label gets a thin leader line to its point.
 _LEADER_PT = 12
+#: Costs of a spot, in points of offset: per sample (:func:`_line_samples`) of a line under the text
+#: (a line through a label strikes it out; half that per sample a leader crosses), for a label
+#: not clearly nearest its own marker (:func:`_closeness` of another under 1.2 times its own; with
+#: a leader, another marker under a third as far: it reads as that point's), for a leader line,
+#: and for one that crosses or runs into another leader.
+_LINE_COST = 2.0
+_AMBIGUOUS_COST = 30.0
+_LEADER_COST = 8.0
+_LEADER_CROSS_COST = 30.0
+_LEADER_OVER_MARKER_COST = 80.0
 
 
 def place_labels(ax: Any, xy: Sequence[tuple[float, float]], texts: Sequence[str | None], *,
                  priority: Sequence[float] | None = None, fontsize: float = LABEL_PT,
                  colors: Sequence[Any] | None = None, avoid: Sequence[Any] = (),
-                 marker_pt: float = 4.5, bold: Sequence[bool] | None = None) -> list[Any]:
-    """Label points so that no two labels overlap and no label covers a marker.
+                 marker_pt: float = 4.5, bold: Sequence[bool] | None = None,
+                 near_only: Sequence[bool] | None = None) -> list[Any]:
+    """Label points so that no two labels overlap, no label covers a marker or the Pareto front,
+    and no leader line crosses a label.
 
     Call it last, once the figure's layout is final (it measures in display space). Each label,
-    in ``priority`` order (lowest first), takes the nearest free spot of a ring of offsets around
-    its point, inside the axes, off every marker in ``xy``, off ``avoid`` artists and off labels
-    already placed; crossing a plotted line costs a little. Far spots get a leader line. A label
-    with no free spot is left out (its row is in the table beside the plot).
+    in ``priority`` order (lowest first), takes the cheapest free spot of a ring of offsets around
+    its point: inside the axes, off every marker in ``xy``, off the Pareto front's line, off
+    ``avoid`` artists, off labels and leader lines already placed. Nearer is cheaper; another
+    plotted line under the text costs, and so does a spot that reads as another marker's label.
+    Spots further than ``_LEADER_PT`` get a leader line (from the text's centre, as matplotlib
+    draws it), which may not cross a label or an ``avoid`` artist; a leader over another marker
+    or another leader costs. A label boxed in by its neighbours' labels moves one of them (of the
+    nearest ten, the one whose move costs least, if it still finds a spot); one with no free spot
+    even then is left out (its row is in the table beside the plot).
 
     Args:
         ax: the axes (log or linear).
@@ -267,6 +298,8 @@ def place_labels(ax: Any, xy: Sequence[tuple[float, float]], texts: Sequence[str
         avoid: artists (texts, annotations, legends) labels must not cover.
         marker_pt: half the size of a marker in points (the area kept clear round each point).
         bold: per label, bold text (e.g. the Pareto points).
+        near_only: per label, place it only right beside its point (no leader line), or not at
+            all: for points a reader can miss in a crowd (their rows are in the table).
 
     Returns:
         The annotation per point, None where none was placed.
@@ -288,23 +321,34 @@ def place_labels(ax: Any, xy: Sequence[tuple[float, float]], texts: Sequence[str
         patch = getattr(a, "arrow_patch", None)
         if patch is not None:
             blocks.append(patch.get_window_extent(renderer))
-    # the plotted lines, sampled every few pixels: labels prefer not to sit on them
-    line_pts = _line_samples(ax, px_per_pt)
+    # the plotted lines, sampled every few pixels: labels prefer not to sit on them, and never
+    # on the Pareto front (the line the plot is read by)
+    line_pts = _line_samples(ax, px_per_pt, front=False)
+    front_pts = _line_samples(ax, px_per_pt / 3, front=True)
+    sizes: dict[int, tuple[float, float]] = {}
+    weights: dict[int, str] = {}
+    for i, text in enumerate(texts):
+        if text and np.all(np.isfinite(pts[i])):
+            weights[i] = "bold" if bold is not None and bold[i] else "normal"
+            probe = ax.text(0, 0, text, fontsize=fontsize, fontweight=weights[i], transform=None)
+            tb = probe.get_window_extent(renderer)
+            probe.remove()
+            sizes[i] = (tb.width, tb.height)
 
-    order = sorted(range(len(pts)), key=lambda i: (priority[i] if priority is not None else 0, i))
-    placed: list[Any] = []
-    out: list[Any] = [None] * len(pts)
-    for i in order:
-        text = texts[i]
-        if not text or not np.all(np.isfinite(pts[i])):
-            continue
-        weight = "bold" if bold is not None and bold[i] else "normal"
-        probe = ax.text(0, 0, text, fontsize=fontsize, fontweight=weight, transform=None)
-        tb = probe.get_window_extent(renderer)
-        probe.remove()
-        tw, th = tb.width, tb.height
+    # label index -> (cost, r, dx, dy, box, leader or None); leader = (point, text centre), px
+    placed: dict[int, tuple[float, float, float, float, Any, Any]] = {}
+
+    def spot(i: int) -> tuple[float, float, float, float, Any, Any] | None:
+        """The cheapest free spot for label ``i`` given the labels placed so far, or None."""
+        tw, th = sizes[i]
+        boxes = [v[4] for v in placed.values()]
+        leaders = [v[5] for v in placed.values() if v[5] is not None]
+        others = np.delete(pts, i, axis=0)
+        others = others[np.hypot(*(others - pts[i]).T) > m]  # not those on top of this one
         best = None
         for r in _RADII_PT:
+            if r > _LEADER_PT and near_only is not None and near_only[i]:
+                break
             for dx, dy in _DIRS:
                 # the text's anchor and its alignment, as annotate() will draw it
                 x_a, y_a = pts[i][0] + dx * r * px_per_pt, pts[i][1] + dy * r * px_per_pt
@@ -314,41 +358,172 @@ def place_labels(ax: Any, xy: Sequence[tuple[float, float]], texts: Sequence[str
                 if (box.x0 < axbox.x0 or box.x1 > axbox.x1 or box.y0 < axbox.y0 or box.y1 > axbox.y1):
                     continue
                 if any(box.overlaps(o) for o in marks) or any(box.overlaps(o) for o in blocks) \
-                        or any(box.overlaps(o) for o in placed):
+                        or any(box.overlaps(o) for o in boxes) \
+                        or any(_segment_hits_box(a, b, box) for a, b in leaders):
+                    continue
+                if np.any((front_pts[:, 0] > box.x0) & (front_pts[:, 0] < box.x1)
+                          & (front_pts[:, 1] > box.y0) & (front_pts[:, 1] < box.y1)):
                     continue
                 hits = int(np.sum((line_pts[:, 0] > box.x0) & (line_pts[:, 0] < box.x1)
                                   & (line_pts[:, 1] > box.y0) & (line_pts[:, 1] < box.y1)))
-                cost = r + 1.5 * hits + (0 if dy == 0 else 1.5)
-                if r > _LEADER_PT:  # a leader line: dearer, and much dearer over another marker
-                    cost += 8 + (40 if _crosses(pts, i, box, m) else 0)
+                cost = r + _LINE_COST * hits + (0 if dy == 0 else 1.5)
+                nearest_other = _box_dist(box, others).min() if len(others) else np.inf
+                own = _box_dist(box, pts[i:i + 1])[0]
+                leader = None
+                if r > _LEADER_PT:  # a leader line: dearer; never across a label
+                    centre = np.array([(box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2])
+                    if any(_segment_hits_box(pts[i], centre, o) for o in boxes + blocks):
+                        continue
+                    leader = (pts[i], centre)
+                    cost += _LEADER_COST + (_LEADER_OVER_MARKER_COST if _crosses(pts, i, centre, m) else 0)
+                    cost += _LINE_COST / 2 * _near_leader(np.concatenate([line_pts, front_pts]), pts[i], box,
+                                                          2 * px_per_pt)
+                    cost += _LEADER_CROSS_COST * sum(_leaders_clash(pts[i], centre, a, b, 2 * m)
+                                                     for a, b in leaders)
+                    if nearest_other < max(4 * px_per_pt, own / 3):  # by another marker: the leader
+                        cost += _AMBIGUOUS_COST                       # alone would tell them apart
+                elif len(others) and _closeness(box, others).min() < 1.2 * _closeness(box, pts[i:i + 1])[0]:
+                    cost += _AMBIGUOUS_COST  # it would read as a neighbour's label
                 if best is None or cost < best[0]:
-                    best = (cost, r, dx, dy, box)
-            if best is not None and best[0] <= r + (8 if r > _LEADER_PT else 0):  # none further is cheaper
-                break
-        if best is None:
+                    best = (cost, r, dx, dy, box, leader)
+            if best is not None and best[0] <= r + (_LEADER_COST if r > _LEADER_PT else 0):
+                break  # no spot further out can be cheaper
+        return best
+
+    order = sorted(sizes, key=lambda i: (priority[i] if priority is not None else 0, i))
+    for i in order:
+        found = spot(i)
+        if found is not None:
+            placed[i] = found
             continue
-        _, r, dx, dy, box = best
-        placed.append(box)
+        # boxed in: move one neighbour's label (of the nearest ten) out of the way, the one whose
+        # move adds least cost, if both then find a spot
+        best_move = None
+        for j in sorted(placed, key=lambda j: float(np.hypot(*(pts[j] - pts[i]))))[:10]:
+            held = placed.pop(j)
+            mine = spot(i)
+            if mine is not None:
+                placed[i] = mine
+                theirs = spot(j)
+                if theirs is not None and (best_move is None or mine[0] + theirs[0] - held[0] < best_move[0]):
+                    best_move = (mine[0] + theirs[0] - held[0], j, mine, theirs)
+                del placed[i]
+            placed[j] = held
+        if best_move is not None:
+            _, j, mine, theirs = best_move
+            placed[i], placed[j] = mine, theirs
+
+    out: list[Any] = [None] * len(pts)
+    for i, (_cost, r, dx, dy, _box, leader) in placed.items():
         ha = "left" if dx > 0 else ("right" if dx < 0 else "center")
         va = "bottom" if dy > 0 else ("top" if dy < 0 else "center")
         arrow = ({"arrowstyle": "-", "color": "0.5", "lw": 0.6, "shrinkA": 1, "shrinkB": marker_pt}
-                 if r > _LEADER_PT else None)
-        out[i] = ax.annotate(text, xy=tuple(xy[i]), xytext=(dx * r, dy * r),
-                             textcoords="offset points", ha=ha, va=va, fontsize=fontsize, fontweight=weight,
+                 if leader is not None else None)
+        out[i] = ax.annotate(texts[i], xy=tuple(xy[i]), xytext=(dx * r, dy * r),
+                             textcoords="offset points", ha=ha, va=va, fontsize=fontsize, fontweight=weights[i],
                              color=colors[i] if colors is not None else "black", arrowprops=arrow,
                              annotation_clip=False, zorder=5,
                              bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.75})
     return out
 
 
-def _crosses(pts: Any, i: int, box: Any, m: float) -> bool:
-    """Whether the leader from point ``i`` to the nearest edge of ``box`` passes over another marker."""
+def _closeness(box: Any, pts: Any) -> Any:
+    """How near each point is to a label ``box`` as a reader sees it: the distance to the box's
+    edge plus a quarter of that to its centre (a label centred under a marker reads as that
+    marker's even when its end is as near another)."""
+    import numpy as np
+
+    centre = np.array([(box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2])
+    return _box_dist(box, pts) + 0.25 * np.hypot(*(pts - centre).T)
+
+
+def _box_dist(box: Any, pts: Any) -> Any:
+    """Distance from each point (display px, shape (n, 2)) to the nearest point of ``box``."""
+    import numpy as np
+
+    dx = np.maximum(np.maximum(box.x0 - pts[:, 0], pts[:, 0] - box.x1), 0)
+    dy = np.maximum(np.maximum(box.y0 - pts[:, 1], pts[:, 1] - box.y1), 0)
+    return np.hypot(dx, dy)
+
+
+def _segment_hits_box(a: Any, b: Any, box: Any) -> bool:
+    """Whether the segment a–b (display px) passes through ``box`` (Liang–Barsky clipping)."""
+    t0, t1 = 0.0, 1.0
+    d = (b[0] - a[0], b[1] - a[1])
+    for p, q in ((-d[0], a[0] - box.x0), (d[0], box.x1 - a[0]), (-d[1], a[1] - box.y0), (d[1], box.y1 - a[1])):
+        if p == 0:
+            if q < 0:
+                return False
+            continue
+        t = q / p
+        if p < 0:
+            t0 = max(t0, t)
+        else:
+            t1 = min(t1, t)
+        if t0 > t1:
+            return False
+    return True
+
+
+def _segments_cross(a: Any, b: Any, c: Any, d: Any) -> bool:
+    """Whether segments a–b and c–d cross (touching at an end point does not count)."""
+    def orient(p: Any, q: Any, r: Any) -> float:
+        return float((q[0] - p[0]) * (r[1] - p[1]) - (q[1] - p[1]) * (r[0] - p[0]))
+
+    return (orient(a, b, c) * orient(a, b, d) < 0) and (orient(c, d, a) * orient(c, d, b) < 0)
+
+
+def _leaders_clash(a: Any, b: Any, c: Any, d: Any, near: float) -> bool:
+    """Whether leader a–b (point a, text centre b) would be confused with leader c–d: they cross,
+    one runs into the other's point, or from (nearly) one point they leave (nearly) along one
+    line, the same way or opposite ways (two leaders that read as one line through a cluster)."""
+    import numpy as np
+
+    if _segments_cross(a, b, c, d):
+        return True
+    if float(np.hypot(*(np.asarray(a, dtype=float) - c))) < near:
+        u, v = np.asarray(b, dtype=float) - a, np.asarray(d, dtype=float) - c
+        cos = float(u @ v) / (float(np.hypot(*u) * np.hypot(*v)) or 1.0)
+        return abs(cos) > 0.9  # within ~25 degrees of one line
+    return _seg_dist(c, a, b) < near or _seg_dist(a, c, d) < near
+
+
+def _near_leader(samples: Any, a: Any, box: Any, tol: float) -> int:
+    """How many line samples (display px) lie within ``tol`` of the leader from point ``a`` to the
+    edge of the label ``box`` (aimed at its centre, as drawn): the plotted lines it crosses."""
+    import numpy as np
+
+    a = np.asarray(a, dtype=float)
+    c = np.array([(box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2])
+    d = c - a
+    if not len(samples) or not np.any(d):
+        return 0
+    # where the segment enters the box: the leader is drawn up to there
+    enter = max((1 - (box.x1 - box.x0) / 2 / abs(d[0])) if abs(d[0]) > 0 else 0.0,
+                (1 - (box.y1 - box.y0) / 2 / abs(d[1])) if abs(d[1]) > 0 else 0.0, 0.0)
+    t = np.clip(((samples - a) @ d) / (d @ d), 0.0, enter)
+    return int(np.sum(np.hypot(*(samples - (a + t[:, None] * d)).T) < tol))
+
+
+def _seg_dist(p: Any, a: Any, b: Any) -> float:
+    """Distance from point ``p`` to the segment a–b (display px)."""
+    import numpy as np
+
+    p, a, b = (np.asarray(v, dtype=float) for v in (p, a, b))
+    d = b - a
+    t = 0.0 if not np.any(d) else float(np.clip((p - a) @ d / (d @ d), 0.0, 1.0))
+    return float(np.hypot(*(p - (a + t * d))))
+
+
+def _crosses(pts: Any, i: int, end: Any, m: float) -> bool:
+    """Whether a leader from point ``i`` to ``end`` (display px) passes over another marker
+    (one that overlaps the point's own marker does not count: every leader leaves through it)."""
     import numpy as np
 
     a = pts[i]
-    b = np.array([min(max(a[0], box.x0), box.x1), min(max(a[1], box.y0), box.y1)])
-    d = b - a
+    d = np.asarray(end, dtype=float) - a
     others = np.delete(pts, i, axis=0)
+    others = others[np.hypot(*(others - a).T) > m]
     if not len(others) or not np.any(d):
         return False
     t = np.clip(((others - a) @ d) / (d @ d), 0.0, 1.0)
@@ -356,12 +531,6 @@ def _crosses(pts: Any, i: int, box: Any, m: float) -> bool:
     return bool(np.any(dist < m))
 
 
-def texts_overlap(texts: Sequence[Any], renderer: Any) -> list[tuple[int, int]]:
-    """Pairs of indices of texts whose drawn boxes overlap (a check for tests and callers)."""
-    boxes = [t.get_window_extent(renderer) for t in texts]
-    return [(i, j) for i in range(len(boxes)) for j in range(i + 1, len(boxes)) if boxes[i].overlaps(boxes[j])]
-
-
 __all__ = ["AXIS_PT", "DPI", "FIG_WIDTH_IN", "FRONT_LABEL", "FRONT_STYLE", "LABEL_PT", "TITLE_PT",
-           "better_hint", "draw_front", "has_params", "pareto_front", "place_labels", "pyplot",
-           "short_label", "texts_overlap"]
+           "better_hint", "draw_front", "has_params", "params", "pareto_front", "place_labels", "pyplot",
+           "short_label"]

@@ -165,11 +165,14 @@ def markdown_report(doc: dict[str, Any]) -> str:
 
 def rd_plot(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Rate–distortion PNG: bits per element against next-token KL (left) and against attention
-    output error (right), log y, one colour per codec id (a line per family), each point labelled with its preset
-    name (:func:`kvcodec.harness.rdplot.short_label` for parameter points), the Pareto front over
-    all points dashed grey, the legend below the panels. Exact zeros (lossless rows) are drawn
-    hollow at a floor a decade under the smallest non-zero value, and only then does the title say
-    so. Needs matplotlib (the ``[eval]`` extra).
+    output error (right), log y, one colour per codec id (a line per family), the Pareto front over
+    all points dashed grey, a "lower left is better" note, the legend below the panels. Each preset
+    and each point on the front is labelled with its name (a parameter point with its parameters,
+    :func:`kvcodec.harness.rdplot.short_label`); a parameter point off the front is labelled only
+    where its label fits right beside it (its row is in the table). Labels never overlap each
+    other, a marker or the front (:func:`kvcodec.harness.rdplot.place_labels`). Exact zeros
+    (lossless rows) are drawn hollow at a floor a decade under the smallest non-zero value, and
+    only then does the title say so. Needs matplotlib (the ``[eval]`` extra).
 
     Example:
         >>> import tempfile, os
@@ -257,10 +260,12 @@ def _rd_figure(doc: dict[str, Any], plt: Any) -> Any:
         hint = rdplot.better_hint(ax, xy)
         front = set(rdplot.pareto_front([p[0] for p in xy], [p[1] for p in xy]))
         # Pareto points and preset names first; parameter points take what room is left
-        prio = [(0 if i in front else 1) + (0 if rdplot.short_label(n) == n else 2) for i, n in enumerate(names)]
-        # a parameter point's label is its parameters: colour and legend name the family
+        prio = [(0 if i in front else 1) + (2 if rdplot.has_params(n) else 0) for i, n in enumerate(names)]
+        # a parameter point's label is its parameters: colour and legend name the family; off the
+        # front, it is labelled only where the label fits right beside it (no leader line)
         rdplot.place_labels(ax, xy, [rdplot.short_label(n, base=False) for n in names], priority=prio,
-                            colors=[_darker(c) for c in colors], avoid=[hint])
+                            colors=[_darker(c) for c in colors], avoid=[hint],
+                            near_only=[p >= 3 for p in prio])
     return fig
 
 
