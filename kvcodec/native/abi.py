@@ -61,7 +61,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "kvn_escape_split_ctx": ([_p, _i, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _p, _p,
                               _p], _i),
     "kvn_escape_join": ([_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i], _i),
-    "kvn_kvc_dequant": ([_p, _i, _i64, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _f32, _i, _p, _p, _i64], _i),
+    "kvn_kvc_dequant": ([_p, _i, _i64, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _f32, _i, _p, _p, _i64], _i),
     "kvn_delta_hist": ([_p, _i, _i64, _i64, _i64, _p, _p], None),
     # tables.c
     "kvn_member_sums": ([_p, _i64, _i64, _p, _i64, _p, _p], None),

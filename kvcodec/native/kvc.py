@@ -149,7 +149,8 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
     """kvc's normative reconstruction without a transform: ``float32(code) * step + mean``
     (separately rounded float32 operations), clamped to the finite range of ``dtype`` (fp16/bf16)
     and cast with round-to-nearest-even. ``codes`` int64 ``[n, H, D]`` (token-major), ``step``
-    float32 broadcastable to it, ``mean`` float32 ``[H, D]`` (int32 codes are read as they are).
+    float32 broadcastable to it, ``mean`` float32 ``[H, D]``, or ``[n, H, D]`` for a mean per token
+    (kvc's rotating K means) (int32 codes are read as they are).
     ``recon``: reconstruction offsets (:func:`kvcodec.quant.deadzone.recon_values`: codes
     ``1 <= |c| <= len(recon)`` stand for ``sign(c) * (|c| - recon[|c| - 1] / 256)``) or None. Returns a torch tensor: ``out``
     when given (a contiguous ``[n, H, D]`` CPU tensor of ``dtype``, written in place)."""
@@ -164,7 +165,13 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
         c = np.ascontiguousarray(c, dtype=np.int64)  # token rows may be strided (a view of the symbol matrix)
     crow = c.strides[0] // c.itemsize if n > 1 else h * d
     st = np.broadcast_to(np.asarray(step, dtype=np.float32), c.shape)
-    mu = np.ascontiguousarray(mean, dtype=np.float32).reshape(h, d)
+    mu = np.ascontiguousarray(mean, dtype=np.float32)
+    if mu.shape == (n, h, d):
+        ms0 = h * d
+    elif mu.size == h * d:
+        mu, ms0 = mu.reshape(h, d), 0
+    else:
+        raise ValueError(f"kvc_dequantize: mean of shape {list(mu.shape)} is neither [H, D] nor [n, H, D]")
     if out is None:
         out = torch.empty((n, h, d), dtype=dtype)
     elif (tuple(out.shape) != (n, h, d) or out.dtype != dtype or out.device.type != "cpu"
@@ -182,7 +189,7 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
         lost[1:rm + 1] = np.asarray(list(recon), dtype=np.float64) / 256.0
         rtab = np.ascontiguousarray(np.sign(span) * lost[np.abs(span)], dtype=np.float32)
     if lb.kvn_kvc_dequant(c.ctypes.data, code_kind(c), crow, n, h, d, st.ctypes.data, *strides,
-                          ptr(mu), fmax, float_kind(dtype),
+                          ptr(mu), ms0, fmax, float_kind(dtype),
                           out.data_ptr(), None if rtab is None else rtab.ctypes.data, rm) == NOMEM:
         raise MemoryError("native dequantization: out of memory")
     return out

@@ -753,7 +753,7 @@ class KVCCodec(Codec):
         if v.rope is not None:  # rotating means: one per coded token (kvcodec.transforms.rope)
             off, style, steps = v.rope
             mean = rotated_means(mean, np.flatnonzero(~mask), steps, off, style)
-        if v.tr == "none" and v.rope is None:  # the same float32 arithmetic, saturation and cast in one native pass
+        if v.tr == "none":  # the same float32 arithmetic, saturation and cast in one native pass
             free = np.flatnonzero(~mask)
             try:
                 if free[-1] - free[0] + 1 == n:  # the coded tokens are one run: write them in place

@@ -309,8 +309,10 @@ KVN_DQ_ROW(_i64, int64_t)
 KVN_DQ_ROW(_i32, int32_t)
 
 int kvn_kvc_dequant(const void* codes, int ckind, int64_t crow, int64_t n, int64_t H, int64_t D, const float* step,
-                    int64_t s0, int64_t s1, int64_t s2, const float* mean, float fmax, int out_kind, void* out,
-                    const float* rtab, int64_t rm) {
+                    int64_t s0, int64_t s1, int64_t s2, const float* mean, int64_t ms0, float fmax, int out_kind,
+                    void* out, const float* rtab, int64_t rm) {
+  /* mean: float32 rows of H * D, token t's at mean + t * ms0 (ms0 0: one row for every token;
+     H * D: a row per token, kvc's rotating K means) */
   /* rtab (NULL, or 2 * rm + 3 floats): what to subtract from each code in [-rm - 1, rm + 1] (kvc's
      reconstruction offsets: sign(c) * offset / 256, zero at 0 and at both ends), so a code c
      stands for (float)c - rtab[clamp(c, -rm - 1, rm + 1) + rm + 1] -- exact in float32, and
@@ -324,9 +326,9 @@ int kvn_kvc_dequant(const void* codes, int ckind, int64_t crow, int64_t n, int64
       const int64_t co = t * crow + h * D;
       const float* st = step + t * s0 + h * s1;
       if (ckind == C_I32)
-        dq_row_i32((const int32_t*)codes + co, st, s2, mean + h * D, D, m, rtab, rm, row + h * D);
+        dq_row_i32((const int32_t*)codes + co, st, s2, mean + t * ms0 + h * D, D, m, rtab, rm, row + h * D);
       else
-        dq_row_i64((const int64_t*)codes + co, st, s2, mean + h * D, D, m, rtab, rm, row + h * D);
+        dq_row_i64((const int64_t*)codes + co, st, s2, mean + t * ms0 + h * D, D, m, rtab, rm, row + h * D);
     }
     store_row(out, out_kind, t * Cn, row, Cn);
   }
