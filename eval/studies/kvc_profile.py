@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-profile", dest="with_profile", action="store_false",
                     help="score no profile (nor make one): the fixed presets and baselines only")
     ap.add_argument("--out", default="eval/results/kvc_profile")
+    ap.add_argument("--rerender", action="store_true", help="only rewrite <out>.md from <out>.json (no model)")
     args = ap.parse_args(argv)
+    if args.rerender:
+        rerender(Path(args.out).with_suffix(".json"))
+        return 0
     prov = provenance(argv)
     from kvcodec.harness.evaluate import Evaluator
     from kvcodec.harness.models import load_model
@@ -160,12 +164,18 @@ def report(doc: dict[str, Any]) -> str:
              "## Profiles", "",
              "| model | calibration s | v/k | margin | level | k_step | search KL | held-out KL | bits |",
              "|---|---|---|---|---|---|---|---|---|"]
+    reused = False
     for m, p in doc["profiles"].items():
         for lv in p["levels"]:
             secs = p["calibration_seconds"]
-            lines.append(f"| {m} | {'-' if secs is None else f'{secs:.0f}'} | {p['kv_ratio']:.2f} | {p['margin']} | "
+            if secs is None and p.get("profile_seconds") is not None:  # made by an earlier run: its own time
+                secs, reused = p["profile_seconds"], True
+            lines.append(f"| {m} | {'-' if secs is None else f'{secs:.0f}' + ('*' if p['calibration_seconds'] is None else '')} | {p['kv_ratio']:.2f} | {p['margin']} | "
                          f"{lv['name']} | {lv['k_step']:.4f} | {lv['kl_search']:.5f} | {lv['kl_holdout']:.5f} | "
                          f"{lv['bits']:.3f} |")
+    if reused:
+        lines += ["", "\\* the profile was made by an earlier run of this study (same settings): the seconds it "
+                  "recorded itself (`kvcodec calibrate` without the model load)."]
     lines += ["", "## Verdicts (mean over the domains; worst window at most 1.2x the target)", "",
               "| model | ctx | codec | kind | target | mean KL | worst KL | bits | met | best baseline at <= KL "
               "| best baseline within the target (its KL) |",
@@ -184,6 +194,18 @@ def report(doc: dict[str, Any]) -> str:
         lines.append(f"| {r['model']} | {r['context']} | {r['domain']} | {r['codec']} | {r['kind']} | {r['bits']:.3f} | "
                      f"{r['kl_mean']:.5f} | {r['kl_p99']:.4f} | {r['top1']:.4f} | {100 * r['delta_ppl'] / r['ppl_ref']:+.2f} % |")
     return "\n".join(lines) + "\n"
+
+
+def rerender(js: Path) -> None:
+    """Rewrite ``<stem>.md`` from ``<stem>.json`` (its provenance kept): no model runs."""
+    import json
+
+    from kvcodec.harness.results import with_provenance_block
+
+    doc = json.loads(js.read_text())
+    prov = doc.pop("provenance")
+    doc.pop("schema", None)
+    js.with_suffix(".md").write_text(with_provenance_block(report(doc), prov))
 
 
 if __name__ == "__main__":
