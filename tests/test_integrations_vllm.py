@@ -89,7 +89,9 @@ def test_a_stored_prefix_is_loaded_instead_of_recomputed(result):
     same = sum(a == b for a, b in zip(warm["token_ids"], cold["token_ids"]))
     first = abs(warm["logprobs"][0] - cold["logprobs"][0])
     if codec == "raw":  # the objects are the bf16 KV itself: only the bf16 arithmetic of chunking differs
-        assert same >= 12 and first < 0.05, (same, first)
+        # (0.02-0.06 nats: vLLM's AMX kernels on Intel differ more between a whole prefill and a
+        # suffix than its vec kernels on AMD; a misplaced K/V element costs nats and the tokens)
+        assert same >= 12 and first < 0.1, (same, first)
     else:  # kvc-near: the greedy continuation stays close, from far fewer bytes than bf16
         assert same >= 8 and first < 0.3, (same, first)
         assert max(cold["sizes"]) < 0.3 * 2 * 256 * _elements_per_token(model)  # as the cold request stored them
