@@ -305,7 +305,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         self.decode_threads = int(extra.get("decode_threads", min(2, os.cpu_count() or 1)))
         if self.decode_threads < 1:
             raise ValueError("KVCodecConnector: decode_threads must be >= 1")
-        self._pool = None
+        self._last_decode_s = 0.0
         self.store_url = os.path.expanduser(str(extra.get("store", DEFAULT_STORE)))
         codec = extra.get("codec", "kvc-near")
         profile = extra.get("profile")
@@ -503,8 +503,8 @@ class KVCodecConnector(KVConnectorBase_V1):
                 self._errors.update(job.block_ids[first:last])
                 logger.warning("KVCodecConnector: request %s: tokens [%d, %d) not loaded, vLLM recomputes them: %s",
                                job.req_id, done, job.end, err)
-            logger.info("KVCodecConnector: request %s: tokens [%d, %d) loaded in %.3f s", job.req_id, job.start,
-                        done, time.perf_counter() - t0)
+            logger.info("KVCodecConnector: request %s: tokens [%d, %d) loaded in %.3f s (decoding %.3f s)", job.req_id,
+                        job.start, done, time.perf_counter() - t0, self._last_decode_s)
 
     def _fetch(self, keys: list[str], i: int) -> bytes:
         """Chunk ``i``'s object from the store (FormatError when it is not there)."""
@@ -554,19 +554,22 @@ class KVCodecConnector(KVConnectorBase_V1):
             except Exception as e:  # noqa: BLE001 - a damaged or foreign chunk: a miss from here
                 return None, e
 
+        t0 = time.perf_counter()
         if len(blobs) > 1 and self.decode_threads > 1:
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
+            # a pool per load: no thread of ours outlives it (vLLM ends its worker processes
+            # without calling shutdown)
+            from concurrent.futures import ThreadPoolExecutor
 
-                self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="kvcodec-decode")
-            decoded = self._pool.map(work, blobs)
+            with ThreadPoolExecutor(min(self.decode_threads, len(blobs)), thread_name_prefix="kvcodec-decode") as pool:
+                decoded = list(pool.map(work, blobs))
         else:
-            decoded = map(work, blobs)
+            decoded = [work(b) for b in blobs]
         for part, e in decoded:  # in order, up to the first chunk that failed
             if e is not None:
                 err = e
                 break
             parts.append(part)
+        self._last_decode_s = time.perf_counter() - t0
         done = min(job.end, (c0 + len(parts)) * self.chunk) // self.block_size * self.block_size
         if done <= job.start:
             return job.start, err
@@ -668,8 +671,6 @@ class KVCodecConnector(KVConnectorBase_V1):
         if self._queue is not None and self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=120)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
         if self._store is not None:
             try:
                 self._store.close()
