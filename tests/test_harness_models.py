@@ -118,6 +118,34 @@ class _Broken(Codec):  # deliberately not registered
         raise AssertionError
 
 
+@pytest.mark.parametrize("kind", ["qwen2"])
+def test_timings_leave_out_first_use_costs(kind, tokenizer):
+    """The evaluator encodes a few tokens untimed first (first-use costs: native library, tables),
+    then times the whole cache; the report's ΔPPL is in percent of the reference and its family
+    column names the codec, not its parameters."""
+    import kvcodec
+    from kvcodec.harness.report import markdown_table
+
+    seen = []
+    base = type(kvcodec.get_codec("kivi-4"))
+
+    class Counting(base):  # kivi-4 itself, recording the caches it is asked to encode
+        def encode(self, cache, *a, **kw):
+            seen.append(cache.num_tokens)
+            return super().encode(cache, *a, **kw)
+
+    model = make_model(kind, len(tokenizer))
+    ev = Evaluator(model, tokenizer, TEXT, context=48, continuation=8, attn_queries=4)
+    rec = ev.evaluate(Counting(**kvcodec.get_codec("kivi-4").params), name="kivi-4")
+    assert rec["error"] is None and seen == [32, 48]
+    table = markdown_table([rec])
+    nt = rec["next_token"]
+    assert "| ΔPPL % |" in table.splitlines()[0]
+    assert f"| {100 * nt['delta_ppl'] / nt['ppl_ref']:+.2f} |" in table
+    rec["family"] = "kvc(chunk=2048,precision=14)"
+    assert "| kivi-4 | kvc |" in markdown_table([rec]) and "chunk=2048" not in markdown_table([rec])
+
+
 def test_expand_settings_sweep_dedupes():
     names = [n for n, _ in expand_settings(["kivi-4", "kivi-2"], sweep=True)]
     assert names[:2] == ["kivi-4", "kivi-2"]

@@ -47,13 +47,13 @@ SCHEMA = "kvcodec.eval/1"
 #: Markdown columns: (header, getter path, format).
 _COLUMNS: list[tuple[str, tuple[str, ...], str]] = [
     ("codec", ("name",), "s"),
-    ("family", ("family",), "s"),
+    ("family", ("family",), "id"),
     ("bits/elem", ("bits_per_element",), ".3f"),
     ("× vs fp16", ("ratio_vs_fp16",), ".2f"),
     ("KL mean", ("next_token", "kl_mean"), ".2e"),
     ("KL p99", ("next_token", "kl_p99"), ".2e"),
     ("top-1", ("next_token", "top1_agreement"), ".4f"),
-    ("ΔPPL", ("next_token", "delta_ppl"), "+.4f"),
+    ("ΔPPL %", ("next_token", "delta_ppl"), "pct"),
     ("attn out rel L2", ("attention", "out_rel_l2"), ".2e"),
     ("attn cos", ("attention", "out_cosine"), ".6f"),
     ("attn KL", ("attention", "attn_kl"), ".2e"),
@@ -84,17 +84,29 @@ def _fmt(v: Any, fmt: str) -> str:
         return str(v)
 
 
+def _cell(r: dict[str, Any], path: tuple[str, ...], fmt: str) -> str:
+    """A table cell: ``id`` is the codec family up to its parameters (they are in the JSON's
+    ``family`` and ``config``), ``pct`` ΔPPL relative to the reference perplexity, in percent."""
+    v = _get(r, path)
+    if fmt == "id":
+        return str(v).split("(")[0] if v is not None else "—"
+    if fmt == "pct":
+        ref = _get(r, ("next_token", "ppl_ref"))
+        return "—" if v is None or not ref else f"{100.0 * float(v) / float(ref):+.2f}"
+    return _fmt(v, fmt)
+
+
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """One row per result, sorted as given; failed codecs show their error."""
     head = "| " + " | ".join(c[0] for c in _COLUMNS) + " |"
-    sep = "|" + "|".join("---" if c[2] == "s" else "---:" for c in _COLUMNS) + "|"
+    sep = "|" + "|".join("---" if c[2] in ("s", "id") else "---:" for c in _COLUMNS) + "|"
     rows = [head, sep]
     for r in results:
         if r.get("error"):
-            cells = [str(r.get("name")), str(r.get("family")), f"error: {r['error']}"]
+            cells = [str(r.get("name")), _cell(r, ("family",), "id"), f"error: {r['error']}"]
             cells += [""] * (len(_COLUMNS) - len(cells))
         else:
-            cells = [_fmt(_get(r, path), fmt) for _, path, fmt in _COLUMNS]
+            cells = [_cell(r, path, fmt) for _, path, fmt in _COLUMNS]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"
 
