@@ -186,7 +186,7 @@ def test_info_names_the_preset_of_an_unnamed_config_and_none_for_a_custom_one(ra
 def test_codecs_table_is_readable(capsys):
     assert main(["codecs"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["name", "nominal", "b", "lossless", "description"]
+    assert lines[0].split() == ["name", "nominal", "b", "SmolLM2", "b", "lossless", "description"]
     assert all(len(line) <= 100 for line in lines), max(lines, key=len)
     assert not [line for line in lines if line != line.rstrip()]  # no trailing spaces
     firsts = [line.split()[0] for line in lines[1:] if line and not line.startswith(" ")]

@@ -124,3 +124,20 @@ def text_window(tokenizer, text: str, offset: int) -> str:
     if offset >= len(ids):
         raise SystemExit(f"--text-offset {offset}: the text has only {len(ids)} tokens")
     return tokenizer.decode(ids[offset:])
+
+
+def preset_bits(names: list[str] | None = None, context: int = 1536) -> dict[str, float]:
+    """``{preset: all-in bits per element}`` (4 decimals) of each preset that needs no setting (the
+    kvc ``-cal`` presets need a calibration file and are skipped) on SmolLM2-135M's cache of the
+    built-in text (:func:`kvcodec.harness.capture.default_cache`): the numbers ``kvcodec codecs``
+    shows (kvcodec/data/measured_bits.json, written by eval/make_measured_bits.py)."""
+    from .. import get_codec, list_codecs
+    from .capture import default_cache
+
+    cache = default_cache(context)
+    out = {}
+    for name in names if names is not None else list_codecs():
+        c = get_codec(name)
+        if not c.requires:
+            out[name] = round(8.0 * len(c.encode(cache)) / cache.num_elements, 4)
+    return out
