@@ -97,7 +97,7 @@ def test_lossy_codec_continues_closely(model, tmp_path):
     assert 0 < kl < 0.05
 
 
-def test_identity_and_tokens_are_checked(tmp_path):
+def test_identity_and_tokens_are_checked(tmp_path, capsys):
     torch.manual_seed(0)
     a, b = MODELS["llama"]().eval(), MODELS["mistral"]().eval()
     prompt = torch.randint(2, V, (1, 12), generator=torch.Generator().manual_seed(5))
@@ -115,6 +115,13 @@ def test_identity_and_tokens_are_checked(tmp_path):
         kvcodec.save(output_cache(a(prompt, use_cache=True)), tmp_path / "x.kvc", "raw", input_ids=prompt[:, :5])
     with pytest.raises(InputError, match="at least 2 tokens"):
         kvcodec.load(tmp_path / "a.kvc", model=a, input_ids=prompt[:, :1])
+    # without model= the file names no model: save warns, info says how to record one
+    with torch.no_grad(), pytest.warns(UserWarning, match="no model= given"):
+        kvcodec.save(output_cache(a(prompt, use_cache=True)), tmp_path / "anon.kvc", "raw")
+    from kvcodec.cli import main
+
+    assert main(["info", str(tmp_path / "anon.kvc")]) == 0
+    assert "(unknown model: its writer recorded none; kvcodec.save(..., model=model) does)" in capsys.readouterr().out
 
 
 def test_a_kvcache_saves_and_loads_too(tmp_path):

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(d)
         return 0
-    model = d["model"]["model_id"] or "(unknown model)"
+    model = d["model"]["model_id"] or "(unknown model: its writer recorded none; kvcodec.save(..., model=model) does)"
     print(f"{d['file']}: KVC {d['format'].split()[-1]}, written by {d['producer'].get('name')} {d['producer'].get('version')}")
     print(f"  model      {model} rev={d['model']['revision'] or '-'} tokenizer={d['model']['tokenizer'] or '-'}")
     preset = d["preset"] or "-"

@@ -24,6 +24,7 @@ import hashlib
 import inspect
 import json
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -260,7 +261,8 @@ def save(cache: Any, path: str | os.PathLike[str], codec: Any = "kvc-near", *, m
       they are stored at the full length, the tokens outside the window repeating the first one
       held (no query attends to them; :func:`load` drops them again).
     * With ``model`` the file records the model's identity (name, config hash, RoPE) and its layer
-      kinds; :func:`load` with a model then refuses a cache of another one. With ``input_ids``
+      kinds; :func:`load` with a model then refuses a cache of another one. Without it the file
+      names no model, and ``save`` warns (``UserWarning``). With ``input_ids``
       (the prompt, ``[B, T]`` or ``[T]``) it records the token ids the cache covers, which
       :func:`load` checks against the new prompt.
 
@@ -276,6 +278,10 @@ def save(cache: Any, path: str | os.PathLike[str], codec: Any = "kvc-near", *, m
     if isinstance(cache, KVCache):
         return len(c.encode(cache, path))
     caches = to_kvcaches(cache, model=model, input_ids=input_ids)
+    if model is None:
+        warnings.warn("kvcodec.save: no model= given, so the file records no model identity ('(unknown model)' "
+                      "in kvcodec info) and kvcodec.load cannot refuse it for another model; pass model=model",
+                      UserWarning, stacklevel=2)
     if len(caches) == 1:
         return len(c.encode(caches[0], path))
     os.makedirs(path, exist_ok=True)
