@@ -378,7 +378,10 @@ def test_level_presets_without_calibration_encode_as_before(name, tmp_path):
     assert cfg["target_kl"] > 0 and cfg["fallback"] == "steps"
     old = kvcodec.get_codec({k: v for k, v in cfg.items() if k not in ("target_kl", "fallback")})
     blob = codec.encode(cache)
+    object.__setattr__(old, "preset", name)  # the file also records the preset's name (producer.preset)
     assert blob == old.encode(cache)
+    with open_kvc(blob) as r:
+        assert r.manifest["producer"]["preset"] == name
     fc = _manifest_codec(blob)
     assert "target_kl" not in fc and "fallback" not in fc
     assert fc["k_step"] == cfg["k_step"] and fc["v_step"] == cfg["v_step"]
@@ -392,7 +395,9 @@ def test_cal_presets_with_a_statistics_only_file_encode_as_before(name, tmp_path
     cfg = kvcodec.get_codec(name).get_config()
     old = {k: v for k, v in cfg.items() if k not in ("target_kl", "fallback")}
     blob = kvcodec.get_codec({"id": name, "calibration": str(f)}).encode(cache)
-    assert blob == kvcodec.get_codec({**old, "calibration": str(f)}).encode(cache)
+    same = kvcodec.get_codec({**old, "calibration": str(f)})
+    object.__setattr__(same, "preset", name)  # the file also records the preset's name (producer.preset)
+    assert blob == same.encode(cache)
     assert "target_kl" not in _manifest_codec(blob)
 
 

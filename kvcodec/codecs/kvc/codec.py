@@ -328,6 +328,8 @@ class KVCCodec(Codec):
         bounds = [(a, min(a + chunk_tokens, t)) for a in range(0, t, chunk_tokens)] or [(0, 0)]
         places = [(i == 0, last and i == len(bounds) - 1) for i in range(len(bounds))]
         made = {pl: type(self)(**{k: v for k, v in self.part_config(*pl).items() if k != "id"}) for pl in set(places)}
+        for c in made.values():  # each part's file names the preset that made it (producer.preset)
+            object.__setattr__(c, "preset", self.preset)
         codecs = [made[pl] for pl in places]
         whole = self._sequence_attention(cache, codecs[0].params) if self.params["calibration"] else None
         out: list[bytes | None] = []
