@@ -13,7 +13,6 @@ against fresh encodes, so a change to a codec's bytes must rerun this:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 CONTEXT = 1536
@@ -21,6 +20,7 @@ OUT = Path(__file__).resolve().parents[1] / "kvcodec" / "data" / "measured_bits.
 
 
 def main() -> int:
+    from kvcodec.format.atomic import atomic_write_bytes
     from kvcodec.harness.results import provenance
     from kvcodec.harness.studies import preset_bits
 
@@ -30,9 +30,7 @@ def main() -> int:
                    "without a profile (their fixed steps)",
            "command": prov["command"], "commit": prov["commit"], "date": prov["date"], "context": CONTEXT,
            "bits": preset_bits(context=CONTEXT)}
-    tmp = OUT.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, OUT)
+    atomic_write_bytes(OUT, (json.dumps(doc, indent=1) + "\n").encode())
     print(f"wrote {OUT}: {len(doc['bits'])} presets")
     return 0
 

@@ -166,11 +166,11 @@ def report(doc: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     reused = False
     for m, p in doc["profiles"].items():
+        secs, mark = p["calibration_seconds"], ""
+        if secs is None and p.get("profile_seconds") is not None:  # made by an earlier run: its own time
+            secs, mark, reused = p["profile_seconds"], "*", True
         for lv in p["levels"]:
-            secs = p["calibration_seconds"]
-            if secs is None and p.get("profile_seconds") is not None:  # made by an earlier run: its own time
-                secs, reused = p["profile_seconds"], True
-            lines.append(f"| {m} | {'-' if secs is None else f'{secs:.0f}' + ('*' if p['calibration_seconds'] is None else '')} | {p['kv_ratio']:.2f} | {p['margin']} | "
+            lines.append(f"| {m} | {'-' if secs is None else f'{secs:.0f}{mark}'} | {p['kv_ratio']:.2f} | {p['margin']} | "
                          f"{lv['name']} | {lv['k_step']:.4f} | {lv['kl_search']:.5f} | {lv['kl_holdout']:.5f} | "
                          f"{lv['bits']:.3f} |")
     if reused:
@@ -198,11 +198,9 @@ def report(doc: dict[str, Any]) -> str:
 
 def rerender(js: Path) -> None:
     """Rewrite ``<stem>.md`` from ``<stem>.json`` (its provenance kept): no model runs."""
-    import json
+    from kvcodec.harness.results import read_result, with_provenance_block
 
-    from kvcodec.harness.results import with_provenance_block
-
-    doc = json.loads(js.read_text())
+    doc = read_result(js)
     prov = doc.pop("provenance")
     doc.pop("schema", None)
     js.with_suffix(".md").write_text(with_provenance_block(report(doc), prov))

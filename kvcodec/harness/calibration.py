@@ -455,7 +455,7 @@ def sensitivities(ref: KVCache, fisher: list[dict[str, torch.Tensor]], rope: lis
     head RMS after centring as kvc centres it: with ``rope`` (per layer a
     :class:`~kvcodec.codecs.kvc.calibration.LayerAttention`, for ``k_rope_mean``) by rotating
     means on the layers that rotate (the cache's positions start at 0), else by channel means."""
-    from ..transforms.rope import STYLES, phase_steps, rotated_means, unrotated_mean
+    from ..transforms.rope import layer_rotates, phase_steps, rotated_means, unrotated_mean
 
     k_sens: list[np.ndarray | None] = []
     v_sens: list[np.ndarray | None] = []
@@ -467,8 +467,7 @@ def sensitivities(ref: KVCache, fisher: list[dict[str, torch.Tensor]], rope: lis
             v_sens.append(None)
             continue
         la = rope[i] if rope is not None and i < len(rope) else None
-        if la is not None and la.rope == "rotary" and la.inv_freq is not None \
-                and la.offset + 2 * la.inv_freq.shape[0] <= k.shape[2] and la.style in STYLES:
+        if la is not None and layer_rotates(la, k.shape[2]):
             pos = np.arange(1, k.shape[0] + 1)
             st = phase_steps(la.inv_freq)
             mu = unrotated_mean(k.numpy(), pos, st, la.offset, la.style)

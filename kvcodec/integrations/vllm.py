@@ -305,7 +305,6 @@ class KVCodecConnector(KVConnectorBase_V1):
         self.decode_threads = int(extra.get("decode_threads", min(2, os.cpu_count() or 1)))
         if self.decode_threads < 1:
             raise ValueError("KVCodecConnector: decode_threads must be >= 1")
-        self._last_decode_s = 0.0
         self.store_url = os.path.expanduser(str(extra.get("store", DEFAULT_STORE)))
         codec = extra.get("codec", "kvc-near")
         profile = extra.get("profile")
@@ -495,16 +494,16 @@ class KVCodecConnector(KVConnectorBase_V1):
         for job in meta.loads:
             t0 = time.perf_counter()
             try:
-                done, err = self._load(job)
+                done, err, decoding = self._load(job)
             except Exception as e:  # noqa: BLE001 - anything unexpected is a miss of the whole job
-                done, err = job.start, e
+                done, err, decoding = job.start, e, 0.0
             if err is not None:  # the blocks from the first bad chunk on are recomputed
                 first, last = done // self.block_size, -(-job.end // self.block_size)
                 self._errors.update(job.block_ids[first:last])
                 logger.warning("KVCodecConnector: request %s: tokens [%d, %d) not loaded, vLLM recomputes them: %s",
                                job.req_id, done, job.end, err)
             logger.info("KVCodecConnector: request %s: tokens [%d, %d) loaded in %.3f s (decoding %.3f s)", job.req_id,
-                        job.start, done, time.perf_counter() - t0, self._last_decode_s)
+                        job.start, done, time.perf_counter() - t0, decoding)
 
     def _fetch(self, keys: list[str], i: int) -> bytes:
         """Chunk ``i``'s object from the store (FormatError when it is not there)."""
@@ -535,9 +534,10 @@ class KVCodecConnector(KVConnectorBase_V1):
                                   f"the model {[lay.heads, lay.head_size]}")
         return part
 
-    def _load(self, job: LoadJob) -> tuple[int, Exception | None]:
+    def _load(self, job: LoadJob) -> tuple[int, Exception | None, float]:
         """Load what ``job`` asks, in order, up to the first chunk that fails: returns the end of
-        what was written (a block boundary) and that failure (None when all loaded)."""
+        what was written (a block boundary), that failure (None when all loaded) and the seconds
+        spent decoding."""
         keys = self._keys(job.token_ids[: job.end // self.chunk * self.chunk], job.salt)
         c0 = job.start // self.chunk
         parts, err, blobs = [], None, []
@@ -569,10 +569,10 @@ class KVCodecConnector(KVConnectorBase_V1):
                 err = e
                 break
             parts.append(part)
-        self._last_decode_s = time.perf_counter() - t0
+        decoding = time.perf_counter() - t0
         done = min(job.end, (c0 + len(parts)) * self.chunk) // self.block_size * self.block_size
         if done <= job.start:
-            return job.start, err
+            return job.start, err, decoding
         lo = job.start - c0 * self.chunk
         hi = lo + (done - job.start)
         first_block = job.start // self.block_size
@@ -581,7 +581,7 @@ class KVCodecConnector(KVConnectorBase_V1):
             k = torch.cat([p.layers[li]["k"] for p in parts])[lo:hi]
             v = torch.cat([p.layers[li]["v"] for p in parts])[lo:hi]
             self._layout(name).scatter(self._kv[name], blocks, k, v)
-        return done, err
+        return done, err, decoding
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -149,8 +149,8 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
     """kvc's normative reconstruction without a transform: ``float32(code) * step + mean``
     (separately rounded float32 operations), clamped to the finite range of ``dtype`` (fp16/bf16)
     and cast with round-to-nearest-even. ``codes`` int64 ``[n, H, D]`` (token-major), ``step``
-    float32 broadcastable to it, ``mean`` float32 ``[H, D]``, or ``[n, H, D]`` for a mean per token
-    (kvc's rotating K means) (int32 codes are read as they are).
+    float32 broadcastable to it, ``mean`` float32 ``[H, D]`` (or ``[1, H, D]``) for every token, or
+    ``[n, H, D]`` for a mean per token (kvc's rotating K means) (int32 codes are read as they are).
     ``recon``: reconstruction offsets (:func:`kvcodec.quant.deadzone.recon_values`: codes
     ``1 <= |c| <= len(recon)`` stand for ``sign(c) * (|c| - recon[|c| - 1] / 256)``) or None. Returns a torch tensor: ``out``
     when given (a contiguous ``[n, H, D]`` CPU tensor of ``dtype``, written in place)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import numpy as np
 
@@ -107,6 +108,15 @@ def rotated_means(mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offs
     return out
 
 
+def layer_rotates(la: Any, width: int) -> bool:
+    """Whether rotating means apply to a layer whose calibration facts are ``la`` (a
+    :class:`~kvcodec.codecs.kvc.calibration.LayerAttention`): rotary RoPE with known frequencies,
+    a style of :data:`STYLES`, and its pairs inside a head of ``width`` channels."""
+    f = la.inv_freq
+    return (la.rope == "rotary" and f is not None and f.size > 0 and la.style in STYLES
+            and la.offset + 2 * f.shape[0] <= width)
+
+
 def unrotated_mean(k: np.ndarray, positions: np.ndarray, steps: np.ndarray, offset: int,
                    style: str) -> np.ndarray:
     """The mean over tokens of ``R(p)^-1 k`` (float64 ``[H, D]``; encoder side) for ``k``
@@ -123,5 +133,5 @@ def unrotated_mean(k: np.ndarray, positions: np.ndarray, steps: np.ndarray, offs
     return out
 
 
-__all__ = ["SIN_BITS", "STYLES", "cos_sin", "pairs", "phase_steps", "rotated_means", "sin_table",
+__all__ = ["SIN_BITS", "STYLES", "cos_sin", "layer_rotates", "pairs", "phase_steps", "rotated_means", "sin_table",
            "unrotated_mean"]

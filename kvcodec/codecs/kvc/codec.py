@@ -35,7 +35,7 @@ from ...transforms.allocation import weighted_steps
 from .calibration import Calibration, QueryStats, attention_estimate
 from .profile import parse_profile, steps_for_target
 from .plan import _layer_calib
-from ...transforms.rope import STYLES, phase_steps, rotated_means, unrotated_mean
+from ...transforms.rope import STYLES, layer_rotates, phase_steps, rotated_means, unrotated_mean
 from .sinks import detect_sinks
 from .steps import _attn_factor, _checked_codes, _checked_recon, _quantize_tokens, _sens_multipliers, recency_factor, token_steps
 from .symbols import _narrowest, _stage, delta_rows, escape_join, pred_mask, running_sums, split_tokens
@@ -513,14 +513,12 @@ class KVCCodec(Codec):
             params["rope"] = [u, off, sty, r2]
         else:
             mean = channel_means(y) if (is_k or p["v_center"]) else np.zeros((h, d))
-        if rope is not None:
-            pass
-        elif from_f16:
-            # float16 values and float16-rounded means: their difference is exact in float64, so
-            # one float32 subtraction rounds it exactly as the float64 route would
-            z = y - mean.astype(np.float32)[None]
-        else:
-            z = (y.astype(np.float64) - mean[None].astype(np.float32)).astype(np.float32)
+            if from_f16:
+                # float16 values and float16-rounded means: their difference is exact in float64, so
+                # one float32 subtraction rounds it exactly as the float64 route would
+                z = y - mean.astype(np.float32)[None]
+            else:
+                z = (y.astype(np.float64) - mean[None].astype(np.float32)).astype(np.float32)
         if use_h:
             z = fwht(z)
         # squares of float16-range values summed in float32 cannot overflow (65504^2 * 2^31 <
@@ -751,12 +749,14 @@ class KVCCodec(Codec):
         else:
             sc = codes[:, h * d:] + np.array(v.base, dtype=np.int64)[None]
             step = step_from_code(_checked_codes(sc, where))[:, :, None]
-        mean, rc = v.mean, v.rc
+        rc = v.rc
+        free = np.flatnonzero(~mask)  # the coded tokens' positions
         if v.rope is not None:  # rotating means: one per coded token (kvcodec.transforms.rope)
             off, style, steps = v.rope
-            mean = rotated_means(mean, np.flatnonzero(~mask), steps, off, style)
+            mean = rotated_means(v.mean, free, steps, off, style)  # [n, H, D]
+        else:
+            mean = v.mean[None]  # [1, H, D]: one for every token
         if v.tr == "none":  # the same float32 arithmetic, saturation and cast in one native pass
-            free = np.flatnonzero(~mask)
             try:
                 if free[-1] - free[0] + 1 == n:  # the coded tokens are one run: write them in place
                     native.kvc_dequantize(main, step, mean, ctx.dtype, out=out[int(free[0]):int(free[-1]) + 1],
@@ -770,7 +770,7 @@ class KVCCodec(Codec):
         z = (recon_values(main, rc) if rc else main.astype(np.float32)) * step
         if v.tr == "hadamard":
             z = fwht(z)
-        xh = z + (mean if v.rope is not None else mean[None])
+        xh = z + mean
         lim = float(torch.finfo(ctx.dtype).max)  # saturate instead of overflowing to inf
         xh = np.clip(xh, -lim, lim)
         out[~keep] = torch.from_numpy(np.ascontiguousarray(xh)).to(ctx.dtype)
@@ -789,11 +789,9 @@ def _rope_plan(cache: KVCache, stats: QueryStats) -> dict[str, Any] | None:
         if "k" not in layer or i >= stats.num_layers:
             continue
         la = stats.layer_attention(i)
-        if la.rope != "rotary" or la.inv_freq is None or not la.inv_freq.size:
+        if not layer_rotates(la, layer["k"].shape[-1]):
             continue
         r2 = int(la.inv_freq.shape[0])
-        if la.offset + 2 * r2 > layer["k"].shape[-1]:
-            continue
         key = phase_steps(la.inv_freq).tobytes()
         if key not in rows:
             rows.append(key)
