@@ -486,8 +486,7 @@ def test_build_profile_on_a_tiny_model(monkeypatch, tmp_path):
             windows.append(id(self))
             alive.append(self)  # ids stay unique while the test runs
         scored.append((float(codec["k_step"]), r["next_token"]["kl_mean"], r["bits_per_element"],
-                       windows.index(id(self))))
-        assert codec["v_step"] == pytest.approx(codec["k_step"] * ratio[0])
+                       windows.index(id(self)), float(codec["v_step"])))
         assert {k: codec[k] for k in hp.SEARCH_SETTINGS} == hp.SEARCH_SETTINGS
         return r
 
@@ -510,7 +509,19 @@ def test_build_profile_on_a_tiny_model(monkeypatch, tmp_path):
     assert st.k_sens is not None and st.num_layers == 2
     # two search windows, then two held-out ones (scored last, once per level)
     assert len(windows) == 4
-    search = [x for x in scored if x[3] < 2]
+    # the balance probes (balance_level) score steps off the measured K/V ratio; the step search
+    # codes every step at that ratio
+    balance = {(k, v): (crit, bits, complete) for k, v, crit, bits, complete in raw["balance"]}
+    assert raw["balance"] and any("balance" in m for m in msgs)  # every level met here is probed
+    probes = [x for x in scored if x[3] < 2 and (x[0], x[4]) in balance]
+    search = [x for x in scored if x[3] < 2 and (x[0], x[4]) not in balance]
+    assert all(x[4] == pytest.approx(x[0] * ratio[0]) for x in search)
+    assert all(v != pytest.approx(k * ratio[0]) for k, v in balance)
+    for (k, v), (crit, bits, complete) in balance.items():
+        kls = [x[1] for x in probes if (x[0], x[4]) == (k, v)]
+        assert len(kls) == 2 if complete else 1 <= len(kls) <= 2
+        if complete:
+            assert crit == pytest.approx(max(np.mean(kls) / margin, max(kls) / hp.WORST_FACTOR), rel=1e-12)
     held = [x for x in scored if x[3] >= 2]
     assert scored[-len(held):] == held and len(held) == 2 * len(levels)
     # every point is a measurement: its criterion max(mean / margin, worst / 1.2) over the search
@@ -543,7 +554,10 @@ def test_build_profile_on_a_tiny_model(monkeypatch, tmp_path):
         assert lv["k_step"] in window_kl
         assert lv["kl_search"] == pytest.approx(np.mean(window_kl[lv["k_step"]]), rel=1e-12)
         assert lv["kl_search_worst"] == max(window_kl[lv["k_step"]])
-        assert lv["v_step"] == pytest.approx(lv["k_step"] * p.kv_ratio)
+        if (lv["k_step"], lv["v_step"]) in balance:  # a balance probe beat the level's point
+            assert balance[(lv["k_step"], lv["v_step"])][2] and lv["v_step"] != pytest.approx(lv["k_step"] * p.kv_ratio)
+        else:
+            assert lv["v_step"] == pytest.approx(lv["k_step"] * p.kv_ratio)
         met = lv["kl_search"] <= margin * t * (1 + 1e-12) and lv["kl_search_worst"] <= 1.2 * t * (1 + 1e-12)
         assert met or lv["k_step"] == finest, lv
         # the held-out windows were scored at the level's steps
@@ -836,3 +850,56 @@ def test_a_profiles_sink_v_ratio_decides_sink_detection(tmp_path):
     ratio, sinks, out = got["profile's"]
     assert ratio == 0.0 and sinks is None
     assert not all(torch.equal(o["v"][5], c["v"][5]) for o, c in zip(out.layers, cache.layers))
+
+
+def _balance_model(w_v: float):
+    """A two-role rate model: bits fall by half a bit per octave of each step, the criterion is
+    ``0.01 k**2 + w_v v**2`` (the best ``v / k`` at equal bits is ``sqrt(0.01 / w_v)``)."""
+    def bits(k: float, v: float) -> float:
+        return 4.0 - 0.5 * math.log2(k) - 0.5 * math.log2(v)
+
+    def crit(k: float, v: float) -> float:
+        return 0.01 * k * k + w_v * v * v
+
+    calls: list[tuple[float, float, float | None]] = []
+
+    def score(k: float, v: float, stop: float | None):
+        calls.append((k, v, stop))
+        c = crit(k, v)
+        if stop is not None and c > stop:  # one window proves it over
+            return c, [c, None], bits(k, v), False
+        return c, [c, c], bits(k, v), True
+
+    return bits, crit, score, calls
+
+
+@pytest.mark.parametrize("w_v, ratio0, way", [(0.02, 2.0, "finer V"), (0.0005, 1.0, "coarser V")])
+def test_balance_moves_the_ratio_the_way_that_lowers_kl_at_equal_bits(w_v, ratio0, way):
+    from kvcodec.harness.profile import balance_level
+
+    bits, crit, score, calls = _balance_model(w_v)
+    target = 0.05
+    k0 = math.sqrt(0.9 * target / (0.01 + w_v * ratio0 ** 2))  # the step search's point at ratio0
+    c0, b0 = crit(k0, ratio0 * k0), bits(k0, ratio0 * k0)
+    best, tried = balance_level(score, bits, target, k0, ratio0, c0, b0, slope=2.0)
+    r = best["v_step"] / best["k_step"]
+    optimum = math.sqrt(0.01 / w_v)
+    # moved toward the optimum, met the target, and spent the saved KL on fewer bits
+    assert abs(math.log(r / optimum)) < abs(math.log(ratio0 / optimum)), (r, optimum)
+    assert best["crit"] == pytest.approx(crit(best["k_step"], best["v_step"])) and best["crit"] <= target
+    assert best["bits"] < b0 - 0.01
+    # every probe was recorded; the first codes to the level's bits (found by encodes alone)
+    assert len(tried) == len(calls) and tried[0][3] == pytest.approx(b0, abs=0.005 * b0)
+    assert all(t[:2] == [c[0], c[1]] for t, c in zip(tried, calls))
+
+
+def test_balance_keeps_the_ratio_when_no_probe_beats_it():
+    from kvcodec.harness.profile import balance_level
+
+    bits, crit, score, calls = _balance_model(0.01 / 1.5 ** 2)  # best v/k: 1.5
+    k0 = 0.5
+    c0, b0 = crit(k0, 1.5 * k0), bits(k0, 1.5 * k0)
+    best, tried = balance_level(score, bits, 0.05, k0, 1.5, c0, b0, slope=2.0)
+    assert (best["k_step"], best["v_step"], best["crit"], best["bits"]) == (k0, 1.5 * k0, c0, b0)
+    assert best["kls"] is None and len(tried) == 2  # both ways tried, both lost (stopped early)
+    assert [t[4] for t in tried] == [False, False] and [c[2] for c in calls] == [c0, c0]

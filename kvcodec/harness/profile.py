@@ -20,7 +20,13 @@ kvc's steps are fractions of an RMS; how much next-token KL a step costs depends
    slope of every point measured. A scale that one window already proves too coarse is not
    scored on the others. Every fully scored encode becomes a point of the profile's curve, so
    any later ``target_kl`` maps to steps by interpolation.
-4. **Held-out check**: each level's steps are scored once more on a window the search did not
+4. **Balance per level** (:func:`balance_level`): the high-rate K/V ratio of step 2 stops
+   holding at coarse steps, where one role's values quantise mostly to zero. For each level
+   met, a probe moves ``v_step / k_step`` by 0.6x (then further, or the other way when it
+   lost), at the ``k_step`` that keeps the level's bits (found by encodes alone), and scores
+   it; a probe with a lower criterion spends it on one coarser step. The level keeps the best
+   met point, so its ``v_step`` may differ from ``kv_ratio * k_step``.
+5. **Held-out check**: each level's steps are scored once more on a window the search did not
    use (the second window of the first domain text long enough for two; ``max_held`` for more);
    the profile reports that KL beside the search KL.
 
@@ -90,7 +96,7 @@ MAX_SCORES = 8
 #: finest level first, from the step the Fisher information predicts for it, then secant steps
 #: with the slope of every measured point, a step stopped as soon as one window proves it over
 #: the level (:func:`search_levels`, :func:`score_windows_until`).
-SEARCH_METHOD = "fine-first/3"
+SEARCH_METHOD = "fine-first/3+balance"
 
 
 def search_settings() -> dict[str, Any]:
@@ -358,6 +364,112 @@ def search_levels(score: Callable[..., Any], levels: dict[str, float],
     return points, detail, chosen
 
 
+#: How far each balance probe moves ``v_step / k_step`` (a factor; :func:`balance_level`).
+BALANCE_FACTOR = 0.6
+#: At most this many probes per level (the first direction, then the other when it lost).
+BALANCE_PROBES = 2
+
+
+def _match_bits(bits: Callable[[float, float], float], want: float, k: float, ratio: float,
+                tries: int = 4) -> float:
+    """The ``k_step`` at which ``bits(k_step, ratio * k_step)`` (an encode, no model run) is
+    nearest ``want``: secant steps on log bits against log k_step from ``k`` (bits fall about
+    linearly in log step; slope clipped so a flat stretch cannot send the step far)."""
+    pts: list[tuple[float, float]] = []
+    for _ in range(tries):
+        b = bits(k, ratio * k)
+        pts.append((k, b))
+        if abs(b - want) <= 0.005 * want:
+            break
+        slope = -1.0  # bits per unit of log2 step, about -1 at high rate
+        if len(pts) > 1:
+            (k0, b0), (k1, b1) = pts[-2], pts[-1]
+            if abs(math.log2(k1 / k0)) > 1e-6 and b1 != b0:
+                slope = float(np.clip((b1 - b0) / math.log2(k1 / k0), -4.0, -0.1))
+        k *= 2.0 ** float(np.clip((want - b) / slope, -1.5, 1.5))
+    return min(pts, key=lambda q: abs(q[1] - want))[0]
+
+
+def balance_level(score: Callable[..., Any], bits: Callable[[float, float], float], target: float,
+                  k0: float, ratio0: float, crit0: float, bits0: float, slope: float,
+                  say: Callable[[str], None] = lambda m: None, factor: float = BALANCE_FACTOR,
+                  probes: int = BALANCE_PROBES) -> tuple[dict[str, float], list[list[Any]]]:
+    """The K/V balance of one level, closed loop: ``v_step / k_step`` moved from ``ratio0`` while
+    the bits stay those of the level's met point ``(k0, ratio0 * k0)`` (``crit0``, ``bits0``).
+
+    The high-rate balance (:func:`kv_ratio`) holds where both roles keep most of their values;
+    at coarse steps one role's values quantise mostly to zero and its error stops growing with
+    its step while its bits keep falling, so the best balance moves with the rate (on
+    Qwen2.5-Coder at KL 0.05, V finer than the high-rate ratio by 0.4-0.6x took the search
+    windows from 1.30 to about 1.17 b). Each probe takes the ratio times ``factor``, finds the
+    ``k_step`` that codes to ``bits0`` by encodes alone (:func:`_match_bits`), and scores it,
+    stopping as soon as its windows prove it worse than ``crit0``
+    (``score(k_step, v_step, stop_above) -> (criterion, window KLs, bits, complete)``). A better
+    probe is kept and the next goes further the same way; when the first loses, the next tries
+    the other way (``1 / factor``). The best probe then spends its lower KL: one more score at
+    the step its criterion predicts for ``0.96 * target`` (with ``slope``, log criterion per
+    log step), kept when it meets the target.
+
+    Returns ``(chosen, tried)``: the level's point ``{"k_step", "v_step", "crit", "kls",
+    "bits"}`` (the original one when no probe beat it) and every probe scored as ``[k_step,
+    v_step, criterion or its lower bound, bits, complete]``.
+    """
+    best = {"k_step": k0, "v_step": ratio0 * k0, "crit": crit0, "kls": None, "bits": bits0}
+    tried: list[list[Any]] = []
+    ratio, way = ratio0, factor
+    for i in range(probes):
+        r = ratio * way
+        k = _match_bits(bits, bits0, best["k_step"] * ratio / r if i == 0 else best["k_step"], r)
+        crit, kls, b, complete = score(k, r * k, best["crit"])
+        tried.append([float(k), float(r * k), float(crit), float(b), bool(complete)])
+        say(f"balance (KL <= {target:g}): v/k {r:.3f}, k_step {k:.4f} at {b:.3f} b -> "
+            + (f"criterion {crit:.5f}" if complete else f"over {best['crit']:.5f} after "
+               f"{sum(x is not None for x in kls)} windows") + f" (was {best['crit']:.5f} at v/k {ratio:.3f})")
+        if complete and crit < best["crit"] and b <= bits0 * 1.01:
+            best = {"k_step": k, "v_step": r * k, "crit": crit, "kls": kls, "bits": b}
+            ratio = r
+        elif i == 0:
+            way = 1.0 / factor  # the first way lost: the other way
+        else:
+            break
+    if ratio != ratio0 and best["crit"] < 0.9 * target:
+        # spend the KL the better balance saved: the step its criterion predicts for 0.96x target
+        k = best["k_step"] * math.exp(math.log(0.96 * target / best["crit"]) / float(np.clip(slope, 1.0, 4.0)))
+        crit, kls, b, complete = score(k, ratio * k, target)
+        tried.append([float(k), float(ratio * k), float(crit), float(b), bool(complete)])
+        say(f"balance (KL <= {target:g}): v/k {ratio:.3f}, k_step {k:.4f} -> "
+            + (f"criterion {crit:.5f}, {b:.3f} b" if complete else "over the target"))
+        if complete and crit <= target:
+            best = {"k_step": k, "v_step": ratio * k, "crit": crit, "kls": kls, "bits": b}
+    return best, tried
+
+
+def balance_levels(score_kv: Callable[..., Any], bits_kv: Callable[[float, float], float],
+                   levels: dict[str, float], ratio: float, points: list[tuple[float, float, float]],
+                   detail: dict[float, list[float]], chosen: dict[str, dict[str, Any]], tried: list[list[Any]],
+                   say: Callable[[str], None] = lambda m: None, probes: int = BALANCE_PROBES) -> None:
+    """:func:`balance_level` for every level :func:`search_levels` met, finest first, updating
+    ``chosen`` in place (the ``v_step`` of a level may then differ from ``ratio * k_step``) and
+    appending every probe to ``tried``. A coarser level never keeps more bits than a finer one
+    (it keeps its first point then)."""
+    slope = _slope([(p[0], p[1]) for p in points]) or 2.0
+    crit_at = {p[0]: p[1] for p in points}
+    prev_bits = math.inf
+    for name, target in sorted(levels.items(), key=lambda kv: kv[1]):
+        row = chosen[name]
+        crit0 = crit_at.get(row["k_step"], math.inf)
+        if crit0 <= target:
+            best, t = balance_level(score_kv, bits_kv, target, row["k_step"], ratio, crit0, row["bits"], slope,
+                                    say, probes=probes)
+            tried.extend(t)
+            if best["kls"] is not None and best["bits"] <= prev_bits:
+                kls = [float(x) for x in best["kls"]]
+                row.update(k_step=best["k_step"], v_step=best["v_step"], kl_search=float(np.mean(kls)),
+                           kl_search_worst=max(kls), bits=best["bits"])
+                detail[best["k_step"]] = kls
+        prev_bits = min(prev_bits, row["bits"])
+
+
 def build_profile(
     model: Any,
     tokenizer: Any,
@@ -374,6 +486,7 @@ def build_profile(
     max_windows: int = 4,
     max_held: int = 1,
     max_scores: int | None = MAX_SCORES,
+    balance_probes: int = BALANCE_PROBES,
     text_name: str = "custom",
     progress: Callable[[str], None] | None = None,
 ) -> QueryStats:
@@ -431,9 +544,9 @@ def build_profile(
     try:
         save_query_statistics(stats, tmp.name)
 
-        def config(k_step: float) -> dict[str, Any]:
-            return {"id": "kvc", **SEARCH_ENTROPY, **SEARCH_SETTINGS, "k_step": k_step, "v_step": k_step * ratio,
-                    "calibration": tmp.name}
+        def config(k_step: float, v_step: float | None = None) -> dict[str, Any]:
+            return {"id": "kvc", **SEARCH_ENTROPY, **SEARCH_SETTINGS, "k_step": k_step,
+                    "v_step": k_step * ratio if v_step is None else v_step, "calibration": tmp.name}
 
         first, first_kl = 0.5, None
         if fisher is not None:
@@ -447,19 +560,30 @@ def build_profile(
             say(f"first step {first:.4f}: predicted KL {first_kl:.5f} on {search[0][0]}")
         order = list(range(len(evs)))  # windows by their last KL, highest first: the first proves a step over
 
-        def score(k_step: float, stop: float | None) -> tuple[float, list[float | None], float, bool]:
-            res = score_windows_until(evs, config(k_step), margin, worst, stop, order)
+        def score_kv(k_step: float, v_step: float | None, stop: float | None,
+                     ) -> tuple[float, list[float | None], float, bool]:
+            res = score_windows_until(evs, config(k_step, v_step), margin, worst, stop, order)
             if res[3]:
                 order.sort(key=lambda i: -float(res[1][i] or 0.0))
             return res
 
+        def score(k_step: float, stop: float | None) -> tuple[float, list[float | None], float, bool]:
+            return score_kv(k_step, None, stop)
+
+        def bits_kv(k_step: float, v_step: float) -> float:  # encodes only: no model run
+            codec = get_codec(config(k_step, v_step))
+            return float(np.mean([8.0 * len(codec.encode(e.reference)) / e.reference.num_elements for e in evs]))
+
         partial: list[tuple[float, float, list[float | None]]] = []
         points, detail, chosen = search_levels(score, levels, ratio, max_evals, say, t0, max_scores, first, partial)
+        balance: list[list[Any]] = []
+        if balance_probes:
+            balance_levels(score_kv, bits_kv, levels, ratio, points, detail, chosen, balance, say, balance_probes)
         evs.clear()  # free the search windows before the held-out ones
         say(f"held-out windows ({', '.join(n for n, _ in held)}) ({time.perf_counter() - t0:.0f} s)")
         evs_h = [Evaluator(model, tokenizer, "", context, continuation, attn_queries=1, token_ids=w) for _, w in held]
         for name, row in chosen.items():
-            _, kls, bits = score_windows(evs_h, config(row["k_step"]), margin, worst)
+            _, kls, bits = score_windows(evs_h, config(row["k_step"], row["v_step"]), margin, worst)
             row["kl_holdout"], row["kl_holdout_worst"], row["bits_holdout"] = float(np.mean(kls)), max(kls), bits
             say(f"{name}: held-out mean KL {np.mean(kls):.5f}, worst {max(kls):.5f} (target {row['target_kl']:g}), "
                 f"{bits:.3f} b")
@@ -485,6 +609,7 @@ def build_profile(
         "points": [[float(s), float(c), float(b)] for s, c, b in sorted(points)],
         "window_kl": [[float(s), [float(x) for x in detail[s]]] for s in sorted(detail)],
         "levels": [{"name": n, **{k: float(v) for k, v in r.items()}} for n, r in chosen.items()],
+        "balance": balance,  # every balance probe: [k_step, v_step, criterion or bound, bits, complete]
         "model": ident.to_dict(),
         "text": {"name": text_name, "context": context, "continuation": continuation,
                  "search_windows": [n for n, _ in search], "holdout_windows": [n for n, _ in held]},
@@ -496,4 +621,5 @@ def build_profile(
 
 
 __all__ = ["DEFAULT_MARGIN", "MAX_SCORES", "SEARCH_METHOD", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "WORST_FACTOR", "build_profile", "kv_ratio", "score_windows", "score_windows_until",
-           "search_levels", "search_settings", "split_windows"]
+           "search_levels", "search_settings", "split_windows", "balance_level", "balance_levels",
+           "BALANCE_FACTOR", "BALANCE_PROBES"]

@@ -18,13 +18,16 @@ The profile is a JSON object stored in the calibration file's metadata (``profil
 * ``points``: ``[[k_step, kl, bits_per_element], ...]``, every encode the search scored (``kl``
   as ``criterion`` says; ``window_kl`` has each window's).
 * ``levels``: ``[{"target_kl", "k_step", "v_step", "kl_search", "kl_holdout", "bits"}, ...]``:
-  the named levels' verified steps and the KL measured on the held-out windows (means).
+  the named levels' verified steps and the KL measured on the held-out windows (means). A
+  level's ``v_step / k_step`` may differ from ``kv_ratio``: the calibration balances K and V
+  per level, closed loop (:func:`kvcodec.harness.profile.balance_level`).
 * free-form provenance (``model``, ``text``, ``tokens``, ``seconds``...).
 
 Steps for a target (:func:`steps_for_target`): a level's verified entry when the target is one
 of the profile's levels; otherwise the largest ``k_step`` whose KL, interpolated log-linearly
 between measured points (KL made non-decreasing in the step first), stays at or below
-``margin * target``, kept between the neighbouring levels' steps. Below the finest measured point the curve is extended with ``KL ∝ step**2``
+``margin * target``, kept between the neighbouring levels' steps, with ``v_step / k_step``
+from :func:`ratio_for` (between the neighbouring levels' own ratios, never above ``kv_ratio``). Below the finest measured point the curve is extended with ``KL ∝ step**2``
 (the high-rate law); it is never extended past the coarsest point.
 
 Example:
@@ -160,9 +163,40 @@ def steps_for_target(profile: Profile, target_kl: float) -> dict[str, Any]:
             k = min(k, lv["k_step"])
         elif lv["target_kl"] < target_kl:
             k = max(k, lv["k_step"])
-    k = min(max(k, 1e-6), 1e6 / max(profile.kv_ratio, 1.0))
-    return {**profile.settings, "k_step": k, "v_step": min(max(k * profile.kv_ratio, 1e-6), 1e6)}
+    ratio = ratio_for(profile, target_kl)
+    k = min(max(k, 1e-6), 1e6 / max(ratio, 1.0))
+    return {**profile.settings, "k_step": k, "v_step": min(max(k * ratio, 1e-6), 1e6)}
+
+
+def ratio_for(profile: Profile, target_kl: float) -> float:
+    """``v_step / k_step`` for a target between the profile's levels: log-linear in log target
+    between the two nearest levels' own ratios (the nearest level's outside them), never above
+    ``kv_ratio``. A level's search may have moved its balance from ``kv_ratio`` (at coarse steps
+    the best balance moves with the rate: :func:`kvcodec.harness.profile.balance_level`); the
+    curve's points were measured at ``kv_ratio``, so a ratio at most that codes V at most as
+    coarsely as the point the step came from: the KL stays on the safe side of the curve's.
+
+    Example:
+        >>> prof = parse_profile({"version": 1, "settings": {}, "kv_ratio": 2.0, "margin": 1.0,
+        ...     "points": [[0.2, 0.002, 3.0], [1.0, 0.05, 1.0]],
+        ...     "levels": [{"target_kl": 0.002, "k_step": 0.2, "v_step": 0.4},
+        ...                {"target_kl": 0.05, "k_step": 1.5, "v_step": 0.75}]}, "example")
+        >>> round(ratio_for(prof, 0.01), 3)   # halfway in log target: sqrt(2.0 * 0.5)
+        1.0
+    """
+    lv = sorted((x["target_kl"], x["v_step"] / x["k_step"]) for x in profile.levels)
+    if not lv:
+        return profile.kv_ratio
+    if target_kl <= lv[0][0]:
+        r = lv[0][1]
+    elif target_kl >= lv[-1][0]:
+        r = lv[-1][1]
+    else:
+        (t0, r0), (t1, r1) = next((a, b) for a, b in zip(lv, lv[1:]) if a[0] <= target_kl <= b[0])
+        w = math.log(target_kl / t0) / math.log(t1 / t0) if t1 > t0 else 0.0
+        r = math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
+    return min(r, profile.kv_ratio)
 
 
 __all__ = ["LEVELS", "PROFILE_VERSION", "QUALITY_PARAMS", "Profile", "k_step_for", "parse_profile",
-           "steps_for_target"]
+           "ratio_for", "steps_for_target"]
