@@ -903,3 +903,19 @@ def test_balance_keeps_the_ratio_when_no_probe_beats_it():
     assert (best["k_step"], best["v_step"], best["crit"], best["bits"]) == (k0, 1.5 * k0, c0, b0)
     assert best["kls"] is None and len(tried) == 2  # both ways tried, both lost (stopped early)
     assert [t[4] for t in tried] == [False, False] and [c[2] for c in calls] == [c0, c0]
+
+
+def test_a_landing_that_overshoots_is_bounded_and_retried():
+    from kvcodec.harness.profile import balance_level
+
+    bits, crit, score, calls = _balance_model(0.02)  # best v/k about 0.71
+    target, ratio0 = 0.05, 2.0
+    k0 = math.sqrt(0.9 * target / (0.01 + 0.02 * ratio0 ** 2))
+    c0, b0 = crit(k0, ratio0 * k0), bits(k0, ratio0 * k0)
+    # a slope of 1 where the criterion grows as the step squared: the first landing overshoots
+    best, tried = balance_level(score, bits, target, k0, ratio0, c0, b0, slope=1.0, probes=1)
+    assert [t[4] for t in tried] == [True, False, True]  # probe, landing over the target, landing
+    assert tried[1][2] > target and 0.9 * target <= best["crit"] <= target
+    assert best["k_step"] == tried[2][0] and best["bits"] < b0 - 0.01
+    # the second landing came from the bound of the first: between the probe and that step
+    assert tried[0][0] < best["k_step"] < tried[1][0]

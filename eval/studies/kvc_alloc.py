@@ -51,6 +51,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "recent ramp 256": {"recent_ramp": 256},
     "recent fine 2": {"recent_fine": 2.0},
     "recent fine 8": {"recent_fine": 8.0},
+    # the K/V balance at coarse steps (profiles balance each level closed loop since 2026-12-06):
+    # "_scale" multiplies both scales, so finer V is measured where its KL is near the target
+    "v/k x0.4": {"_ratio": 0.4, "_scale": 1.5},
+    "v/k x0.6": {"_ratio": 0.6, "_scale": 1.4},
+    "v/k x0.75": {"_ratio": 0.75, "_scale": 1.25},
+    "v/k x1.6": {"_ratio": 1.6, "_scale": 0.8},
 }
 
 
@@ -67,6 +73,15 @@ def bits_at(points: list[tuple[float, float]], kl: float) -> float:
     return b0 + (b1 - b0) * math.log(kl / k0) / math.log(k1 / k0)
 
 
+def _search_point(prof: dict[str, Any], level: str) -> float:
+    """The coarsest point of the profile's step search (all at ``kv_ratio``) that meets ``level``'s
+    target: the level's step before its balance probes."""
+    from kvcodec.codecs.kvc.profile import LEVELS
+
+    met = [p[0] for p in prof["points"] if p[1] <= LEVELS[level]]
+    return max(met) if met else min(p[0] for p in prof["points"])
+
+
 def report(doc: dict[str, Any]) -> str:
     """The markdown of a result ``doc``."""
     at_kl = doc["at_kl"]
@@ -74,7 +89,8 @@ def report(doc: dict[str, Any]) -> str:
     lines = ["# kvc: how wide the step multipliers may range (closed loop, per model)", "",
              f"Search windows of the built-in calibration texts (prose, code, docs, dialogue; 1024 cached + 512 "
              f"scored tokens), with the statistics, sensitivities and K/V ratio of each model's profile; scales: "
-             f"`{scales}` and {doc['factor']}x it. Bits at KL {at_kl}: log-linear between the two points.", "",
+             f"`{scales}` and {doc['factor']}x it (times a variant's `_scale`). Bits at KL {at_kl}: log-linear "
+             "between the two points.", "",
              f"Bits at KL {at_kl} (lower is better):", "",
              "| variant | " + " | ".join(doc["models"]) + " |", "|---|" + "---|" * len(doc["models"])]
     at = {(r["model"], r["variant"]): r["bits_at_kl"] for r in doc["rows"]}
@@ -96,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
     ap.add_argument("--k-steps", default=",".join(f"{m}={k!r}" for m, k in FIRST_SCALE.items()),
                     help="the first scale per model (default: the near-lossless k_step of each model's "
-                    "profile made with the search settings before this study)")
+                    "profile made with the search settings before this study), or a level's name "
+                    "(transparent, near, aggressive): the k_step of that level's search point at the "
+                    "profile's kv_ratio (before any balance probe)")
     ap.add_argument("--factor", type=float, default=1.6, help="the second scale, as a multiple of the first")
     ap.add_argument("--at-kl", type=float, default=0.006, help="the common KL the bits are compared at")
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -115,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         path = str(profile_dir() / f"{name}.profile.safetensors")  # made by eval/studies/kvc_profile.py
         prof = load_query_statistics(path).profile
-        first = dict(kv.split("=") for kv in args.k_steps.split(","))[name]
+        if "=" in args.k_steps:
+            first = dict(kv.split("=") for kv in args.k_steps.split(","))[name]
+        else:  # the level's point of the step search, at kv_ratio (the stage before the balance)
+            first = _search_point(prof, args.k_steps)
         ratio = float(prof["kv_ratio"])
         model, tok = load_model(name)
         t = prof["text"]
@@ -126,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             pts = []
             over = dict(VARIANTS[var])
             vk = ratio * over.pop("_ratio", 1.0)  # a multiple of the profile's v_step / k_step
-            for s in (float(first), float(first) * args.factor):
+            scale = over.pop("_scale", 1.0)  # a multiple of both scales
+            for s in (float(first) * scale, float(first) * scale * args.factor):
                 cfg = {"id": "kvc", **SEARCH_ENTROPY, **SEARCH_SETTINGS, **over, "k_step": s,
                        "v_step": s * vk, "calibration": path}
                 _, kls, bits = score_windows(evs, cfg, 1.0)

@@ -96,7 +96,7 @@ MAX_SCORES = 8
 #: finest level first, from the step the Fisher information predicts for it, then secant steps
 #: with the slope of every measured point, a step stopped as soon as one window proves it over
 #: the level (:func:`search_levels`, :func:`score_windows_until`).
-SEARCH_METHOD = "fine-first/3+balance"
+SEARCH_METHOD = "fine-first/3+balance/2"
 
 
 def search_settings() -> dict[str, Any]:
@@ -368,6 +368,9 @@ def search_levels(score: Callable[..., Any], levels: dict[str, float],
 BALANCE_FACTOR = 0.6
 #: At most this many probes per level (the first direction, then the other when it lost).
 BALANCE_PROBES = 2
+#: At most this many scores spend a better balance's KL on a coarser step (the first aims with
+#: the search's slope; Qwen2.5-Coder's aggressive level overshot with it once).
+BALANCE_LANDINGS = 2
 
 
 def _match_bits(bits: Callable[[float, float], float], want: float, k: float, ratio: float,
@@ -393,7 +396,8 @@ def _match_bits(bits: Callable[[float, float], float], want: float, k: float, ra
 def balance_level(score: Callable[..., Any], bits: Callable[[float, float], float], target: float,
                   k0: float, ratio0: float, crit0: float, bits0: float, slope: float,
                   say: Callable[[str], None] = lambda m: None, factor: float = BALANCE_FACTOR,
-                  probes: int = BALANCE_PROBES) -> tuple[dict[str, float], list[list[Any]]]:
+                  probes: int = BALANCE_PROBES, landings: int = BALANCE_LANDINGS,
+                  ) -> tuple[dict[str, float], list[list[Any]]]:
     """The K/V balance of one level, closed loop: ``v_step / k_step`` moved from ``ratio0`` while
     the bits stay those of the level's met point ``(k0, ratio0 * k0)`` (``crit0``, ``bits0``).
 
@@ -406,9 +410,10 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
     stopping as soon as its windows prove it worse than ``crit0``
     (``score(k_step, v_step, stop_above) -> (criterion, window KLs, bits, complete)``). A better
     probe is kept and the next goes further the same way; when the first loses, the next tries
-    the other way (``1 / factor``). The best probe then spends its lower KL: one more score at
-    the step its criterion predicts for ``0.96 * target`` (with ``slope``, log criterion per
-    log step), kept when it meets the target.
+    the other way (``1 / factor``). The best probe then spends its lower KL: a score at the step
+    its criterion predicts for ``0.96 * target`` (with ``slope``, log criterion per log step),
+    and when that one lands over the target or below 0.9x it, one more from the points and
+    bounds this ratio measured (``landings`` in all); the coarsest that meets the target is kept.
 
     Returns ``(chosen, tried)``: the level's point ``{"k_step", "v_step", "crit", "kls",
     "bits"}`` (the original one when no probe beat it) and every probe scored as ``[k_step,
@@ -433,14 +438,30 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
         else:
             break
     if ratio != ratio0 and best["crit"] < 0.9 * target:
-        # spend the KL the better balance saved: the step its criterion predicts for 0.96x target
-        k = best["k_step"] * math.exp(math.log(0.96 * target / best["crit"]) / float(np.clip(slope, 1.0, 4.0)))
-        crit, kls, b, complete = score(k, ratio * k, target)
-        tried.append([float(k), float(ratio * k), float(crit), float(b), bool(complete)])
-        say(f"balance (KL <= {target:g}): v/k {ratio:.3f}, k_step {k:.4f} -> "
-            + (f"criterion {crit:.5f}, {b:.3f} b" if complete else "over the target"))
-        if complete and crit <= target:
-            best = {"k_step": k, "v_step": ratio * k, "crit": crit, "kls": kls, "bits": b}
+        # spend the KL the better balance saved: the step its criterion predicts for 0.96x the
+        # target (first with ``slope``, then from what this ratio measured: a step proven over
+        # the target bounds the next, :func:`_next_step`), at most ``landings`` scores
+        pts = [(best["k_step"], best["crit"], best["bits"])]
+        rough: list[tuple[float, float, float]] = []
+        for j in range(landings):
+            if j == 0:
+                k = best["k_step"] * math.exp(math.log(0.96 * target / best["crit"]) / float(np.clip(slope, 1.0, 4.0)))
+            else:
+                k = _next_step(pts, 0.96 * target, rough)
+            if any(abs(math.log(k / p[0])) < 1e-3 for p in pts + rough):
+                break
+            crit, kls, b, complete = score(k, ratio * k, target)
+            tried.append([float(k), float(ratio * k), float(crit), float(b), bool(complete)])
+            say(f"balance (KL <= {target:g}): v/k {ratio:.3f}, k_step {k:.4f} -> "
+                + (f"criterion {crit:.5f}, {b:.3f} b" if complete else "over the target"))
+            if not complete:
+                rough.append((k, crit, b))
+                continue
+            pts.append((k, crit, b))
+            if crit <= target and b < best["bits"]:
+                best = {"k_step": k, "v_step": ratio * k, "crit": crit, "kls": kls, "bits": b}
+                if crit >= 0.9 * target:
+                    break
     return best, tried
 
 
@@ -622,4 +643,4 @@ def build_profile(
 
 __all__ = ["DEFAULT_MARGIN", "MAX_SCORES", "SEARCH_METHOD", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "WORST_FACTOR", "build_profile", "kv_ratio", "score_windows", "score_windows_until",
            "search_levels", "search_settings", "split_windows", "balance_level", "balance_levels",
-           "BALANCE_FACTOR", "BALANCE_PROBES"]
+           "BALANCE_FACTOR", "BALANCE_LANDINGS", "BALANCE_PROBES"]
