@@ -38,6 +38,8 @@ kvc_profile_ctx1024|python eval/studies/kvc_profile.py --contexts 1024 --no-fixe
 kvc_alloc|python eval/studies/kvc_alloc.py --variants "search settings,sens clip 4/4,sens clip 8/8,sens clip 4/2,attn coarse 1.5,k_qgamma 2" --out eval/results/kvc_alloc
 kvc_alloc2|python eval/studies/kvc_alloc.py --variants "search settings,sens clip 4/1.5,sens clip 8/2,sens 4/2 + v/k x0.7,sens 4/2 + v/k x1.4,sens 4/2 + k_qgamma 1" --out eval/results/kvc_alloc2
 kvc_alloc3|python eval/studies/kvc_alloc.py --variants 'search settings,sens 8/2 + k_qgamma 1,sens 8/1.5 + k_qgamma 1,sens 8/2 + k_qgamma 1 + v/k x1.4' --out eval/results/kvc_alloc3
+kvc_balance|python eval/studies/kvc_alloc.py --k-steps aggressive --factor 1.25 --at-kl 0.04 --variants "search settings,v/k x0.4,v/k x0.6,v/k x0.75,v/k x1.6" --out eval/results/kvc_balance
+kvc_parts_near|python eval/studies/kvc_alloc.py --k-steps near --factor 1.3 --at-kl 0.008 --variants "search settings,rotating means off,v/k x0.6" --out eval/results/kvc_parts_near
 kvc_length|python eval/studies/kvc_length.py --lengths 512,1024,1536,2048,4096 --out eval/results/kvc_length
 kvc_entropy_levels|python eval/studies/kvc_entropy_levels.py --out eval/results/kvc_entropy_levels
 kvc_ctx_levels|python eval/studies/kvc_ctx_levels.py --out eval/results/kvc_ctx_levels

@@ -57,6 +57,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "v/k x0.6": {"_ratio": 0.6, "_scale": 1.4},
     "v/k x0.75": {"_ratio": 0.75, "_scale": 1.25},
     "v/k x1.6": {"_ratio": 1.6, "_scale": 0.8},
+    # one stage off at a time (docs/kvc-design.md): rotating K means (k_rope_mean, 2026-12-05)
+    "rotating means off": {"k_rope_mean": 0},
 }
 
 
