@@ -162,8 +162,8 @@ def report(doc: dict[str, Any]) -> str:
              f"(kvcodec.harness.texts, never used by calibration); contexts {doc['contexts']}; "
              f"{doc['continuation']} scored tokens; KL against the fp16 cache; bits all-in.", "",
              "## Profiles", "",
-             "| model | calibration s | v/k | margin | level | k_step | search KL | held-out KL | bits |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | calibration s | high-rate v/k | margin | level | k_step | level v/k | search KL | held-out KL | bits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     reused = False
     for m, p in doc["profiles"].items():
         secs, mark = p["calibration_seconds"], ""
@@ -171,7 +171,8 @@ def report(doc: dict[str, Any]) -> str:
             secs, mark, reused = p["profile_seconds"], "*", True
         for lv in p["levels"]:
             lines.append(f"| {m} | {'-' if secs is None else f'{secs:.0f}{mark}'} | {p['kv_ratio']:.2f} | {p['margin']} | "
-                         f"{lv['name']} | {lv['k_step']:.4f} | {lv['kl_search']:.5f} | {lv['kl_holdout']:.5f} | "
+                         f"{lv['name']} | {lv['k_step']:.4f} | {lv['v_step'] / lv['k_step']:.2f} | {lv['kl_search']:.5f} | "
+                         f"{lv['kl_holdout']:.5f} | "
                          f"{lv['bits']:.3f} |")
     if reused:
         lines += ["", "\\* the profile was made by an earlier run of this study (same settings): the seconds it "

@@ -22,8 +22,8 @@ kvc's steps are fractions of an RMS; how much next-token KL a step costs depends
    any later ``target_kl`` maps to steps by interpolation.
 4. **Balance per level** (:func:`balance_level`): the high-rate K/V ratio of step 2 stops
    holding at coarse steps, where one role's values quantise mostly to zero. For each level
-   met, a probe moves ``v_step / k_step`` by 0.6x (then further, or the other way when it
-   lost), at the ``k_step`` that keeps the level's bits (found by encodes alone), and scores
+   met, a probe moves ``v_step / k_step`` by 0.75x (then further while probes win, or the
+   other way when the first lost), at the ``k_step`` that keeps the level's bits (found by encodes alone), and scores
    it; a probe with a lower criterion spends it on one coarser step. The level keeps the best
    met point, so its ``v_step`` may differ from ``kv_ratio * k_step``.
 5. **Held-out check**: each level's steps are scored once more on a window the search did not
@@ -96,7 +96,7 @@ MAX_SCORES = 8
 #: finest level first, from the step the Fisher information predicts for it, then secant steps
 #: with the slope of every measured point, a step stopped as soon as one window proves it over
 #: the level (:func:`search_levels`, :func:`score_windows_until`).
-SEARCH_METHOD = "fine-first/3+balance/2"
+SEARCH_METHOD = "fine-first/3+balance/3"
 
 
 def search_settings() -> dict[str, Any]:
@@ -364,10 +364,14 @@ def search_levels(score: Callable[..., Any], levels: dict[str, float],
     return points, detail, chosen
 
 
-#: How far each balance probe moves ``v_step / k_step`` (a factor; :func:`balance_level`).
-BALANCE_FACTOR = 0.6
-#: At most this many probes per level (the first direction, then the other when it lost).
-BALANCE_PROBES = 2
+#: How far each balance probe moves ``v_step / k_step`` (a factor; :func:`balance_level`). The
+#: search's resolution: on the aggressive level's search windows (eval/results/kvc_balance.md)
+#: SmolLM2 needed 2.8 % fewer bits at 0.75x its measured ratio and none at 0.6x, Qwen2.5-Coder
+#: 8.5 % fewer at 0.75x and 11 % at 0.6x; steps of 0.75x find both.
+BALANCE_FACTOR = 0.75
+#: At most this many probes per level (the first direction, then the other when it lost; on
+#: while a probe wins).
+BALANCE_PROBES = 3
 #: At most this many scores spend a better balance's KL on a coarser step (the first aims with
 #: the search's slope; Qwen2.5-Coder's aggressive level overshot with it once).
 BALANCE_LANDINGS = 2
@@ -403,14 +407,15 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
 
     The high-rate balance (:func:`kv_ratio`) holds where both roles keep most of their values;
     at coarse steps one role's values quantise mostly to zero and its error stops growing with
-    its step while its bits keep falling, so the best balance moves with the rate (on
-    Qwen2.5-Coder at KL 0.05, V finer than the high-rate ratio by 0.4-0.6x took the search
-    windows from 1.30 to about 1.17 b). Each probe takes the ratio times ``factor``, finds the
+    its step while its bits keep falling, so the best balance moves with the rate (at the
+    aggressive level's scale, Qwen2.5-Coder needed 1.14-1.19 b instead of 1.30 with V at
+    0.4-0.75x the high-rate ratio, SmolLM2 0.84 b instead of 0.86 at 0.75x and more below:
+    eval/results/kvc_balance.md). Each probe takes the ratio times ``factor``, finds the
     ``k_step`` that codes to ``bits0`` by encodes alone (:func:`_match_bits`), and scores it,
     stopping as soon as its windows prove it worse than ``crit0``
     (``score(k_step, v_step, stop_above) -> (criterion, window KLs, bits, complete)``). A better
-    probe is kept and the next goes further the same way; when the first loses, the next tries
-    the other way (``1 / factor``). The best probe then spends its lower KL: a score at the step
+    probe is kept and the next goes further the same way (``probes`` in all); when the first
+    loses, the next tries the other way (``1 / factor``). The best probe then spends its lower KL: a score at the step
     its criterion predicts for ``0.96 * target`` (with ``slope``, log criterion per log step),
     and when that one lands over the target or below 0.9x it, one more from the points and
     bounds this ratio measured (``landings`` in all); the coarsest that meets the target is kept.
@@ -424,7 +429,8 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
     ratio, way = ratio0, factor
     for i in range(probes):
         r = ratio * way
-        k = _match_bits(bits, bits0, best["k_step"] * ratio / r if i == 0 else best["k_step"], r)
+        # first guess: K and V steps moved apart by the same factor, about the same bits
+        k = _match_bits(bits, bits0, best["k_step"] * math.sqrt(ratio / r), r)
         crit, kls, b, complete = score(k, r * k, best["crit"])
         tried.append([float(k), float(r * k), float(crit), float(b), bool(complete)])
         say(f"balance (KL <= {target:g}): v/k {r:.3f}, k_step {k:.4f} at {b:.3f} b -> "
