@@ -35,7 +35,9 @@ nearest the cache, which a shorter continuation scores alone, lose most; with 25
 chosen came out 2-2.5x below the targets on the evaluation texts, commit 76e7ad4's
 eval/results/kvc_profile.md). Each scored step costs a model run per search window (12 s for a
 0.5B model on 2 cores): 1024 cached tokens, one held-out window, the early stops and the
-count-bounded refinement keep a 0.5B model's calibration under 10 minutes on 2 cores.
+count-bounded refinement keep a 0.5B model's calibration under 10 minutes on 2 cores (the
+balance probes, early-stopped too, took Qwen2.5-Coder-0.5B from 226 to 315 s and SmolLM2 from 91
+to 251 s on a 2-core Xeon: eval/results/kvc_profile.md).
 
 The result is the statistics file with a ``profile`` (:mod:`kvcodec.codecs.kvc.profile`); the
 encoder reads it when ``target_kl`` is set (the level presets set it).
