@@ -23,9 +23,10 @@ kvc's steps are fractions of an RMS; how much next-token KL a step costs depends
 4. **Balance per level** (:func:`balance_level`): the high-rate K/V ratio of step 2 stops
    holding at coarse steps, where one role's values quantise mostly to zero. For each level
    met, a probe moves ``v_step / k_step`` by 0.75x (then further while probes win, or the
-   other way when the first lost), at the ``k_step`` that keeps the level's bits (found by encodes alone), and scores
-   it; a probe with a lower criterion spends it on one coarser step. The level keeps the best
-   met point, so its ``v_step`` may differ from ``kv_ratio * k_step``.
+   other way when the first lost), at the ``k_step`` that keeps the level's bits (found by
+   encodes alone), and scores it; the best probe spends its lower criterion on a coarser step
+   (at most two scores). The level keeps the best met point, so its ``v_step`` may differ
+   from ``kv_ratio * k_step``.
 5. **Held-out check**: each level's steps are scored once more on a window the search did not
    use (the second window of the first domain text long enough for two; ``max_held`` for more);
    the profile reports that KL beside the search KL.
@@ -417,10 +418,11 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
     stopping as soon as its windows prove it worse than ``crit0``
     (``score(k_step, v_step, stop_above) -> (criterion, window KLs, bits, complete)``). A better
     probe is kept and the next goes further the same way (``probes`` in all); when the first
-    loses, the next tries the other way (``1 / factor``). The best probe then spends its lower KL: a score at the step
-    its criterion predicts for ``0.96 * target`` (with ``slope``, log criterion per log step),
-    and when that one lands over the target or below 0.9x it, one more from the points and
-    bounds this ratio measured (``landings`` in all); the coarsest that meets the target is kept.
+    loses, the next tries the other way (``1 / factor``). The best probe then spends its lower
+    KL: a score at the step its criterion predicts for ``0.96 * target`` (with ``slope``, log
+    criterion per log step), and when that one lands over the target or below 0.9x it, one more
+    from the points and bounds this ratio measured (``landings`` in all); the coarsest that
+    meets the target is kept.
 
     Returns ``(chosen, tried)``: the level's point ``{"k_step", "v_step", "crit", "kls",
     "bits"}`` (the original one when no probe beat it) and every probe scored as ``[k_step,

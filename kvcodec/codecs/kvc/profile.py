@@ -27,7 +27,8 @@ Steps for a target (:func:`steps_for_target`): a level's verified entry when the
 of the profile's levels; otherwise the largest ``k_step`` whose KL, interpolated log-linearly
 between measured points (KL made non-decreasing in the step first), stays at or below
 ``margin * target``, kept between the neighbouring levels' steps, with ``v_step / k_step``
-from :func:`ratio_for` (between the neighbouring levels' own ratios, never above ``kv_ratio``). Below the finest measured point the curve is extended with ``KL ∝ step**2``
+from :func:`ratio_for` (between the neighbouring levels' own ratios, never above
+``kv_ratio``). Below the finest measured point the curve is extended with ``KL ∝ step**2``
 (the high-rate law); it is never extended past the coarsest point.
 
 Example:
