@@ -353,6 +353,26 @@ class EntropyStage:
         return planes
 
     # ------------------------------------------------------------------ decode
+    @staticmethod
+    def checked_planes(planes: dict[str, np.ndarray], tables: np.ndarray | None = None,
+                       row_table: np.ndarray | None = None, expected: tuple[int, int, int] | None = None,
+                       ) -> tuple[StageLayout, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The validation :meth:`decode` does before decoding (``expected`` as there, checked
+        first): what :func:`~kvcodec.entropy.layout.parse_planes` returns, for a decoder of
+        its own (kvc's one-call native decode).
+
+        Raises:
+            FormatError: planes missing or inconsistent, or not of the expected geometry.
+        """
+        if expected is not None:
+            if "meta" not in planes:
+                raise FormatError("ANS stage plane 'meta' is missing")
+            lay = StageLayout(planes["meta"])
+            if (lay.R, lay.N, lay.A) != tuple(int(v) for v in expected):
+                raise FormatError(f"ANS stage is [{lay.R}, {lay.N}] over {lay.A} symbols, expected "
+                                  f"[{expected[0]}, {expected[1]}] over {expected[2]}")
+        return parse_planes(planes, tables, row_table)
+
     def decode(
         self,
         planes: dict[str, np.ndarray],
@@ -381,18 +401,11 @@ class EntropyStage:
             FormatError: planes missing or inconsistent. StreamError: a stream is corrupt or not
             consumed exactly.
         """
-        if expected is not None:
-            if "meta" not in planes:
-                raise FormatError("ANS stage plane 'meta' is missing")
-            lay = StageLayout(planes["meta"])
-            if (lay.R, lay.N, lay.A) != tuple(int(v) for v in expected):
-                raise FormatError(f"ANS stage is [{lay.R}, {lay.N}] over {lay.A} symbols, expected "
-                                  f"[{expected[0]}, {expected[1]}] over {expected[2]}")
         if layout not in ("rows", "tokens"):
             raise ConfigError(f"unknown layout {layout!r} (rows or tokens)")
         if method not in ("auto", "native", "constriction", "numpy", "reference"):
             raise ConfigError(f"unknown decode method {method!r}")
-        lay, words, offsets, tsets, rts = parse_planes(planes, tables, row_table)
+        lay, words, offsets, tsets, rts = self.checked_planes(planes, tables, row_table, expected)
         if method in ("auto", "native"):
             from .. import native
 

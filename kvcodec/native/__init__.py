@@ -14,7 +14,9 @@ Rooms:
     intq      KIVI quantize/dequantize
     deadzone  dead-zone quantization and reconstruction sums
     tokens    CacheGen's per-token quantization and row-affine dequantization
-    kvc       kvc's escape split/join, dequantization and token-delta statistics
+    kvc       kvc's escape split/join, dequantization and token-delta statistics, and
+              ``kvc_decode``: a whole kvc tensor in one call (stage, join, steps, rotating
+              means, dequantization; csrc/kvc_decode.c), which holds no Python lock
 
 One failure rule for every wrapper: it returns its result or raises. Bad data raises kvcodec's
 own error, of the class and with the message the reference raises (a corrupt stream, a code past
@@ -43,6 +45,7 @@ from .kvc import (
     escape_join_tokens,
     escape_split_ctx_tokens,
     escape_split_tokens,
+    kvc_decode,
     kvc_dequantize,
 )
 from .tables import member_sums
@@ -51,5 +54,5 @@ from .tokens import rows_affine, token_quantize
 __all__ = ["ABI_VERSION", "CFLAGS", "F_BF16", "F_F16", "F_F32", "OUT_I32_RN", "OUT_U16_NR", "OUT_U8_NR",
            "available", "ctx_histograms", "deadzone_quantize", "deadzone_recon", "decode_stage", "delta_histograms",
            "encode_stage", "escape_join_tokens", "escape_split_ctx_tokens", "escape_split_tokens", "float_kind",
-           "histograms", "intq_dequantize", "intq_quantize", "kvc_dequantize", "lib", "member_sums", "recon_sums",
-           "rows_affine", "status", "symbol_view", "token_quantize", "Unsupported"]
+           "histograms", "intq_dequantize", "intq_quantize", "kvc_decode", "kvc_dequantize", "lib", "member_sums",
+           "recon_sums", "rows_affine", "status", "symbol_view", "token_quantize", "Unsupported"]

@@ -145,6 +145,20 @@ def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int, delta: np.ndar
     return out
 
 
+def _recon_table(recon: list[int] | None) -> tuple[np.ndarray | None, int]:
+    """``(table, rm)`` for the C dequantization: what each code in ``[-rm-1, rm+1]`` loses to its
+    reconstruction value, ``sign(c) * recon[|c|-1] / 256``, zero at 0 and at both ends (exact in
+    float32; :func:`kvcodec.quant.deadzone.recon_values` is the reference); ``(None, 0)`` without
+    offsets."""
+    if not recon:
+        return None, 0
+    rm = len(recon)
+    span = np.arange(-rm - 1, rm + 2)
+    lost = np.zeros(rm + 2, dtype=np.float64)
+    lost[1:rm + 1] = np.asarray(list(recon), dtype=np.float64) / 256.0
+    return np.ascontiguousarray(np.sign(span) * lost[np.abs(span)], dtype=np.float32), rm
+
+
 def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype, out=None, recon=None):
     """kvc's normative reconstruction without a transform: ``float32(code) * step + mean``
     (separately rounded float32 operations), clamped to the finite range of ``dtype`` (fp16/bf16)
@@ -179,15 +193,7 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
         raise ValueError(f"kvc_dequantize: out must be a contiguous CPU {dtype} tensor of shape {(n, h, d)}")
     fmax = float(torch.finfo(dtype).max)  # saturate (float32 too: an overflow to inf becomes its max)
     strides = [x // 4 for x in st.strides] if st.size else [0, 0, 0]
-    rtab, rm = None, 0
-    if recon:
-        # what each code in [-rm-1, rm+1] loses to its reconstruction value: sign(c) * recon[|c|-1] / 256,
-        # zero at 0 and at both ends (exact in float32; kvcodec.quant.deadzone.recon_values is the reference)
-        rm = len(recon)
-        span = np.arange(-rm - 1, rm + 2)
-        lost = np.zeros(rm + 2, dtype=np.float64)
-        lost[1:rm + 1] = np.asarray(list(recon), dtype=np.float64) / 256.0
-        rtab = np.ascontiguousarray(np.sign(span) * lost[np.abs(span)], dtype=np.float32)
+    rtab, rm = _recon_table(recon)
     if lb.kvn_kvc_dequant(c.ctypes.data, code_kind(c), crow, n, h, d, st.ctypes.data, *strides,
                           ptr(mu), ms0, fmax, float_kind(dtype),
                           out.data_ptr(), None if rtab is None else rtab.ctypes.data, rm) == NOMEM:
@@ -209,3 +215,90 @@ def delta_histograms(codes: np.ndarray, stride: int = 1) -> tuple[np.ndarray, np
     he = np.empty((r, 128), dtype=np.int32)
     lb.kvn_delta_hist(ptr(c), ck, n, r, max(1, int(stride)), ptr(hc), ptr(he))
     return hc, he
+
+
+#: kvn_kvc_decode's own status codes (csrc/kvc_decode.c)
+_KVD_ESC_COUNT, _KVD_ESC_INSIDE, _KVD_WIDE, _KVD_STEP = 10, 11, 12, 13
+
+
+def kvc_decode(stage: tuple, esc: np.ndarray, lv: int, delta: np.ndarray | None, n: int, h: int, d: int,
+               mode: int, sc: np.ndarray, step_rule: tuple[np.ndarray, int, int], recon: list[int] | None,
+               mean: np.ndarray, rope: tuple[int, int, np.ndarray, np.ndarray] | None, positions: np.ndarray,
+               dtype, out) -> None:
+    """One kvc tensor's coded tokens in one call (csrc/kvc_decode.c): the entropy stage
+    (``stage``: what :func:`kvcodec.entropy.layout.parse_planes` returns for its validated
+    planes), the escape join with token-delta sums (``delta`` bool ``[R]`` or None), the steps
+    (``mode`` 0: channel step codes ``sc [H, D]``; 1: the same plus the ``k_tok`` offset columns;
+    2: ``sc`` = the ``H`` step-code bases of token-mode V; ``step_rule`` = ``(float32 mantissas
+    [8], lowest code, highest code)`` of :func:`kvcodec.quant.deadzone.step_from_code`), the
+    rotating means (``rope`` = ``(channel offset, style number, uint32 phase steps, float32 sine
+    table of a power-of-two length)`` of :mod:`kvcodec.transforms.rope`, at ``positions``; or
+    None: ``mean [H, D]`` for every token)
+    and the dequantization with reconstruction offsets ``recon``, written into ``out`` (a
+    contiguous CPU tensor ``[n, H, D]`` of ``dtype``). The same values as the calls it replaces
+    in :meth:`KVCCodec.decode_tensor`, bit for bit.
+
+    Raises:
+        StreamError: a corrupt stream. FormatError: escapes or step codes that no encoder
+        writes (the messages of the separate passes). Unsupported: a code past int32 (the
+        caller takes the separate passes, which handle it).
+    """
+    import torch
+
+    from ..errors import StreamError
+    from .ans import _STATUS_TEXT, _flat_tables
+
+    lb = required()
+    lay, words, offsets, tsets, rts = stage
+    if lay.A > 65536:
+        raise Unsupported("kvc decode: alphabet over 65536")
+    geom, tabs, table_of = _flat_tables(lay, tsets, rts)
+    w = np.ascontiguousarray(words, dtype=np.uint32)
+    off = np.ascontiguousarray(offsets, dtype=np.uint32)
+    e = np.asarray(esc)
+    if e.ndim != 1 or (e.size and e.dtype.kind not in "iu"):
+        raise FormatError(f"kvc: the esc plane must be a 1-D integer array, got {e.dtype}{list(e.shape)}")
+    e = np.ascontiguousarray(e, dtype=np.int64)
+    r = h * d + (h if mode else 0)
+    dl = _delta_flags(delta, r)
+    scv = np.ascontiguousarray(sc, dtype=np.int64).reshape(-1)
+    if scv.size != (h if mode == 2 else h * d):
+        raise ValueError(f"kvc_decode: sc must hold {h if mode == 2 else h * d} codes, got {scv.size}")
+    mant = np.ascontiguousarray(step_rule[0], dtype=np.float32)
+    cmin, cmax = int(step_rule[1]), int(step_rule[2])
+    if mant.shape != (8,):
+        raise ValueError("kvc_decode: the step rule needs 8 mantissas")
+    rtab, rm = _recon_table(recon)
+    mu = np.ascontiguousarray(mean, dtype=np.float32).reshape(h, d)
+    if rope is not None:
+        roff, style, steps, sintab = rope
+        rs = np.ascontiguousarray(steps, dtype=np.uint32)
+        st = np.ascontiguousarray(sintab, dtype=np.float32)
+        bits = st.size.bit_length() - 1
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        if pos.shape != (n,) or st.size != 1 << bits or bits < 2 or style not in (0, 1):
+            raise ValueError(f"kvc_decode: {n} positions, a sine table of 2**k >= 4 entries and style 0 or 1 expected")
+        rope_args = (ptr(rs), rs.size, int(roff), int(style), ptr(pos), ptr(st), bits)
+    else:
+        rope_args = (None, 0, 0, 0, None, None, 2)
+    if (tuple(out.shape) != (n, h, d) or out.dtype != dtype or out.device.type != "cpu"
+            or not out.is_contiguous()):
+        raise ValueError(f"kvc_decode: out must be a contiguous CPU {dtype} tensor of shape {(n, h, d)}")
+    bad = np.full(1, -1, dtype=np.int64)
+    rc = lb.kvn_kvc_decode(ptr(geom), ptr(w), ptr(off), ptr(tabs), ptr(table_of), ptr(e), e.size, int(lv),
+                           None if dl is None else ptr(dl), n, h, d, int(mode), ptr(scv), ptr(mant),
+                           cmin, cmax, None if rtab is None else ptr(rtab), rm, ptr(mu),
+                           *rope_args, float(torch.finfo(dtype).max), float_kind(dtype), out.data_ptr(), ptr(bad))
+    if rc == OK:
+        return
+    if rc == NOMEM:
+        raise MemoryError("native kvc decode: out of memory")
+    if rc == _KVD_WIDE:
+        raise Unsupported("kvc decode: a code past int32")
+    if rc == _KVD_ESC_COUNT:
+        raise FormatError(f"kvc: {int(bad[0])} escape symbols but the esc plane holds {e.size} values")
+    if rc == _KVD_ESC_INSIDE:
+        raise FormatError("kvc: an escaped code lies inside the regular range")
+    if rc == _KVD_STEP:
+        raise FormatError(f"kvc step code outside [{cmin}, {cmax}]")
+    raise StreamError(f"ANS stream {int(bad[0])} {_STATUS_TEXT.get(rc, f'failed ({rc})')}")

@@ -21,11 +21,13 @@ import torch
 from ... import native
 from ...cache import KVCache
 from ...codec import Codec, EncodedTensor, Prepared, TensorContext, register_codec
-from ...errors import ConfigError, FormatError
+from ...entropy import EntropyStage
+from ...errors import ConfigError, FormatError, StreamError
 from ...format.pack import pack_planes, unpack_planes
 from ...quant.deadzone import (
     STEP_CODE_MAX,
     STEP_CODE_MIN,
+    STEP_MANTISSA,
     RECON_MAX_LEVELS,
     recon_values,
     step_code,
@@ -35,7 +37,7 @@ from ...transforms.allocation import weighted_steps
 from .calibration import Calibration, QueryStats, attention_estimate
 from .profile import parse_profile, steps_for_target
 from .plan import _layer_calib
-from ...transforms.rope import STYLES, layer_rotates, phase_steps, rotated_means, unrotated_mean
+from ...transforms.rope import STYLES, layer_rotates, phase_steps, rotated_means, sin_table, unrotated_mean
 from .sinks import detect_sinks
 from .steps import _attn_factor, _checked_codes, _checked_recon, _quantize_tokens, _sens_multipliers, recency_factor, token_steps
 from .symbols import _narrowest, _stage, delta_rows, escape_join, pred_mask, running_sums, split_tokens
@@ -727,6 +729,9 @@ class KVCCodec(Codec):
         if n == 0:
             return out
         lv = v.lv
+        free = np.flatnonzero(~mask)  # the coded tokens' positions
+        if v.tr == "none" and self._decode_native(v, ctx, out, free):
+            return out
         try:  # the stage checks its geometry against ours before it allocates, then validates
             sym = _stage(p).decode(v.stage_planes, layout="tokens", expected=(v.rows, n, 2 * lv))  # [n, R]
         except FormatError as e:  # the same error class (StreamError, ...), located
@@ -750,7 +755,6 @@ class KVCCodec(Codec):
             sc = codes[:, h * d:] + np.array(v.base, dtype=np.int64)[None]
             step = step_from_code(_checked_codes(sc, where))[:, :, None]
         rc = v.rc
-        free = np.flatnonzero(~mask)  # the coded tokens' positions
         if v.rope is not None:  # rotating means: one per coded token (kvcodec.transforms.rope)
             off, style, steps = v.rope
             mean = rotated_means(v.mean, free, steps, off, style)  # [n, H, D]
@@ -775,6 +779,38 @@ class KVCCodec(Codec):
         xh = np.clip(xh, -lim, lim)
         out[~keep] = torch.from_numpy(np.ascontiguousarray(xh)).to(ctx.dtype)
         return out
+
+
+    def _decode_native(self, v: SimpleNamespace, ctx: TensorContext, out: torch.Tensor, free: np.ndarray) -> bool:
+        """:meth:`decode_tensor`'s coded tokens in one native call (:func:`kvcodec.native.kvc_decode`:
+        the same values as the passes below it, bit for bit), written into ``out``; False when
+        that call does not apply (no native library, or a code past int32: the passes handle it)."""
+        where, n = v.where, v.n
+        t, h, d = ctx.shape
+        try:  # the stage checks its geometry against ours before it allocates, then validates
+            stage = EntropyStage.checked_planes(v.stage_planes, expected=(v.rows, n, 2 * v.lv))
+        except FormatError as e:  # the same error class as the passes raise, located
+            raise type(e)(f"{where}: kvc entropy stage: {e}") from None
+        mode = (1 if v.k_tok else 0) if v.per_channel else 2
+        sc = v.sc_ch if v.per_channel else np.asarray(v.base, dtype=np.int64)
+        run = int(free[-1]) - int(free[0]) + 1 == n  # the coded tokens are one run: write them in place
+        dst = out[int(free[0]):int(free[-1]) + 1] if run else torch.empty((n, h, d), dtype=ctx.dtype)
+        try:
+            rope = None
+            if v.rope is not None:
+                off, style, steps = v.rope
+                rope = (off, STYLES.index(style), steps, sin_table())
+            native.kvc_decode(stage, v.esc, v.lv, v.use, n, h, d, mode, sc,
+                              (STEP_MANTISSA, STEP_CODE_MIN, STEP_CODE_MAX), v.rc, v.mean, rope, free, ctx.dtype, dst)
+        except native.Unsupported:
+            return False
+        except StreamError as e:
+            raise StreamError(f"{where}: kvc entropy stage: {e}") from None
+        except FormatError as e:
+            raise FormatError(f"{where}: {e}") from None
+        if not run:
+            out[torch.from_numpy(~v.mask)] = dst
+        return True
 
 
 def _rope_plan(cache: KVCache, stats: QueryStats) -> dict[str, Any] | None:

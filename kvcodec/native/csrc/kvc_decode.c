@@ -1,0 +1,143 @@
+/* kvc_decode.c -- one kvc tensor decoded in one call (kvn_kvc_decode): the entropy stage, the
+ * escape join with token-delta sums, the log steps, the rotating K means and the
+ * dequantization, each the arithmetic of its own unit or of the Python reference it names
+ * (kvcodec/codecs/kvc/codec.py KVCCodec.decode_tensor), bit for bit (tests/test_native_kvc_decode.py).
+ *
+ * Why one call: a 256-token chunk of a small model is ~50 k values, and the Python glue between
+ * the five passes (arrays made, checked and converted between them) cost twice the passes
+ * themselves; one call also holds no Python lock, so threads decode tensors on every core.
+ */
+#include "kvn_common.h"
+
+int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* offsets, const uint32_t* tables,
+                   const int32_t* table_of, void* out, int kind, int64_t* bad);
+int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const int64_t* esc, int64_t n_esc,
+                    const uint8_t* delta, void* out, int okind);
+
+/* Status codes of kvn_kvc_decode beyond the stage's (KVN_ZERO_WORD, KVN_NOT_CONSUMED with
+ * *bad = the stream): */
+enum {
+  KVD_ESC_COUNT = 10,  /* escape symbols and the esc plane disagree (*bad = escape symbols counted) */
+  KVD_ESC_INSIDE = 11, /* an escaped code lies inside the regular range */
+  KVD_WIDE = 12,       /* a code does not fit int32: the caller takes the general path */
+  KVD_STEP = 13        /* a step code (channel code + token offset, or base + token code) out of range */
+};
+
+/* The normative float32 step of a log-step code c (kvcodec.quant.deadzone.step_from_code):
+ * mant[c mod 8] * 2^(c div 8), exact in float32 for the codes' range. */
+static inline float step_of(const float* mant, int64_t c) {
+  return ldexpf(mant[c & 7], (int)(c >> 3)); /* arithmetic shift: floor division by 8 */
+}
+
+/* mode: 0 per-channel steps sc[H * D]; 1 per-channel steps plus a token offset per head (the H
+ * columns after the H * D codes: k_tok); 2 a step per (token, head): base[H] (in sc) plus the H
+ * token columns (token-mode V). rope: r2 > 0 pairs of rotating means (steps rsteps[r2], channel
+ * offset roff, style 0 half / 1 interleaved, positions pos[n], sintab of 2^sin_bits floats),
+ * r2 == 0 one mean row for every token. out: [n, H, D] of out_kind, contiguous. */
+int kvn_kvc_decode(const int64_t* geom, const uint32_t* words, const uint32_t* offsets, const uint32_t* tables,
+                   const int32_t* table_of, const int64_t* esc, int64_t n_esc, int64_t L, const uint8_t* delta,
+                   int64_t n, int64_t H, int64_t D, int mode, const int64_t* sc, const float* mant, int64_t cmin,
+                   int64_t cmax, const float* rtab, int64_t rm, const float* mean, const uint32_t* rsteps,
+                   int64_t r2, int64_t roff, int rstyle, const int64_t* pos, const float* sintab, int64_t sin_bits,
+                   float fmax, int out_kind, void* out, int64_t* bad) {
+  const int64_t hd = H * D, R = hd + (mode ? H : 0);
+  *bad = -1;
+  if (n <= 0) return KVN_OK;
+  if (cmax < cmin || (r2 > 0 && (sin_bits < 2 || sin_bits > 30))) return KVD_STEP;
+  uint16_t* sym = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(n * R));
+  int32_t* codes = (int32_t*)malloc(sizeof(int32_t) * (size_t)(n * R));
+  /* per token: its steps, its means and its values (float32 rows of H * D) */
+  float* srow = (float*)malloc(sizeof(float) * (size_t)(3 * hd));
+  /* every step of the code range, looked up instead of an ldexpf per value */
+  float* stab = (float*)malloc(sizeof(float) * (size_t)(cmax - cmin + 1));
+  int rc = KVN_OK;
+  if (!sym || !codes || !srow || !stab) {
+    rc = KVN_NOMEM;
+    goto done;
+  }
+  rc = kvn_ans_decode(geom, words, offsets, tables, table_of, sym, OUT_U16_NR, bad);
+  if (rc != KVN_OK) goto done;
+  rc = kvn_escape_join(sym, n, R, L, esc, n_esc, delta, codes, C_I32);
+  if (rc == 1) {
+    const uint16_t e = (uint16_t)(2 * L - 1);
+    int64_t cnt = 0;
+    for (int64_t i = 0; i < n * R; ++i) cnt += sym[i] == e;
+    *bad = cnt;
+    rc = KVD_ESC_COUNT;
+    goto done;
+  }
+  if (rc == 2) { rc = KVD_ESC_INSIDE; goto done; }
+  if (rc == 3) { rc = KVD_WIDE; goto done; }
+  if (rc != KVN_OK) goto done;
+  for (int64_t c = cmin; c <= cmax; ++c) stab[c - cmin] = step_of(mant, c);
+  float* st = srow;
+  float* mu = srow + hd;
+  float* row = srow + 2 * hd;
+  if (mode == 0)
+    for (int64_t i = 0; i < hd; ++i) {
+      if (sc[i] < cmin || sc[i] > cmax) { rc = KVD_STEP; goto done; }
+      st[i] = stab[sc[i] - cmin];
+    }
+  memcpy(mu, mean, sizeof(float) * (size_t)hd);
+  const float m = fmax > 0.0f ? fmax : bits_f32(0x7f800000u);
+  const uint32_t nsin = 1u << sin_bits, quarter = 1u << (sin_bits - 2), sh = (uint32_t)(32 - sin_bits);
+  for (int64_t t = 0; t < n; ++t) {
+    const int32_t* ct = codes + t * R;
+    /* the token's steps (kvcodec.quant.deadzone.step_from_code of its codes) */
+    if (mode == 1) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t off = ct[hd + h];
+        const int64_t* sch = sc + h * D;
+        float* sth = st + h * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const int64_t c = sch[d] + off;
+          if (c < cmin || c > cmax) { rc = KVD_STEP; goto done; }
+          sth[d] = stab[c - cmin];
+        }
+      }
+    } else if (mode == 2) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t c = (int64_t)ct[hd + h] + sc[h];
+        if (c < cmin || c > cmax) { rc = KVD_STEP; goto done; }
+        const float v = stab[c - cmin];
+        for (int64_t d = 0; d < D; ++d) st[h * D + d] = v;
+      }
+    }
+    /* rotating means (kvcodec.transforms.rope.rotated_means): R(p) mu, float32 products rounded
+     * one by one (-ffp-contract=off) */
+    if (r2 > 0) {
+      const uint64_t p = (uint64_t)(uint32_t)pos[t];
+      for (int64_t j = 0; j < r2; ++j) {
+        const uint32_t ph = (uint32_t)(p * (uint64_t)rsteps[j]);
+        const uint32_t i = ph >> sh;
+        const float c = sintab[(i + quarter) & (nsin - 1)], s = sintab[i];
+        const int64_t a = rstyle == 0 ? roff + j : roff + 2 * j, b = rstyle == 0 ? roff + r2 + j : roff + 2 * j + 1;
+        for (int64_t h = 0; h < H; ++h) {
+          const float ma = mean[h * D + a], mb = mean[h * D + b];
+          const float x = ma * c, y = mb * s, z = mb * c, w = ma * s;
+          mu[h * D + a] = x - y;
+          mu[h * D + b] = z + w;
+        }
+      }
+    }
+    /* kvn_kvc_dequant's arithmetic: clamp(value(code) * step + mean), value(code) with the
+     * reconstruction offsets where given */
+    if (rtab) {
+      for (int64_t i = 0; i < hd; ++i) {
+        const int64_t v = ct[i];
+        const int64_t k = v < -rm - 1 ? -rm - 1 : (v > rm + 1 ? rm + 1 : v);
+        const float cv = (float)v - rtab[k + rm + 1];
+        row[i] = clampf(cv * st[i] + mu[i], m);
+      }
+    } else {
+      for (int64_t i = 0; i < hd; ++i) row[i] = clampf((float)ct[i] * st[i] + mu[i], m);
+    }
+    store_row(out, out_kind, t * hd, row, hd);
+  }
+done:
+  free(sym);
+  free(codes);
+  free(srow);
+  free(stab);
+  return rc;
+}
