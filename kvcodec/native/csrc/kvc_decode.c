@@ -11,8 +11,6 @@
 
 int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* offsets, const uint32_t* tables,
                    const int32_t* table_of, void* out, int kind, int64_t* bad);
-int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const int64_t* esc, int64_t n_esc,
-                    const uint8_t* delta, void* out, int okind);
 
 /* Status codes of kvn_kvc_decode beyond the stage's (KVN_ZERO_WORD, KVN_NOT_CONSUMED with
  * *bad = the stream): */
@@ -27,6 +25,71 @@ enum {
  * mant[c mod 8] * 2^(c div 8), exact in float32 for the codes' range. */
 static inline float step_of(const float* mant, int64_t c) {
   return ldexpf(mant[c & 7], (int)(c >> 3)); /* arithmetic shift: floor division by 8 */
+}
+
+/* kvn_escape_join's int32 output (same integers, same status codes: 1 escape count, 2 an escape
+ * inside the regular range, 3 a code past int32), shaped for speed: the plain codes of a token
+ * row in one loop the compiler vectorises (with an "any escape here" flag), escapes fixed
+ * after, token-delta rows summed from a list, and no counting pass when the file has no
+ * escapes (a stray escape symbol is then caught in the row loop). */
+static int join_i32(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const int64_t* esc, int64_t n_esc,
+                    const uint8_t* delta, int32_t* out) {
+  const uint16_t e = (uint16_t)(2 * L - 1);
+  const int32_t off = (int32_t)(L - 1);
+  int64_t* pos = (int64_t*)calloc((size_t)(R > 0 ? R : 1), sizeof(int64_t));
+  int64_t* drow = (int64_t*)malloc(sizeof(int64_t) * (size_t)(R > 0 ? R : 1));
+  int32_t* cnt = (int32_t*)calloc((size_t)(R > 0 ? R : 1), sizeof(int32_t));
+  if (!pos || !drow || !cnt) {
+    free(pos); free(drow); free(cnt);
+    return KVN_NOMEM;
+  }
+  int64_t nd = 0;
+  for (int64_t r = 0; r < R; ++r)
+    if (delta && delta[r]) drow[nd++] = r;
+  if (n_esc > 0) { /* where each row's escapes start in the row-major esc plane */
+    for (int64_t t = 0; t < n; ++t) {
+      const uint16_t* st = sym + t * R;
+      for (int64_t r = 0; r < R; ++r) cnt[r] += st[r] == e;
+    }
+    int64_t total = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      pos[r] = total;
+      total += cnt[r];
+    }
+    if (total != n_esc) {
+      free(pos); free(drow); free(cnt);
+      return 1;
+    }
+  }
+  int rc = KVN_OK, wide = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const uint16_t* st = sym + t * R;
+    int32_t* o = out + t * R;
+    int any = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      o[r] = (int32_t)st[r] - off;
+      any |= st[r] == e;
+    }
+    if (any) {
+      if (n_esc <= 0) { rc = 1; break; } /* escape symbols, but the esc plane is empty */
+      for (int64_t r = 0; r < R; ++r)
+        if (st[r] == e) {
+          const int64_t v = esc[pos[r]++];
+          if (v < L && v > -L) rc = 2;
+          wide |= v < INT32_MIN || v > INT32_MAX;
+          o[r] = (int32_t)v;
+        }
+    }
+    if (t)
+      for (int64_t j = 0; j < nd; ++j) { /* token-delta rows: running sums down the tokens */
+        const int64_t r = drow[j];
+        const int64_t v = (int64_t)o[r] + (int64_t)o[r - R];
+        wide |= v < INT32_MIN || v > INT32_MAX;
+        o[r] = (int32_t)v;
+      }
+  }
+  free(pos); free(drow); free(cnt);
+  return rc ? rc : (wide ? 3 : KVN_OK);
 }
 
 /* mode: 0 per-channel steps sc[H * D]; 1 per-channel steps plus a token offset per head (the H
@@ -57,7 +120,7 @@ int kvn_kvc_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
   }
   rc = kvn_ans_decode(geom, words, offsets, tables, table_of, sym, OUT_U16_NR, bad);
   if (rc != KVN_OK) goto done;
-  rc = kvn_escape_join(sym, n, R, L, esc, n_esc, delta, codes, C_I32);
+  rc = join_i32(sym, n, R, L, esc, n_esc, delta, codes);
   if (rc == 1) {
     const uint16_t e = (uint16_t)(2 * L - 1);
     int64_t cnt = 0;
