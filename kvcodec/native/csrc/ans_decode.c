@@ -124,37 +124,24 @@ static int decode_lanes(const Geom* g, const uint32_t* words, const uint32_t* of
       tb[l] = tabs[table_of[set * g->R + row[l]]];
     }
     /* lanes unrolled for two to four streams (their dependency chains overlap) */
+#define DEC_STEP(L) put(out, kind, g, row[L], t, pop(&st[L], &tb[L], lk))
     if (nl == 4) {
       for (int64_t t = t0; t < t1; ++t) {
-        const uint32_t s0 = pop(&st[0], &tb[0], lk);
-        const uint32_t s1 = pop(&st[1], &tb[1], lk);
-        const uint32_t s2 = pop(&st[2], &tb[2], lk);
-        const uint32_t s3 = pop(&st[3], &tb[3], lk);
-        put(out, kind, g, row[0], t, s0);
-        put(out, kind, g, row[1], t, s1);
-        put(out, kind, g, row[2], t, s2);
-        put(out, kind, g, row[3], t, s3);
+        DEC_STEP(0); DEC_STEP(1); DEC_STEP(2); DEC_STEP(3);
       }
     } else if (nl == 3) {
       for (int64_t t = t0; t < t1; ++t) {
-        const uint32_t s0 = pop(&st[0], &tb[0], lk);
-        const uint32_t s1 = pop(&st[1], &tb[1], lk);
-        const uint32_t s2 = pop(&st[2], &tb[2], lk);
-        put(out, kind, g, row[0], t, s0);
-        put(out, kind, g, row[1], t, s1);
-        put(out, kind, g, row[2], t, s2);
+        DEC_STEP(0); DEC_STEP(1); DEC_STEP(2);
       }
     } else if (nl == 2) {
       for (int64_t t = t0; t < t1; ++t) {
-        const uint32_t s0 = pop(&st[0], &tb[0], lk);
-        const uint32_t s1 = pop(&st[1], &tb[1], lk);
-        put(out, kind, g, row[0], t, s0);
-        put(out, kind, g, row[1], t, s1);
+        DEC_STEP(0); DEC_STEP(1);
       }
     } else {
       for (int64_t t = t0; t < t1; ++t)
-        for (int l = 0; l < nl; ++l) put(out, kind, g, row[l], t, pop(&st[l], &tb[l], lk));
+        for (int l = 0; l < nl; ++l) DEC_STEP(l);
     }
+#undef DEC_STEP
   }
   for (int l = 0; l < nl; ++l) {
     if (st[l].pos != 0 || st[l].x != 0) {
@@ -283,33 +270,27 @@ int kvn_ans_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
     tabs[t].cum = cum + t * (g.A + 1);
     tabs[t].lut = NULL;
     tabs[t].lut8 = NULL;
-    if (lut8) { /* the same slots as below, as bytes */
-      uint8_t* l = lut8 + t * stride;
-      const uint32_t* c = tabs[t].cum;
-      const uint32_t round = (1u << lk.shift) - 1u;
-      for (int64_t s = 0; s < g.A; ++s) {
-        const uint32_t j0 = (c[s] + round) >> lk.shift, j1 = (c[s + 1] + round) >> lk.shift;
-        for (uint32_t j = j0; j < j1; ++j) l[j] = (uint8_t)s;
-      }
-      l[stride - 1] = (uint8_t)(g.A - 1);
-      tabs[t].lut8 = l;
-    } else if (lut) {
-      /* slot j holds the symbol whose interval contains j << shift: symbol s fills the slots
-       * from ceil(cum[s] / 2^shift) up to that of cum[s + 1] */
-      uint16_t* l = lut + t * stride;
-      const uint32_t* c = tabs[t].cum;
-      const uint32_t round = (1u << lk.shift) - 1u;
-      for (int64_t s = 0; s < g.A; ++s) {
-        const uint32_t j0 = (c[s] + round) >> lk.shift, j1 = (c[s + 1] + round) >> lk.shift;
-        for (uint32_t j = j0; j < j1; ++j) l[j] = (uint16_t)s;
-      }
-      l[stride - 1] = (uint16_t)(g.A - 1);
-      tabs[t].lut = l;
-    }
+    /* slot j holds the symbol whose interval contains j << shift: symbol s fills the slots
+     * from ceil(cum[s] / 2^shift) up to that of cum[s + 1] (bytes, or 16-bit symbols) */
+#define FILL_SLOTS(TYPE, BUF, FIELD)                                                             \
+  do {                                                                                           \
+    TYPE* l = (BUF) + t * stride;                                                                \
+    const uint32_t* c = tabs[t].cum;                                                             \
+    const uint32_t round = (1u << lk.shift) - 1u;                                                \
+    for (int64_t s = 0; s < g.A; ++s) {                                                          \
+      const uint32_t j0 = (c[s] + round) >> lk.shift, j1 = (c[s + 1] + round) >> lk.shift;       \
+      for (uint32_t j = j0; j < j1; ++j) l[j] = (TYPE)s;                                         \
+    }                                                                                            \
+    l[stride - 1] = (TYPE)(g.A - 1);                                                             \
+    tabs[t].FIELD = l;                                                                           \
+  } while (0)
+    if (lut8) FILL_SLOTS(uint8_t, lut8, lut8);
+    else if (lut) FILL_SLOTS(uint16_t, lut, lut);
+#undef FILL_SLOTS
   }
   int rc = KVN_OK;
   for (int64_t c = 0; c < g.n_chunks && rc == KVN_OK; ++c) {
-    /* full groups in batches of LANES; the last (ragged) group alone */
+    /* runs of full groups share up to LANES lanes; the last (ragged) group alone */
     const int64_t full = (g.R % g.G == 0) ? g.n_groups : g.n_groups - 1;
     int64_t g0 = 0;
     if (g.Q > 1) { /* any run of full groups shares lanes */
