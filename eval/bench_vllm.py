@@ -178,7 +178,7 @@ def _write(args: argparse.Namespace, rows: list[dict], res: dict) -> None:
     from kvcodec.harness.results import write_result
 
     lines = ["# vLLM with kvcodec's KV connector: time to first token, bytes, quality", "",
-             f"SmolLM2-135M-Instruct in vLLM's CPU build (bf16, prefix cache off), a {PREFIX}-token document prefix "
+             f"{Path(args.model).name} in vLLM's CPU build (bf16, prefix cache off), a {PREFIX}-token document prefix "
              f"plus a {QUESTION}-token question, per text kind; TTFT = median of three warm requests; quality: the "
              f"{SCORED} tokens after the prefix's first (which no loaded prefix can score: its logprob needs "
              "the last loaded token's hidden state) scored on top of the loaded prefix against recompute "

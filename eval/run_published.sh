@@ -51,6 +51,7 @@ lmcache_chunks_256_qwen|python eval/studies/lmcache_chunks.py --models qwen2.5-c
 lmcache_chunks_qwen|python eval/studies/lmcache_chunks.py --models qwen2.5-coder-0.5b --domains prose --out eval/results/lmcache_chunks_qwen
 offload_lmcache_redis|python eval/bench_offload.py --out eval/results/offload_lmcache_redis
 vllm_connector|bash tests/setup_vllm.sh && .venv-vllm/bin/python eval/bench_vllm.py --model "$(python -c 'from kvcodec.harness.models import model_dir; print(model_dir())')" --profile "$HOME/.cache/kvcodec/profiles/smollm2-135m.profile.safetensors" --out vllm_connector
+vllm_connector_qwen|bash tests/setup_vllm.sh && .venv-vllm/bin/python eval/bench_vllm.py --model "$(python -c 'from kvcodec.harness.models import model_dir; print(model_dir("qwen2.5-coder-0.5b"))')" --profile "$HOME/.cache/kvcodec/profiles/qwen2.5-coder-0.5b.profile.safetensors" --out vllm_connector_qwen
 bench_profile_smollm2|kvcodec bench --context 1536 --repeat 3 --codecs cachegen,kvc-transparent,kvc-near,kvc-aggressive --calibration "$HOME/.cache/kvcodec/profiles/smollm2-135m.profile.safetensors" --out eval/results/bench_profile_smollm2
 qwen_coder_baseline|kvcodec eval --model qwen2.5-coder-0.5b --codecs fp8-e4m3,nvfp4,kivi-4-ans,cachegen,kvc-transparent,kvc-near,kvc-aggressive --context 1536 --continuation 512 --out eval/results --stem qwen_coder_baseline --quiet
 bench_smollm2|kvcodec bench --context 1536 --repeat 5 --calibration "$(cal 1536)" --out eval/results/bench_smollm2
