@@ -151,7 +151,8 @@ def main() -> None:
         line = [x for x in p.stdout.splitlines() if x.startswith("BENCH ")]
         if not line:
             raise SystemExit(f"{mode} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
-        res[mode] = json.loads(line[0][6:])
+        # the engine's processes share the child's stdout: a log line may land after the JSON
+        res[mode] = json.JSONDecoder().raw_decode(line[0][6:])[0]
         if p.returncode != 0:  # measured, then the engine's shutdown failed: keep the numbers, say so
             res[mode]["exit_status"] = p.returncode
             print(f"{mode}: engine exited with {p.returncode} after its measurements", file=sys.stderr)
