@@ -780,7 +780,6 @@ class KVCCodec(Codec):
         out[~keep] = torch.from_numpy(np.ascontiguousarray(xh)).to(ctx.dtype)
         return out
 
-
     def _decode_native(self, v: SimpleNamespace, ctx: TensorContext, out: torch.Tensor, free: np.ndarray) -> bool:
         """:meth:`decode_tensor`'s coded tokens in one native call (:func:`kvcodec.native.kvc_decode`:
         the same values as the passes below it, bit for bit), written into ``out``; False when
