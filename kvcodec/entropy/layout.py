@@ -77,14 +77,17 @@ class StageLayout:
 
 
 def parse_planes(
-    planes: dict[str, np.ndarray], tables: np.ndarray | None = None, row_table: np.ndarray | None = None
+    planes: dict[str, np.ndarray], tables: np.ndarray | None = None, row_table: np.ndarray | None = None,
+    lay: StageLayout | None = None,
 ) -> tuple[StageLayout, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Validate stage planes; return ``(layout, words, offsets int64, tables uint32 [n_sets, K, A],
-    row_table int64 [n_sets, R])`` with the identity / zero rule already applied."""
+    row_table int64 [n_sets, R])`` with the identity / zero rule already applied. ``lay``: the
+    layout of ``planes["meta"]`` when the caller already read it."""
     for name in ("meta", "words", "offsets"):
         if name not in planes:
             raise FormatError(f"ANS stage plane {name!r} is missing")
-    lay = StageLayout(planes["meta"])
+    if lay is None:
+        lay = StageLayout(planes["meta"])
     words, offsets = np.asarray(planes["words"]), np.asarray(planes["offsets"])
     if words.dtype != np.uint32 or words.ndim != 1:
         raise FormatError(f"ANS words must be uint32[W], got {words.dtype}{list(words.shape)}")

@@ -364,6 +364,7 @@ class EntropyStage:
         Raises:
             FormatError: planes missing or inconsistent, or not of the expected geometry.
         """
+        lay = None
         if expected is not None:
             if "meta" not in planes:
                 raise FormatError("ANS stage plane 'meta' is missing")
@@ -371,7 +372,7 @@ class EntropyStage:
             if (lay.R, lay.N, lay.A) != tuple(int(v) for v in expected):
                 raise FormatError(f"ANS stage is [{lay.R}, {lay.N}] over {lay.A} symbols, expected "
                                   f"[{expected[0]}, {expected[1]}] over {expected[2]}")
-        return parse_planes(planes, tables, row_table)
+        return parse_planes(planes, tables, row_table, lay)
 
     def decode(
         self,

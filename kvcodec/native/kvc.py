@@ -107,6 +107,14 @@ def escape_split_ctx_tokens(codes: np.ndarray, max_level: int, delta: np.ndarray
     return sym, esc[: int(cnt[0])].copy(), L, hist[: q * r * 2 * L].reshape(q * r, 2 * L).copy(), cls
 
 
+def _esc_operand(esc: np.ndarray) -> np.ndarray:
+    """kvc's escape plane as the join reads it: contiguous int64 (FormatError when not 1-D integers)."""
+    e = np.asarray(esc)
+    if e.ndim != 1 or (e.size and e.dtype.kind not in "iu"):
+        raise FormatError(f"kvc: the esc plane must be a 1-D integer array, got {e.dtype}{list(e.shape)}")
+    return np.ascontiguousarray(e, dtype=np.int64)
+
+
 def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int, delta: np.ndarray | None = None,
                        narrow: bool = False) -> np.ndarray:
     """Inverse of :func:`escape_split_tokens`: ``int64 [n, R]`` codes; with ``delta`` (bool
@@ -122,10 +130,7 @@ def escape_join_tokens(sym: np.ndarray, esc: np.ndarray, lv: int, delta: np.ndar
     lb = required()
     s = np.ascontiguousarray(sym, dtype=np.uint16)
     n, r = s.shape
-    e = np.asarray(esc)
-    if e.ndim != 1 or (e.size and e.dtype.kind not in "iu"):
-        raise FormatError(f"kvc: the esc plane must be a 1-D integer array, got {e.dtype}{list(e.shape)}")
-    e = np.ascontiguousarray(e, dtype=np.int64)
+    e = _esc_operand(esc)
     dl = _delta_flags(delta, r)
     dp = None if dl is None else ptr(dl)
     rc = 3
@@ -255,10 +260,7 @@ def kvc_decode(stage: tuple, esc: np.ndarray, lv: int, delta: np.ndarray | None,
     geom, tabs, table_of = _flat_tables(lay, tsets, rts)
     w = np.ascontiguousarray(words, dtype=np.uint32)
     off = np.ascontiguousarray(offsets, dtype=np.uint32)
-    e = np.asarray(esc)
-    if e.ndim != 1 or (e.size and e.dtype.kind not in "iu"):
-        raise FormatError(f"kvc: the esc plane must be a 1-D integer array, got {e.dtype}{list(e.shape)}")
-    e = np.ascontiguousarray(e, dtype=np.int64)
+    e = _esc_operand(esc)
     r = h * d + (h if mode else 0)
     dl = _delta_flags(delta, r)
     scv = np.ascontiguousarray(sc, dtype=np.int64).reshape(-1)

@@ -785,7 +785,7 @@ class KVCCodec(Codec):
         the same values as the passes below it, bit for bit), written into ``out``; False when
         that call does not apply (no native library, or a code past int32: the passes handle it)."""
         where, n = v.where, v.n
-        t, h, d = ctx.shape
+        _, h, d = ctx.shape
         try:  # the stage checks its geometry against ours before it allocates, then validates
             stage = EntropyStage.checked_planes(v.stage_planes, expected=(v.rows, n, 2 * v.lv))
         except FormatError as e:  # the same error class as the passes raise, located

@@ -27,71 +27,6 @@ static inline float step_of(const float* mant, int64_t c) {
   return ldexpf(mant[c & 7], (int)(c >> 3)); /* arithmetic shift: floor division by 8 */
 }
 
-/* kvn_escape_join's int32 output (same integers, same status codes: 1 escape count, 2 an escape
- * inside the regular range, 3 a code past int32), shaped for speed: the plain codes of a token
- * row in one loop the compiler vectorises (with an "any escape here" flag), escapes fixed
- * after, token-delta rows summed from a list, and no counting pass when the file has no
- * escapes (a stray escape symbol is then caught in the row loop). */
-static int join_i32(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const int64_t* esc, int64_t n_esc,
-                    const uint8_t* delta, int32_t* out) {
-  const uint16_t e = (uint16_t)(2 * L - 1);
-  const int32_t off = (int32_t)(L - 1);
-  int64_t* pos = (int64_t*)calloc((size_t)(R > 0 ? R : 1), sizeof(int64_t));
-  int64_t* drow = (int64_t*)malloc(sizeof(int64_t) * (size_t)(R > 0 ? R : 1));
-  int32_t* cnt = (int32_t*)calloc((size_t)(R > 0 ? R : 1), sizeof(int32_t));
-  if (!pos || !drow || !cnt) {
-    free(pos); free(drow); free(cnt);
-    return KVN_NOMEM;
-  }
-  int64_t nd = 0;
-  for (int64_t r = 0; r < R; ++r)
-    if (delta && delta[r]) drow[nd++] = r;
-  if (n_esc > 0) { /* where each row's escapes start in the row-major esc plane */
-    for (int64_t t = 0; t < n; ++t) {
-      const uint16_t* st = sym + t * R;
-      for (int64_t r = 0; r < R; ++r) cnt[r] += st[r] == e;
-    }
-    int64_t total = 0;
-    for (int64_t r = 0; r < R; ++r) {
-      pos[r] = total;
-      total += cnt[r];
-    }
-    if (total != n_esc) {
-      free(pos); free(drow); free(cnt);
-      return 1;
-    }
-  }
-  int rc = KVN_OK, wide = 0;
-  for (int64_t t = 0; t < n; ++t) {
-    const uint16_t* st = sym + t * R;
-    int32_t* o = out + t * R;
-    int any = 0;
-    for (int64_t r = 0; r < R; ++r) {
-      o[r] = (int32_t)st[r] - off;
-      any |= st[r] == e;
-    }
-    if (any) {
-      if (n_esc <= 0) { rc = 1; break; } /* escape symbols, but the esc plane is empty */
-      for (int64_t r = 0; r < R; ++r)
-        if (st[r] == e) {
-          const int64_t v = esc[pos[r]++];
-          if (v < L && v > -L) rc = 2;
-          wide |= v < INT32_MIN || v > INT32_MAX;
-          o[r] = (int32_t)v;
-        }
-    }
-    if (t)
-      for (int64_t j = 0; j < nd; ++j) { /* token-delta rows: running sums down the tokens */
-        const int64_t r = drow[j];
-        const int64_t v = (int64_t)o[r] + (int64_t)o[r - R];
-        wide |= v < INT32_MIN || v > INT32_MAX;
-        o[r] = (int32_t)v;
-      }
-  }
-  free(pos); free(drow); free(cnt);
-  return rc ? rc : (wide ? 3 : KVN_OK);
-}
-
 /* mode: 0 per-channel steps sc[H * D]; 1 per-channel steps plus a token offset per head (the H
  * columns after the H * D codes: k_tok); 2 a step per (token, head): base[H] (in sc) plus the H
  * token columns (token-mode V). rope: r2 > 0 pairs of rotating means (steps rsteps[r2], channel
@@ -120,7 +55,7 @@ int kvn_kvc_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
   }
   rc = kvn_ans_decode(geom, words, offsets, tables, table_of, sym, OUT_U16_NR, bad);
   if (rc != KVN_OK) goto done;
-  rc = join_i32(sym, n, R, L, esc, n_esc, delta, codes);
+  rc = escape_join_i32(sym, n, R, L, esc, n_esc, delta, codes);
   if (rc == 1) {
     const uint16_t e = (uint16_t)(2 * L - 1);
     int64_t cnt = 0;
@@ -183,18 +118,8 @@ int kvn_kvc_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
         }
       }
     }
-    /* kvn_kvc_dequant's arithmetic: clamp(value(code) * step + mean), value(code) with the
-     * reconstruction offsets where given */
-    if (rtab) {
-      for (int64_t i = 0; i < hd; ++i) {
-        const int64_t v = ct[i];
-        const int64_t k = v < -rm - 1 ? -rm - 1 : (v > rm + 1 ? rm + 1 : v);
-        const float cv = (float)v - rtab[k + rm + 1];
-        row[i] = clampf(cv * st[i] + mu[i], m);
-      }
-    } else {
-      for (int64_t i = 0; i < hd; ++i) row[i] = clampf((float)ct[i] * st[i] + mu[i], m);
-    }
+    /* kvn_kvc_dequant's row arithmetic (kvc.c), over the token's H * D values at once */
+    dq_row_i32(ct, st, 1, mu, hd, m, rtab, rm, row);
     store_row(out, out_kind, t * hd, row, hd);
   }
 done:

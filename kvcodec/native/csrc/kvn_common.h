@@ -168,5 +168,11 @@ static inline float clampf(float v, float m) { return v > m ? m : (v < -m ? -m :
  * where the CPU has them (the same bits as the portable code; kvn_set_hw_f16 switches). */
 KVN_INTERNAL void store_row(void* out, int kind, int64_t o, const float* src, int64_t n);
 KVN_INTERNAL void load_row(float* dst, const void* src, int kind, int64_t o, int64_t n);
+/* kvc.c, shared with kvc_decode.c: kvn_escape_join's int32 output, and one row of
+ * kvn_kvc_dequant's arithmetic from int32 codes */
+KVN_INTERNAL int escape_join_i32(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const int64_t* esc,
+                                 int64_t n_esc, const uint8_t* delta, int32_t* out);
+KVN_INTERNAL void dq_row_i32(const int32_t* c, const float* st, int64_t s2, const float* mu, int64_t D, float m,
+                             const float* rtab, int64_t rm, float* r);
 
 #endif /* KVN_COMMON_H */
