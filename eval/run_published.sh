@@ -74,6 +74,7 @@ kvc_recon|python eval/studies/kvc_recon.py --out eval/results/kvc_recon
 kvc_ctx|python eval/studies/kvc_ctx.py --context 1536 --repeat 5 --out eval/results/kvc_ctx
 kvc_ctx_ctx4096|python eval/studies/kvc_ctx.py --context 4096 --repeat 5 --out eval/results/kvc_ctx_ctx4096
 kvc_chunk|python eval/studies/kvc_chunk.py --repeat 4 --chunks 4096,2048,1024,512 --out eval/results/kvc_chunk
+kvc_calib_time|python eval/studies/kvc_calib_time.py --full --out eval/results/kvc_calib_time
 kvc_encode_cost|python eval/studies/kvc_encode_cost.py --repeat 7 --out eval/results/kvc_encode_cost
 kvc_fisher|python eval/studies/kvc_fisher.py --out eval/results/kvc_fisher
 kvc_overhead|python eval/studies/kvc_overhead.py --context 1536 --out eval/results/kvc_overhead

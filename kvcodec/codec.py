@@ -110,6 +110,10 @@ class Codec(ABC):
     defaults: ClassVar[dict[str, Any]] = {}
     #: Parameters validated by type: the value must be an instance of the default's type.
     lossless: ClassVar[bool] = False
+    #: How many tensors of one encode call the writer may code at once, on threads (their
+    #: :meth:`encode_tensor` calls share the call's ``ctx.state``): 1 unless the codec says its
+    #: tensors code safely side by side. Bytes never depend on it: the writer keeps the order.
+    encode_threads: ClassVar[int] = 1
 
     def __init__(self, **params: Any) -> None:
         unknown = set(params) - set(self.defaults)

@@ -99,7 +99,7 @@ MAX_SCORES = 8
 #: finest level first, from the step the Fisher information predicts for it, then secant steps
 #: with the slope of every measured point, a step stopped as soon as one window proves it over
 #: the level (:func:`search_levels`, :func:`score_windows_until`).
-SEARCH_METHOD = "fine-first/3+balance/3"
+SEARCH_METHOD = "fine-first/3+balance/4"
 
 
 def search_settings() -> dict[str, Any]:
@@ -414,7 +414,9 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
     aggressive level's scale, Qwen2.5-Coder needed 1.14-1.19 b instead of 1.30 with V at
     0.4-0.75x the high-rate ratio, SmolLM2 0.84 b instead of 0.86 at 0.75x and more below:
     eval/results/kvc_balance.md). Each probe takes the ratio times ``factor``, finds the
-    ``k_step`` that codes to ``bits0`` by encodes alone (:func:`_match_bits`), and scores it,
+    ``k_step`` that codes to the level's bits by encodes alone (:func:`_match_bits`: ``bits(k_step,
+    v_step)`` may measure one window only, matched to its own bits at the level's point, while
+    ``bits0`` and the probes' scores are every window's), and scores it,
     stopping as soon as its windows prove it worse than ``crit0``
     (``score(k_step, v_step, stop_above) -> (criterion, window KLs, bits, complete)``). A better
     probe is kept and the next goes further the same way (``probes`` in all); when the first
@@ -431,10 +433,11 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
     best = {"k_step": k0, "v_step": ratio0 * k0, "crit": crit0, "kls": None, "bits": bits0}
     tried: list[list[Any]] = []
     ratio, way = ratio0, factor
+    want = bits(k0, ratio0 * k0)  # the level's bits as ``bits`` measures them (a window may stand for all)
     for i in range(probes):
         r = ratio * way
         # first guess: K and V steps moved apart by the same factor, about the same bits
-        k = _match_bits(bits, bits0, best["k_step"] * math.sqrt(ratio / r), r)
+        k = _match_bits(bits, want, best["k_step"] * math.sqrt(ratio / r), r)
         crit, kls, b, complete = score(k, r * k, best["crit"])
         tried.append([float(k), float(r * k), float(crit), float(b), bool(complete)])
         say(f"balance (KL <= {target:g}): v/k {r:.3f}, k_step {k:.4f} at {b:.3f} b -> "
@@ -601,15 +604,21 @@ def build_profile(
         def score(k_step: float, stop: float | None) -> tuple[float, list[float | None], float, bool]:
             return score_kv(k_step, None, stop)
 
-        def bits_kv(k_step: float, v_step: float) -> float:  # encodes only: no model run
+        def bits_kv(k_step: float, v_step: float) -> float:
+            # encodes only, no model run, of the first window alone: the balance probes match
+            # bits on it (each probe's score then measures every window's), so their encodes
+            # cost a quarter of matching on all four (on a model with Qwen3-0.6B's KV shape,
+            # 9x Qwen2.5-Coder's, one encode of a window takes ~2 s: eval/results/kvc_calib_time.md)
             codec = get_codec(config(k_step, v_step))
-            return float(np.mean([8.0 * len(codec.encode(e.reference)) / e.reference.num_elements for e in evs]))
+            e = evs[0]
+            return 8.0 * len(codec.encode(e.reference)) / e.reference.num_elements
 
         partial: list[tuple[float, float, list[float | None]]] = []
         points, detail, chosen = search_levels(score, levels, ratio, max_evals, say, t0, max_scores, first, partial)
         balance: list[list[Any]] = []
         if balance_probes:
-            balance_levels(score_kv, bits_kv, levels, ratio, points, detail, chosen, balance, say, balance_probes)
+            balance_levels(score_kv, bits_kv, levels, ratio, points, detail, chosen, balance,
+                           lambda m: say(f"{m} ({time.perf_counter() - t0:.0f} s)"), balance_probes)
         evs.clear()  # free the search windows before the held-out ones
         say(f"held-out windows ({', '.join(n for n, _ in held)}) ({time.perf_counter() - t0:.0f} s)")
         evs_h = [Evaluator(model, tokenizer, "", context, continuation, attn_queries=1, token_ids=w) for _, w in held]

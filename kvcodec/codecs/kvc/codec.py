@@ -136,6 +136,9 @@ class KVCCodec(Codec):
     """
 
     codec_id = "kvc"
+    #: Tensors code side by side (the native passes release the GIL; the per-call state is read
+    #: only, but for the attention estimates, resolved under a lock: plan.py).
+    encode_threads = 4
     defaults = {
         "k_step": 0.45, "v_step": 1.35, "k_gamma": 1.0, "v_scale": "token", "v_center": False,
         "sinks": 1, "recent": 0, "sink_v_ratio": 0.3, "rho": 0.5, "transform": "none", "max_level": 32,
