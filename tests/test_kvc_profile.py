@@ -524,6 +524,9 @@ def test_build_profile_on_a_tiny_model(monkeypatch, tmp_path):
             assert crit == pytest.approx(max(np.mean(kls) / margin, max(kls) / hp.WORST_FACTOR), rel=1e-12)
     held = [x for x in scored if x[3] >= 2]
     assert scored[-len(held):] == held and len(held) == 2 * len(levels)
+    # the budget of window scores counts every search and balance score (held-out ones aside)
+    assert raw["window_scores"] == len(scored) - len(held) <= hp.MAX_TOTAL_SCORES * 2 + 2
+    assert raw["search_max_total_scores"] == hp.MAX_TOTAL_SCORES
     # every point is a measurement: its criterion max(mean / margin, worst / 1.2) over the search
     # windows' KL at that step, and the mean bits; the encoder then aims at the target itself
     assert p.margin == 1.0 and str(margin) in raw["criterion"]
@@ -919,3 +922,64 @@ def test_a_landing_that_overshoots_is_bounded_and_retried():
     assert best["k_step"] == tried[2][0] and best["bits"] < b0 - 0.01
     # the second landing came from the bound of the first: between the probe and that step
     assert tried[0][0] < best["k_step"] < tried[1][0]
+
+
+def test_balance_stops_when_the_budget_of_window_scores_is_spent():
+    from kvcodec.harness.profile import balance_level
+
+    bits, crit, score, calls = _balance_model(0.02)  # every probe toward finer V wins
+    target, ratio0 = 0.05, 2.0
+    k0 = math.sqrt(0.9 * target / (0.01 + 0.02 * ratio0 ** 2))
+    c0, b0 = crit(k0, ratio0 * k0), bits(k0, ratio0 * k0)
+    free, _ = balance_level(score, bits, target, k0, ratio0, c0, b0, slope=2.0)
+    n_free = len(calls)
+    assert n_free >= 3  # unbounded: probes and landings
+    calls.clear()
+    said: list[str] = []
+    best, tried = balance_level(score, bits, target, k0, ratio0, c0, b0, slope=2.0, say=said.append,
+                                room=lambda: len(calls) < 2)
+    assert len(calls) == len(tried) == 2 < n_free  # two scores, then the budget said no
+    assert any("budget" in m for m in said)
+    # the best point scored so far is kept: a winning probe at about the level's bits
+    assert best["kls"] is not None and best["crit"] < c0 and best["v_step"] / best["k_step"] < ratio0
+    assert best == free or best["bits"] >= free["bits"]
+    none, tried = balance_level(score, bits, target, k0, ratio0, c0, b0, slope=2.0, room=lambda: False)
+    assert tried == [] and none["k_step"] == k0 and none["kls"] is None
+
+
+class _BalanceEvaluator(_FakeEvaluator):
+    """An Evaluator whose KL a finer V always lowers at equal bits (every balance probe wins);
+    bits from the real encode of the window's cache."""
+
+    def score_next_token(self, codec, kl_only=False):
+        import kvcodec
+
+        k, v = float(codec["k_step"]), float(codec["v_step"])
+        _FakeEvaluator.calls.append(k)
+        blob = kvcodec.get_codec(codec).encode(self.reference)
+        return {"bits_per_element": 8.0 * len(blob) / self.reference.num_elements, "bytes": len(blob),
+                "next_token": {"kl_mean": 0.002 * k * k + 0.02 * v * v}}
+
+
+def test_the_budget_of_window_scores_bounds_a_calibration_whose_probes_all_win(monkeypatch):
+    from kvcodec.harness import evaluate
+    from kvcodec.harness.profile import build_profile
+
+    model, tok, text = _tiny_llama()
+    monkeypatch.setattr(evaluate, "Evaluator", _BalanceEvaluator)
+    runs = {}
+    for budget in (None, 4):
+        _FakeEvaluator.calls = []
+        msgs: list[str] = []
+        st = build_profile(model, tok, text, context=32, continuation=8, samples=8, sensitivity_samples=1,
+                           levels={"a": 0.05, "b": 0.2}, max_windows=2, max_held=1,
+                           max_total_scores=budget, progress=msgs.append)
+        runs[budget] = (st.profile, list(_FakeEvaluator.calls), msgs)
+    free, bounded = runs[None][0], runs[4][0]
+    assert free["search_max_total_scores"] is None and bounded["search_max_total_scores"] == 4
+    # unbounded, the probes win and go on; bounded, they stop once 4 steps' worth (8 window
+    # scores) are spent: at most one score (2 windows) past it
+    assert free["window_scores"] > bounded["window_scores"] and bounded["window_scores"] <= 4 * 2 + 2
+    assert any("budget" in m for m in runs[4][2]) and not any("budget" in m for m in runs[None][2])
+    assert len(runs[4][1]) == bounded["window_scores"] + 2  # + one held-out score per level
+    assert {lv["name"] for lv in bounded["levels"]} == {"a", "b"}  # every level still chosen

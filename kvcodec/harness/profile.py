@@ -26,7 +26,9 @@ kvc's steps are fractions of an RMS; how much next-token KL a step costs depends
    other way when the first lost), at the ``k_step`` that keeps the level's bits (found by
    encodes alone), and scores it; the best probe spends its lower criterion on a coarser step
    (at most two scores). The level keeps the best met point, so its ``v_step`` may differ
-   from ``kv_ratio * k_step``.
+   from ``kv_ratio * k_step``. The probes stop when the whole loop has scored
+   :data:`MAX_TOTAL_SCORES` steps' worth of windows (a bound on the time a model whose
+   every probe wins can take).
 5. **Held-out check**: each level's steps are scored once more on a window the search did not
    use (the second window of the first domain text long enough for two; ``max_held`` for more);
    the profile reports that KL beside the search KL.
@@ -95,11 +97,19 @@ WORST_FACTOR = 1.2
 #: machine's speed; a step stopped early counts the windows it scored; the levels need 6-8
 #: steps' worth on both models here, so refinement gets what is left of 8).
 MAX_SCORES = 8
+#: The whole closed loop (search and balance) scores at most this many steps' worth of windows;
+#: the balance probes stop when it is spent (keeping the best point found). A count, like
+#: MAX_SCORES, so the profile does not depend on the machine. Both real models here need fewer
+#: (SmolLM2 14.25, Qwen2.5-Coder about 11.25 steps' worth: scratch/kvc_profile3.log of
+#: eval/results/kvc_profile.md's run), so their profiles do not change; it bounds a model where
+#: every balance probe wins and the steps cost more: a random-weight model of Qwen3-0.6B's shape
+#: (KV 9x Qwen2.5-Coder's) scored 25 steps in 907 s without it (eval/results/kvc_calib_time.md).
+MAX_TOTAL_SCORES = 16
 #: How the search proposes steps (recorded in profiles; studies remake profiles made otherwise):
 #: finest level first, from the step the Fisher information predicts for it, then secant steps
 #: with the slope of every measured point, a step stopped as soon as one window proves it over
 #: the level (:func:`search_levels`, :func:`score_windows_until`).
-SEARCH_METHOD = "fine-first/3+balance/4"
+SEARCH_METHOD = "fine-first/3+balance/4+total/16"
 
 
 def search_settings() -> dict[str, Any]:
@@ -404,6 +414,7 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
                   k0: float, ratio0: float, crit0: float, bits0: float, slope: float,
                   say: Callable[[str], None] = lambda m: None, factor: float = BALANCE_FACTOR,
                   probes: int = BALANCE_PROBES, landings: int = BALANCE_LANDINGS,
+                  room: Callable[[], bool] = lambda: True,
                   ) -> tuple[dict[str, float], list[list[Any]]]:
     """The K/V balance of one level, closed loop: ``v_step / k_step`` moved from ``ratio0`` while
     the bits stay those of the level's met point ``(k0, ratio0 * k0)`` (``crit0``, ``bits0``).
@@ -426,6 +437,9 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
     from the points and bounds this ratio measured (``landings`` in all); the coarsest that
     meets the target is kept.
 
+    ``room()`` is asked before every score: False (the calibration's budget of window scores,
+    :data:`MAX_TOTAL_SCORES`, is spent) ends the balance with the best point scored so far.
+
     Returns ``(chosen, tried)``: the level's point ``{"k_step", "v_step", "crit", "kls",
     "bits"}`` (the original one when no probe beat it) and every probe scored as ``[k_step,
     v_step, criterion or its lower bound, bits, complete]``.
@@ -435,6 +449,9 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
     ratio, way = ratio0, factor
     want = bits(k0, ratio0 * k0)  # the level's bits as ``bits`` measures them (a window may stand for all)
     for i in range(probes):
+        if not room():
+            say(f"balance (KL <= {target:g}): the budget of window scores is spent; no more probes")
+            break
         r = ratio * way
         # first guess: K and V steps moved apart by the same factor, about the same bits
         k = _match_bits(bits, want, best["k_step"] * math.sqrt(ratio / r), r)
@@ -457,6 +474,9 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
         pts = [(best["k_step"], best["crit"], best["bits"])]
         rough: list[tuple[float, float, float]] = []
         for j in range(landings):
+            if not room():
+                say(f"balance (KL <= {target:g}): the budget of window scores is spent; no more landings")
+                break
             if j == 0:
                 k = best["k_step"] * math.exp(math.log(0.96 * target / best["crit"]) / float(np.clip(slope, 1.0, 4.0)))
             else:
@@ -481,7 +501,8 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
 def balance_levels(score_kv: Callable[..., Any], bits_kv: Callable[[float, float], float],
                    levels: dict[str, float], ratio: float, points: list[tuple[float, float, float]],
                    detail: dict[float, list[float]], chosen: dict[str, dict[str, Any]], tried: list[list[Any]],
-                   say: Callable[[str], None] = lambda m: None, probes: int = BALANCE_PROBES) -> None:
+                   say: Callable[[str], None] = lambda m: None, probes: int = BALANCE_PROBES,
+                   room: Callable[[], bool] = lambda: True) -> None:
     """:func:`balance_level` for every level :func:`search_levels` met, finest first, updating
     ``chosen`` in place (the ``v_step`` of a level may then differ from ``ratio * k_step``) and
     appending every probe to ``tried``. A coarser level never keeps more bits than a finer one
@@ -494,7 +515,7 @@ def balance_levels(score_kv: Callable[..., Any], bits_kv: Callable[[float, float
         crit0 = crit_at.get(row["k_step"], math.inf)
         if crit0 <= target:
             best, t = balance_level(score_kv, bits_kv, target, row["k_step"], ratio, crit0, row["bits"], slope,
-                                    say, probes=probes)
+                                    say, probes=probes, room=room)
             tried.extend(t)
             if best["kls"] is not None and best["bits"] <= prev_bits:
                 kls = [float(x) for x in best["kls"]]
@@ -520,6 +541,7 @@ def build_profile(
     max_windows: int = 4,
     max_held: int = 1,
     max_scores: int | None = MAX_SCORES,
+    max_total_scores: int | None = MAX_TOTAL_SCORES,
     balance_probes: int = BALANCE_PROBES,
     text_name: str = "custom",
     progress: Callable[[str], None] | None = None,
@@ -531,7 +553,7 @@ def build_profile(
 
     A step meets a target when, over the search windows, the mean KL is at most ``margin *
     target`` and the worst window's at most ``worst * target``. ``max_scores``: see
-    :func:`search_levels`.
+    :func:`search_levels`; ``max_total_scores``: :data:`MAX_TOTAL_SCORES` (None: no bound).
 
     Raises:
         InputError: a text is shorter than a window, or bad arguments.
@@ -593,13 +615,18 @@ def build_profile(
             first, first_kl = _solve_step(predict, 0.9 * min(levels.values()), 0.5)
             say(f"first step {first:.4f}: predicted KL {first_kl:.5f} on {search[0][0]}")
         order = list(range(len(evs)))  # windows by their last KL, highest first: the first proves a step over
+        spent = [0]  # window scores so far (search and balance)
 
         def score_kv(k_step: float, v_step: float | None, stop: float | None,
                      ) -> tuple[float, list[float | None], float, bool]:
             res = score_windows_until(evs, config(k_step, v_step), margin, worst, stop, order)
+            spent[0] += sum(x is not None for x in res[1])
             if res[3]:
                 order.sort(key=lambda i: -float(res[1][i] or 0.0))
             return res
+
+        def room() -> bool:
+            return max_total_scores is None or spent[0] < max_total_scores * len(evs)
 
         def score(k_step: float, stop: float | None) -> tuple[float, list[float | None], float, bool]:
             return score_kv(k_step, None, stop)
@@ -618,7 +645,7 @@ def build_profile(
         balance: list[list[Any]] = []
         if balance_probes:
             balance_levels(score_kv, bits_kv, levels, ratio, points, detail, chosen, balance,
-                           lambda m: say(f"{m} ({time.perf_counter() - t0:.0f} s)"), balance_probes)
+                           lambda m: say(f"{m} ({time.perf_counter() - t0:.0f} s)"), balance_probes, room)
         evs.clear()  # free the search windows before the held-out ones
         say(f"held-out windows ({', '.join(n for n, _ in held)}) ({time.perf_counter() - t0:.0f} s)")
         evs_h = [Evaluator(model, tokenizer, "", context, continuation, attn_queries=1, token_ids=w) for _, w in held]
@@ -641,6 +668,8 @@ def build_profile(
         "search_margin": margin,
         "search_worst": worst,
         "search_max_scores": max_scores,
+        "search_max_total_scores": max_total_scores,
+        "window_scores": spent[0],
         "search_method": SEARCH_METHOD,
         "first_step": float(first),
         "stopped_early": [[float(k), float(b), [None if x is None else float(x) for x in kl]] for k, b, kl in partial],
@@ -660,6 +689,6 @@ def build_profile(
     return stats
 
 
-__all__ = ["DEFAULT_MARGIN", "MAX_SCORES", "SEARCH_METHOD", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "WORST_FACTOR", "build_profile", "kv_ratio", "score_windows", "score_windows_until",
+__all__ = ["DEFAULT_MARGIN", "MAX_SCORES", "MAX_TOTAL_SCORES", "SEARCH_METHOD", "SEARCH_ENTROPY", "SEARCH_SETTINGS", "WORST_FACTOR", "build_profile", "kv_ratio", "score_windows", "score_windows_until",
            "search_levels", "search_settings", "split_windows", "balance_level", "balance_levels",
            "BALANCE_FACTOR", "BALANCE_LANDINGS", "BALANCE_PROBES"]
