@@ -983,3 +983,6 @@ def test_the_budget_of_window_scores_bounds_a_calibration_whose_probes_all_win(m
     assert any("budget" in m for m in runs[4][2]) and not any("budget" in m for m in runs[None][2])
     assert len(runs[4][1]) == bounded["window_scores"] + 2  # + one held-out score per level
     assert {lv["name"] for lv in bounded["levels"]} == {"a", "b"}  # every level still chosen
+    # the coarsest level is balanced first: the budget goes where the high-rate ratio holds least
+    first = next(m for m in runs[4][2] if m.startswith("balance"))
+    assert first.startswith("balance (KL <= 0.2)")

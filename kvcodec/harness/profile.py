@@ -20,7 +20,7 @@ kvc's steps are fractions of an RMS; how much next-token KL a step costs depends
    slope of every point measured. A scale that one window already proves too coarse is not
    scored on the others. Every fully scored encode becomes a point of the profile's curve, so
    any later ``target_kl`` maps to steps by interpolation.
-4. **Balance per level** (:func:`balance_level`): the high-rate K/V ratio of step 2 stops
+4. **Balance per level** (:func:`balance_level`, coarsest level first): the high-rate K/V ratio of step 2 stops
    holding at coarse steps, where one role's values quantise mostly to zero. For each level
    met, a probe moves ``v_step / k_step`` by 0.75x (then further while probes win, or the
    other way when the first lost), at the ``k_step`` that keeps the level's bits (found by
@@ -109,7 +109,7 @@ MAX_TOTAL_SCORES = 16
 #: finest level first, from the step the Fisher information predicts for it, then secant steps
 #: with the slope of every measured point, a step stopped as soon as one window proves it over
 #: the level (:func:`search_levels`, :func:`score_windows_until`).
-SEARCH_METHOD = "fine-first/3+balance/4+total/16"
+SEARCH_METHOD = "fine-first/3+balance/5+total/16"
 
 
 def search_settings() -> dict[str, Any]:
@@ -503,26 +503,27 @@ def balance_levels(score_kv: Callable[..., Any], bits_kv: Callable[[float, float
                    detail: dict[float, list[float]], chosen: dict[str, dict[str, Any]], tried: list[list[Any]],
                    say: Callable[[str], None] = lambda m: None, probes: int = BALANCE_PROBES,
                    room: Callable[[], bool] = lambda: True) -> None:
-    """:func:`balance_level` for every level :func:`search_levels` met, finest first, updating
-    ``chosen`` in place (the ``v_step`` of a level may then differ from ``ratio * k_step``) and
-    appending every probe to ``tried``. A coarser level never keeps more bits than a finer one
-    (it keeps its first point then)."""
+    """:func:`balance_level` for every level :func:`search_levels` met, coarsest first (where the
+    high-rate balance holds least, so the budget of window scores, ``room``, goes there first:
+    eval/results/kvc_balance.md), updating ``chosen`` in place (the ``v_step`` of a level may
+    then differ from ``ratio * k_step``) and appending every probe to ``tried``. A finer level
+    never keeps fewer bits than a coarser one (it keeps its first point then)."""
     slope = _slope([(p[0], p[1]) for p in points]) or 2.0
     crit_at = {p[0]: p[1] for p in points}
-    prev_bits = math.inf
-    for name, target in sorted(levels.items(), key=lambda kv: kv[1]):
+    floor = -math.inf  # the most bits a coarser level keeps
+    for name, target in sorted(levels.items(), key=lambda kv: -kv[1]):
         row = chosen[name]
         crit0 = crit_at.get(row["k_step"], math.inf)
         if crit0 <= target:
             best, t = balance_level(score_kv, bits_kv, target, row["k_step"], ratio, crit0, row["bits"], slope,
                                     say, probes=probes, room=room)
             tried.extend(t)
-            if best["kls"] is not None and best["bits"] <= prev_bits:
+            if best["kls"] is not None and best["bits"] >= floor:
                 kls = [float(x) for x in best["kls"]]
                 row.update(k_step=best["k_step"], v_step=best["v_step"], kl_search=float(np.mean(kls)),
                            kl_search_worst=max(kls), bits=best["bits"])
                 detail[best["k_step"]] = kls
-        prev_bits = min(prev_bits, row["bits"])
+        floor = max(floor, row["bits"])
 
 
 def build_profile(
