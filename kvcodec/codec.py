@@ -44,11 +44,14 @@ class Prepared:
             kvc fills in the SHA-256 of the calibration file it read).
         state: per-call state handed to every :meth:`Codec.encode_tensor` as ``ctx.state``.
         close: called once when the call ends (releases threads), or None.
+        encode_threads: how many tensors of this call may be coded at once, where it differs
+            from the codec's ``encode_threads`` (None: the codec's).
     """
 
     config: dict[str, Any]
     state: Any = None
     close: Any = None
+    encode_threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,8 @@ class EncodePlan:
         globals: file-level planes (:meth:`Codec.encode_globals`).
         state: the codec's per-call state (``ctx.state`` of every tensor).
         tokens_per_chunk: chunk length of the token axis (0: one chunk per tensor).
+        encode_threads: how many tensors the writer may code at once (the codec's
+            ``encode_threads``, or what its :meth:`Codec.prepare` said for this call).
     """
 
     codec: "Codec"
@@ -74,6 +79,7 @@ class EncodePlan:
     state: Any
     tokens_per_chunk: int
     close: Any = None
+    encode_threads: int = 1
 
     def __enter__(self) -> "EncodePlan":
         return self
@@ -238,7 +244,8 @@ class Codec(ABC):
             if prep.close is not None:
                 prep.close()
             raise
-        return EncodePlan(self, cache, prep.config, globals_, prep.state, tokens_per_chunk, prep.close)
+        threads = self.encode_threads if prep.encode_threads is None else prep.encode_threads
+        return EncodePlan(self, cache, prep.config, globals_, prep.state, tokens_per_chunk, prep.close, threads)
 
     def encode(
         self, cache: KVCache, path: str | os.PathLike[str] | None = None, *, tokens_per_chunk: int = 0

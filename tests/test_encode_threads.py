@@ -45,27 +45,32 @@ def _both(monkeypatch, make):
 
 
 @pytest.mark.parametrize("chunk", [0, 24])
-def test_threaded_kvc_writes_the_same_bytes_with_and_without_a_calibration(monkeypatch, tmp_path, chunk):
+def test_threaded_kvc_writes_the_same_bytes_and_a_calibrated_call_stays_on_one_thread(monkeypatch, tmp_path, chunk):
     cache = small_cache(layers=5, t=96)
     p = tmp_path / "q.safetensors"
     save_query_statistics(_stats(cache), p)
-    for config in ("kvc-near", {"id": "kvc-near", "calibration": str(p)},
-                   {"id": "kvc-aggressive", "calibration": str(p), "query_pos": 300}):
+    caller = threading.current_thread().name
+    for config, threaded in (("kvc-near", True), ("kvc-aggressive", True),
+                             ({"id": "kvc-near", "calibration": str(p)}, False),
+                             ({"id": "kvc-aggressive", "calibration": str(p), "query_pos": 300}, False)):
         codec = kvcodec.get_codec(config)
         one, many, seen = _both(monkeypatch, lambda: codec.encode(cache, tokens_per_chunk=chunk))
         assert one == many
-        assert len(seen) > 1 and all(n.startswith("kvcodec-encode") for n in seen)  # really on threads
+        if threaded:  # really on the writer's threads
+            assert len(seen) > 1 and all(n.startswith("kvcodec-encode") for n in seen)
+        else:  # kvc's prepare says 1 for a calibrated call (it gained nothing on threads)
+            assert seen == {caller}
+            with codec.plan(cache) as plan:
+                assert plan.encode_threads == 1
         back = kvcodec.decode(many)
         assert back.num_tokens == cache.num_tokens and back.num_layers == cache.num_layers
 
 
 def test_threaded_parts_and_file_routes_match(monkeypatch, tmp_path):
     cache = small_cache(layers=4, t=80)
-    p = tmp_path / "q.safetensors"
-    save_query_statistics(_stats(cache), p)
-    codec = kvcodec.get_codec({"id": "kvc-near", "calibration": str(p)})
-    one, many, _ = _both(monkeypatch, lambda: codec.encode_parts(cache, 32))
-    assert one == many and len(many) == 3
+    codec = kvcodec.get_codec("kvc-near")
+    one, many, seen = _both(monkeypatch, lambda: codec.encode_parts(cache, 32))
+    assert one == many and len(many) == 3 and len(seen) > 1
     from kvcodec.format import write_file
 
     def to_file():
@@ -73,8 +78,8 @@ def test_threaded_parts_and_file_routes_match(monkeypatch, tmp_path):
         write_file(codec, cache, out)
         return out.read_bytes()
 
-    one, many, _ = _both(monkeypatch, to_file)
-    assert one == many == codec.encode(cache)
+    one, many, seen = _both(monkeypatch, to_file)
+    assert one == many == codec.encode(cache) and len(seen) > 1
 
 
 def test_an_error_on_a_thread_is_raised_and_stops_the_writer(monkeypatch):

@@ -116,7 +116,7 @@ def _encode_planes(plan: "EncodePlan",
                                                    layer_kind=cache.layer_info[i].kind, globals=globals_,
                                                    state=plan.state)
 
-    for i, role, j, x, enc in _encoded(codec, jobs()):
+    for i, role, j, x, enc in _encoded(codec, jobs(), plan.encode_threads):
         params_out[(i, role)].append({"tokens": int(x.shape[0]),
                       "params": _json_params(enc.params, f"layers.{i}.{role}")})
         for p in sorted(enc.planes):
@@ -128,14 +128,14 @@ def _encode_planes(plan: "EncodePlan",
             yield tensor_name(i, role, p, j if chunked else None), arr
 
 
-def _encoded(codec: Any, jobs: Iterator[tuple[int, str, int, torch.Tensor, TensorContext]],
+def _encoded(codec: Any, jobs: Iterator[tuple[int, str, int, torch.Tensor, TensorContext]], threads: int,
              ) -> Iterator[tuple[int, str, int, torch.Tensor, Any]]:
     """``(layer, role, chunk, tensor, EncodedTensor)`` for each job, in the jobs' order: coded one
-    at a time, or ``codec.encode_threads`` at once (at most that many more ahead of the one
-    yielded, so memory stays bounded) where the codec allows it and the machine has the CPUs.
-    The native coders release the GIL: on 2 cores kvc writes a Qwen3-0.6B-shaped 1024-token
-    cache in about 0.6x the time of one thread (eval/results/kvc_calib_time.md)."""
-    n = min(int(getattr(codec, "encode_threads", 1)), os.cpu_count() or 1)
+    at a time, or ``threads`` at once (at most that many more ahead of the one yielded, so memory
+    stays bounded) where the machine has the CPUs. The native coders release the GIL: on 2 cores
+    kvc without a calibration writes a Qwen3-0.6B-shaped 1024-token cache in about 0.6x the time
+    of one thread (eval/results/kvc_calib_time.md)."""
+    n = min(int(threads), os.cpu_count() or 1)
     if n <= 1:
         for i, role, j, x, ctx in jobs:
             yield i, role, j, x, codec.encode_tensor(x, ctx)

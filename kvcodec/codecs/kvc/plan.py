@@ -12,8 +12,8 @@ import numpy as np
 def _layer_calib(state: dict[int, dict[str, Any]] | None, layer: int) -> dict[str, Any]:
     """The calibration plan of ``layer`` (empty without a file), its attention estimate waited
     for if it is still being computed. ``state`` is the encode call's (:meth:`KVCCodec.prepare`);
-    the writer's threads (``encode_threads``) may code a layer's K and V at once, so the
-    estimate is resolved under a lock."""
+    the estimate is resolved under a lock, should a calibrated call ever code its tensors on
+    threads (``encode_threads``: today it says 1)."""
     entry = (state or {}).get(layer, {})
     a = entry.get("attn")
     if a is not None and not isinstance(a, np.ndarray):
