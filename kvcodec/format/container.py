@@ -133,8 +133,9 @@ def _encoded(codec: Any, jobs: Iterator[tuple[int, str, int, torch.Tensor, Tenso
     """``(layer, role, chunk, tensor, EncodedTensor)`` for each job, in the jobs' order: coded one
     at a time, or ``threads`` at once (at most that many more ahead of the one yielded, so memory
     stays bounded) where the machine has the CPUs. The native coders release the GIL: on 2 cores
-    kvc without a calibration writes a Qwen3-0.6B-shaped 1024-token cache in about 0.6x the time
-    of one thread (eval/results/kvc_calib_time.md)."""
+    kvc without a calibration wrote a Qwen3-0.6B-shaped 1024-token cache in 0.6x the time of one
+    thread in a process of its own (scratch), but 0.97x inside the calibration study's process,
+    after model runs (eval/results/kvc_calib_time.md): not yet understood."""
     n = min(int(threads), os.cpu_count() or 1)
     if n <= 1:
         for i, role, j, x, ctx in jobs:

@@ -40,7 +40,10 @@ eval/results/kvc_profile.md). Each scored step costs a model run per search wind
 0.5B model on 2 cores): 1024 cached tokens, one held-out window, the early stops and the
 count-bounded refinement keep a 0.5B model's calibration under 10 minutes on 2 cores (the
 balance probes, early-stopped too, took Qwen2.5-Coder-0.5B from 226 to 315 s and SmolLM2 from 91
-to 251 s on a 2-core Xeon: eval/results/kvc_profile.md).
+to 251 s on a 2-core Xeon; with bits matched on one window and the coarsest level balanced
+first, 255 and 147 s: eval/results/kvc_profile.md). A model with 9x the KV per token (Qwen3-0.6B's shape)
+spends ~3 s of each window score encoding and decoding; :data:`MAX_TOTAL_SCORES` bounds how many steps a
+model whose every balance probe wins may score (eval/results/kvc_calib_time.md).
 
 The result is the statistics file with a ``profile`` (:mod:`kvcodec.codecs.kvc.profile`); the
 encoder reads it when ``target_kl`` is set (the level presets set it).
@@ -103,7 +106,8 @@ MAX_SCORES = 8
 #: (SmolLM2 14.25, Qwen2.5-Coder about 11.25 steps' worth: scratch/kvc_profile3.log of
 #: eval/results/kvc_profile.md's run), so their profiles do not change; it bounds a model where
 #: every balance probe wins and the steps cost more: a random-weight model of Qwen3-0.6B's shape
-#: (KV 9x Qwen2.5-Coder's) scored 25 steps in 907 s without it (eval/results/kvc_calib_time.md).
+#: (KV 9x Qwen2.5-Coder's) took 907 s without it (a scratch run of eval/studies/kvc_calib_time.py)
+#: and 680 s with it (eval/results/kvc_calib_time.md): still over 10 minutes on 2 cores.
 MAX_TOTAL_SCORES = 16
 #: How the search proposes steps (recorded in profiles; studies remake profiles made otherwise):
 #: finest level first, from the step the Fisher information predicts for it, then secant steps

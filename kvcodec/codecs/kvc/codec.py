@@ -270,8 +270,8 @@ class KVCCodec(Codec):
         elif "k_rope_mean" in config:
             del config["k_rope_mean"]  # files without rotating means keep the config they always had
         # one tensor at a time: a calibrated encode gained nothing on threads (Qwen3-0.6B-shaped
-        # window on 2 cores: 1.99 s on two against 1.78 on one; uncalibrated 0.70 against 1.17:
-        # eval/results/kvc_calib_time.md); its numpy passes (rotating means, tables) hold the GIL
+        # window on 2 cores, scratch: 1.99 s on two against 1.78 on one; uncalibrated 0.70
+        # against 1.17); its numpy passes (rotating means, tables) hold the GIL
         return Prepared(config, state, lambda: pool.shutdown(wait=True, cancel_futures=True), encode_threads=1)
 
     def part_config(self, first: bool = False, last: bool = False, query_pos: int = 0) -> dict[str, Any]:
