@@ -103,8 +103,8 @@ MAX_SCORES = 8
 #: The whole closed loop (search and balance) scores at most this many steps' worth of windows;
 #: the balance probes stop when it is spent (keeping the best point found). A count, like
 #: MAX_SCORES, so the profile does not depend on the machine. Both real models here need fewer
-#: (SmolLM2 14.25, Qwen2.5-Coder about 11.25 steps' worth: scratch/kvc_profile3.log of
-#: eval/results/kvc_profile.md's run), so their profiles do not change; it bounds a model where
+#: (SmolLM2 14.25, Qwen2.5-Coder 11.25 steps' worth: the ``window_scores`` their profiles of
+#: eval/results/kvc_profile.md's run record), so their profiles do not change; it bounds a model where
 #: every balance probe wins and the steps cost more: a random-weight model of Qwen3-0.6B's shape
 #: (KV 9x Qwen2.5-Coder's) took 907 s without it (a scratch run of eval/studies/kvc_calib_time.py)
 #: and 680 s with it (eval/results/kvc_calib_time.md): still over 10 minutes on 2 cores.
