@@ -81,6 +81,7 @@ kvc_overhead|python eval/studies/kvc_overhead.py --context 1536 --out eval/resul
 kvc_gpu_host|python eval/studies/kvc_gpu_host.py --context 1536 --repeat 3 --chunks 512,256,128 --out eval/results/kvc_gpu_host
 ctx_fallback_speed|KVCODEC_NATIVE=0 python eval/studies/ctx_fallback_speed.py --repeat 3 --out eval/results/ctx_fallback_speed
 speed_issue19|python eval/studies/speed_compare.py --before 8760b98 --after . --context 1536 --calibration "$(cal 1536)" --rounds 7 --out eval/results/speed_issue19
+encode_threads|python eval/studies/encode_threads.py --out eval/results/encode_threads
 speed_kvc_decode|python eval/studies/speed_compare.py --before 2124778 --after . --context 1536 --calibration "$(cal 1536)" --rounds 5 --out eval/results/speed_kvc_decode
 END
 )

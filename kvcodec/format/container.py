@@ -132,12 +132,11 @@ def _encoded(codec: Any, jobs: Iterator[tuple[int, str, int, torch.Tensor, Tenso
              ) -> Iterator[tuple[int, str, int, torch.Tensor, Any]]:
     """``(layer, role, chunk, tensor, EncodedTensor)`` for each job, in the jobs' order: coded one
     at a time, or ``threads`` at once (at most that many more ahead of the one yielded, so memory
-    stays bounded) where the machine has the CPUs. The native coders release the GIL; what two
-    threads save on 2 cores depends on kvc's settings (a Qwen3-0.6B-shaped 1024-token cache,
-    a scratch measurement of 2026-12-06): 0.64x the one-thread time with plain entropy settings, 0.85x for
-    kvc-near, none (0.97-1.03x) with the calibration search's magnitude contexts and
-    reconstruction offsets (eval/results/kvc_calib_time.md), whose passes may be bound by
-    memory rather than the GIL (not yet measured)."""
+    stays bounded) where the machine has the CPUs. The native coders release the GIL: on 2 cores
+    kvc's presets encode 1536-token caches of both models in 0.63-0.74x the one-thread time
+    (eval/results/encode_threads.md); with the calibration search's settings (magnitude contexts,
+    reconstruction offsets) on a Qwen3-0.6B-shaped cache they gained nothing
+    (eval/results/kvc_calib_time.md), for reasons not yet measured."""
     n = min(int(threads), os.cpu_count() or 1)
     if n <= 1:
         for i, role, j, x, ctx in jobs:
