@@ -73,6 +73,20 @@ def small_cache(layers: int = 2, t: int = 96, h: int = 2, d: int = 16, seed: int
     return kvcodec.KVCache.from_tensors(out)
 
 
+def query_stats(cache: Any, hq: int = 4, n: int = 8, seed: int = 1, theta: float = 10000.0):
+    """Random query statistics for ``cache`` (energies, ``hq`` heads x ``n`` sampled queries per
+    layer, RoPE base ``theta``): a calibration file's content for tests without a model."""
+    import numpy as np
+
+    from kvcodec.harness.calibration import QueryStats
+
+    rng = np.random.default_rng(seed)
+    h, d = cache.layers[0]["k"].shape[1:]
+    energy = [rng.uniform(0.1, 4.0, (h, d)).astype(np.float32) for _ in cache.layers]
+    sample = [rng.normal(size=(hq, n, d)).astype(np.float32) for _ in cache.layers]
+    return QueryStats(energy, sample, q_position=200, rope_theta=theta, meta={"model": "test"})
+
+
 def encode_routes(config: Any, cache: Any, tmp_path: Any, chunk: int = 0) -> dict[str, bytes]:
     """The bytes every encode route writes for ``config`` (a name, JSON text or dict), by route:
     ``Codec.encode``, ``encode(path=)``, ``format.write_file`` and the CLI's ``kvcodec encode``."""

@@ -5,23 +5,15 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import pytest
 import torch
 
 import kvcodec
 import kvcodec.codecs.kvc.codec as kvc_codec
 from kvcodec.errors import InputError
-from kvcodec.harness.calibration import QueryStats, save_query_statistics
+from kvcodec.harness.calibration import save_query_statistics
+from kvc_tools import query_stats as _stats
 from kvc_tools import small_cache
-
-
-def _stats(cache, seed=1) -> QueryStats:
-    rng = np.random.default_rng(seed)
-    h, d = cache.layers[0]["k"].shape[1:]
-    energy = [rng.uniform(0.1, 4.0, (h, d)).astype(np.float32) for _ in cache.layers]
-    sample = [rng.normal(size=(4, 8, d)).astype(np.float32) for _ in cache.layers]
-    return QueryStats(energy, sample, q_position=200, rope_theta=10000.0, meta={"model": "test"})
 
 
 def _both(monkeypatch, make):

@@ -19,15 +19,8 @@ from kvcodec.harness.calibration import (
     save_query_statistics,
 )
 from kvcodec.quant.deadzone import step_from_code
+from kvc_tools import query_stats as _stats
 from kvc_tools import small_cache as _cache
-
-
-def _stats(cache, hq=4, n=8, seed=1, theta=10000.0) -> QueryStats:
-    rng = np.random.default_rng(seed)
-    h, d = cache.layers[0]["k"].shape[1:]
-    energy = [rng.uniform(0.1, 4.0, (h, d)).astype(np.float32) for _ in cache.layers]
-    sample = [rng.normal(size=(hq, n, d)).astype(np.float32) for _ in cache.layers]
-    return QueryStats(energy, sample, q_position=200, rope_theta=theta, meta={"model": "test"})
 
 
 def test_pair_mean_and_rotation_compose_and_keep_norm():

@@ -13,7 +13,6 @@ kvc encode codes one tensor at a time (it gained nothing on threads).
 from __future__ import annotations
 
 import argparse
-import time
 
 from kvcodec.harness.results import provenance, write_result
 
@@ -34,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import kvcodec.codecs.kvc.codec as kvc
     from kvcodec.harness import load_model
     from kvcodec.harness.capture import capture
+    from kvcodec.harness.studies import timed_encodes
     from kvcodec.harness.texts import eval_text
 
     shipped = kvc.KVCCodec.encode_threads
@@ -46,17 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         mb = cache.num_elements * 2 / 1e6
         for preset in args.presets.split(","):
             codec = kvcodec.get_codec(preset)
-            best = {1: float("inf"), threads: float("inf")}
-            blobs = {}
-            try:
-                for _ in range(args.repeat):
-                    for n in best:
-                        kvc.KVCCodec.encode_threads = n
-                        t = time.perf_counter()
-                        blobs[n] = codec.encode(cache)
-                        best[n] = min(best[n], time.perf_counter() - t)
-            finally:
-                kvc.KVCCodec.encode_threads = shipped
+            best, blobs = timed_encodes({1: (codec, 1), threads: (codec, threads)}, cache, args.repeat)
             if blobs[1] != blobs[threads]:
                 raise SystemExit(f"{m} {preset}: threaded encode wrote other bytes than one thread")
             rows.append({"model": m, "preset": preset, "fp16_MB": mb, "encode_s_one_thread": best[1],

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvcodec.harness import profile as P
     from kvcodec.harness.calibration import fisher_diagonal, query_statistics, sensitivities
     from kvcodec.harness.evaluate import Evaluator
+    from kvcodec.harness.studies import timed_encodes
     from kvcodec.harness.texts import CALIBRATION_DOMAINS, calibration_text
 
     torch.manual_seed(0)
@@ -70,19 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     config = {"id": "kvc", **P.SEARCH_ENTROPY, **P.SEARCH_SETTINGS, "k_step": 1.0, "v_step": 2.0, "calibration": cal}
     codec = kvcodec.get_codec(config)
     plain = kvcodec.get_codec({k: v for k, v in config.items() if k != "calibration"})
-    shipped = kvc.KVCCodec.encode_threads
-    threads = min(shipped, os.cpu_count() or 1)
-    best = {"cal": float("inf"), 1: float("inf"), threads: float("inf")}
-    blobs = {}
-    try:
-        for _ in range(args.repeat):
-            for n in best:
-                kvc.KVCCodec.encode_threads = 1 if n == "cal" else n
-                t = time.perf_counter()
-                blobs[n] = (codec if n == "cal" else plain).encode(ev.reference)
-                best[n] = min(best[n], time.perf_counter() - t)
-    finally:
-        kvc.KVCCodec.encode_threads = shipped
+    threads = min(kvc.KVCCodec.encode_threads, os.cpu_count() or 1)
+    best, blobs = timed_encodes({"cal": (codec, 1), 1: (plain, 1), threads: (plain, threads)}, ev.reference,
+                                args.repeat)
     if blobs[1] != blobs[threads]:
         raise SystemExit("threaded encode wrote other bytes than one thread")
     t_dec = float("inf")

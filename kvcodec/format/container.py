@@ -118,7 +118,7 @@ def _encode_planes(plan: "EncodePlan",
 
     for i, role, j, x, enc in _encoded(codec, jobs(), plan.encode_threads):
         params_out[(i, role)].append({"tokens": int(x.shape[0]),
-                      "params": _json_params(enc.params, f"layers.{i}.{role}")})
+                                      "params": _json_params(enc.params, f"layers.{i}.{role}")})
         for p in sorted(enc.planes):
             if not mf.PLANE_RE.fullmatch(p):
                 raise ConfigError(f"codec {codec.codec_id!r}: plane name {p!r} must match [A-Za-z0-9_]{{1,64}}")

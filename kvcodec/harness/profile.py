@@ -113,7 +113,7 @@ MAX_TOTAL_SCORES = 16
 #: finest level first, from the step the Fisher information predicts for it, then secant steps
 #: with the slope of every measured point, a step stopped as soon as one window proves it over
 #: the level (:func:`search_levels`, :func:`score_windows_until`).
-SEARCH_METHOD = "fine-first/3+balance/5+total/16"
+SEARCH_METHOD = f"fine-first/3+balance/5+total/{MAX_TOTAL_SCORES}"
 
 
 def search_settings() -> dict[str, Any]:
@@ -451,11 +451,13 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
     best = {"k_step": k0, "v_step": ratio0 * k0, "crit": crit0, "kls": None, "bits": bits0}
     tried: list[list[Any]] = []
     ratio, way = ratio0, factor
-    want = bits(k0, ratio0 * k0)  # the level's bits as ``bits`` measures them (a window may stand for all)
+    want = None  # the level's bits as ``bits`` measures them (a window may stand for all)
     for i in range(probes):
         if not room():
             say(f"balance (KL <= {target:g}): the budget of window scores is spent; no more probes")
             break
+        if want is None:  # an encode: only when a probe runs
+            want = bits(k0, ratio0 * k0)
         r = ratio * way
         # first guess: K and V steps moved apart by the same factor, about the same bits
         k = _match_bits(bits, want, best["k_step"] * math.sqrt(ratio / r), r)

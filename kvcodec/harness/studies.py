@@ -1,5 +1,6 @@
-"""What the one-question studies under ``eval/studies/`` share: the held-out calibration file and
-a second evaluation window of the built-in text.
+"""What the one-question studies under ``eval/studies/`` share: the held-out calibration file, a
+second evaluation window of the built-in text, and encodes timed with and without kvc's writer
+threads.
 
 Example:
     >>> from kvcodec.harness.studies import calibration_path
@@ -141,3 +142,24 @@ def preset_bits(names: list[str] | None = None, context: int = 1536) -> dict[str
         if not c.requires:
             out[name] = round(8.0 * len(c.encode(cache)) / cache.num_elements, 4)
     return out
+
+
+def timed_encodes(runs: dict[Any, tuple[Any, int]], cache: Any, repeat: int) -> tuple[dict[Any, float], dict[Any, bytes]]:
+    """Fastest encode time and the bytes of each run ``{key: (codec, kvc encode_threads)}`` on
+    ``cache``, the runs alternating in ``repeat`` rounds (this machine's speed drifts; only ratios
+    within one call mean anything). ``KVCCodec.encode_threads`` is set for each run and restored."""
+    from ..codecs.kvc.codec import KVCCodec
+
+    shipped = KVCCodec.encode_threads
+    best = {k: float("inf") for k in runs}
+    blobs: dict[Any, bytes] = {}
+    try:
+        for _ in range(repeat):
+            for k, (codec, threads) in runs.items():
+                KVCCodec.encode_threads = threads
+                t = time.perf_counter()
+                blobs[k] = codec.encode(cache)
+                best[k] = min(best[k], time.perf_counter() - t)
+    finally:
+        KVCCodec.encode_threads = shipped
+    return best, blobs

@@ -136,9 +136,8 @@ class KVCCodec(Codec):
     """
 
     codec_id = "kvc"
-    #: Tensors code side by side (the native passes release the GIL); a calibrated encode says 1
-    #: for its call (:meth:`prepare`). The per-call state is read only, but for the attention
-    #: estimates, resolved under a lock (plan.py).
+    #: Tensors code side by side (the native passes release the GIL); a calibrated encode, whose
+    #: per-call state holds the attention estimates' futures, says 1 for its call (:meth:`prepare`).
     encode_threads = 4
     defaults = {
         "k_step": 0.45, "v_step": 1.35, "k_gamma": 1.0, "v_scale": "token", "v_center": False,
@@ -269,7 +268,8 @@ class KVCCodec(Codec):
                 state["rope"] = rope
         elif "k_rope_mean" in config:
             del config["k_rope_mean"]  # files without rotating means keep the config they always had
-        # one tensor at a time: a calibrated encode gained nothing on threads (Qwen3-0.6B-shaped
+        # one tensor at a time (so only this thread resolves the attention futures, plan.py): a
+        # calibrated encode gained nothing on threads (Qwen3-0.6B-shaped
         # window on 2 cores, scratch: 1.99 s on two against 1.78 on one; uncalibrated 0.70
         # against 1.17); its numpy passes (rotating means, tables) hold the GIL
         return Prepared(config, state, lambda: pool.shutdown(wait=True, cancel_futures=True), encode_threads=1)
@@ -495,26 +495,26 @@ class KVCCodec(Codec):
                 f"sink_v_ratio 0 (the -cal presets), or with longer chunks") from None
         n = int((~mask).sum())
         keep = torch.from_numpy(mask)
-        # numpy where the values allow (float16, float32 on the CPU): the writer codes tensors on
-        # threads (encode_threads), and torch ops called from several threads at once each start
-        # their own OpenMP team, whose spinning threads slowed a 2-core encode down
-        as_np = x.dtype in (torch.float16, torch.float32) and x.device.type == "cpu" and not x.requires_grad
-        if as_np:
-            planes: dict[str, np.ndarray] = {"protect": np.ascontiguousarray(x.numpy()[mask]).view(
-                np.dtype(_NP_INT[x.dtype]))}
+        # float16 and float32 on the CPU go through numpy: torch ops called from the writer's
+        # threads (encode_threads) at once each start their own OpenMP team, whose spinning
+        # threads slowed a 2-core encode down
+        xn = x.numpy() if x.dtype in (torch.float16, torch.float32) and x.device.type == "cpu" \
+            and not x.requires_grad else None
+        if xn is not None:
+            planes: dict[str, np.ndarray] = {"protect": np.ascontiguousarray(xn[mask]).view(_NP_INT[x.dtype])}
         else:
             planes = {"protect": x[keep].contiguous().view(_INT_VIEW[x.dtype]).numpy()}
         is_k = ctx.role in ("k", "kv")
         use_h = p["transform"] == "hadamard" and is_power_of_two(d)
         params: dict[str, Any] = {"n": n, "sinks": s, "recent": r,
                                   "transform": "hadamard" if use_h else "none"}
-        from_f16 = x.dtype == torch.float16 and x.device.type == "cpu" and not x.requires_grad
+        from_f16 = xn is not None and xn.dtype == np.float16
         if from_f16:
             # float16 values, widened exactly to float32 (numpy 2 converts as fast as torch, on
             # this thread alone)
-            y = x.numpy()[~mask].astype(np.float32)
-        elif x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
-            y = x.numpy()[~mask]
+            y = xn[~mask].astype(np.float32)
+        elif xn is not None:  # float32
+            y = xn[~mask]
         else:
             y = x[~keep].double().numpy()
         rope = _tensor_rope(ctx, n, use_h) if ctx.role == "k" else None

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -12,19 +11,13 @@ import numpy as np
 def _layer_calib(state: dict[int, dict[str, Any]] | None, layer: int) -> dict[str, Any]:
     """The calibration plan of ``layer`` (empty without a file), its attention estimate waited
     for if it is still being computed. ``state`` is the encode call's (:meth:`KVCCodec.prepare`);
-    the estimate is resolved under a lock, should a calibrated call ever code its tensors on
-    threads (``encode_threads``: today it says 1)."""
+    only the thread coding that call reads and resolves it."""
     entry = (state or {}).get(layer, {})
     a = entry.get("attn")
     if a is not None and not isinstance(a, np.ndarray):
         a = a.result()  # a future; re-raises the estimate's own error
-        with _RESOLVE:
-            if entry.get("attn") is not None and not isinstance(entry["attn"], np.ndarray):
-                if a is None:
-                    del entry["attn"]
-                else:
-                    entry["attn"] = a
+        if a is None:
+            del entry["attn"]
+        else:
+            entry["attn"] = a
     return entry
-
-
-_RESOLVE = threading.Lock()
