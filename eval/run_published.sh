@@ -82,6 +82,7 @@ kvc_gpu_host|python eval/studies/kvc_gpu_host.py --context 1536 --repeat 3 --chu
 ctx_fallback_speed|KVCODEC_NATIVE=0 python eval/studies/ctx_fallback_speed.py --repeat 3 --out eval/results/ctx_fallback_speed
 speed_issue19|python eval/studies/speed_compare.py --before 8760b98 --after . --context 1536 --calibration "$(cal 1536)" --rounds 7 --out eval/results/speed_issue19
 encode_threads|python eval/studies/encode_threads.py --out eval/results/encode_threads
+kvc_xlayer|python eval/studies/kvc_xlayer.py --out eval/results/kvc_xlayer
 speed_kvc_decode|python eval/studies/speed_compare.py --before 2124778 --after . --context 1536 --calibration "$(cal 1536)" --rounds 5 --out eval/results/speed_kvc_decode
 END
 )
