@@ -83,6 +83,7 @@ ctx_fallback_speed|KVCODEC_NATIVE=0 python eval/studies/ctx_fallback_speed.py --
 speed_issue19|python eval/studies/speed_compare.py --before 8760b98 --after . --context 1536 --calibration "$(cal 1536)" --rounds 7 --out eval/results/speed_issue19
 encode_threads|python eval/studies/encode_threads.py --out eval/results/encode_threads
 kvc_xlayer|python eval/studies/kvc_xlayer.py --out eval/results/kvc_xlayer
+kvc_xpred|python eval/studies/kvc_xpred.py --out eval/results/kvc_xpred
 speed_kvc_decode|python eval/studies/speed_compare.py --before 2124778 --after . --context 1536 --calibration "$(cal 1536)" --rounds 5 --out eval/results/speed_kvc_decode
 END
 )

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from kvcodec.harness.results import provenance, write_result
+from kvcodec.harness.studies import ridge_fit as fit, rope_rotate as rotate
 
 
 def grab(model: Any, ids: Any) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
@@ -108,14 +109,6 @@ def quantise(x: np.ndarray, heads: int, s: float, ref: np.ndarray) -> tuple[np.n
     return codes, codes * step + mean
 
 
-def fit(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """Ridge least squares ``ys ~ [xs, 1] @ W`` (lambda 1e-3 of the mean diagonal)."""
-    x1 = np.hstack([xs, np.ones((len(xs), 1))])
-    g = x1.T @ x1
-    lam = 1e-3 * np.trace(g) / g.shape[0]
-    return np.linalg.solve(g + lam * np.eye(g.shape[0]), x1.T @ ys)
-
-
 def code_text(k: list[np.ndarray], v: list[np.ndarray], heads: int, s: float,
               preds: list[dict[str, np.ndarray]] | None, sources: str,
               ) -> tuple[dict[str, float], dict[str, float], dict[str, float], list[dict[str, np.ndarray]]]:
@@ -141,19 +134,6 @@ def code_text(k: list[np.ndarray], v: list[np.ndarray], heads: int, s: float,
             energy[role] += float(((x - x.mean(axis=0)) ** 2).sum())
         recon.append(rec)
     return bits, err, energy, recon
-
-
-def rotate(k: np.ndarray, heads: int, theta: float, sign: int) -> np.ndarray:
-    """Rotate-half RoPE of ``k [T, heads * D]`` at positions ``0..T-1`` by ``sign`` (the
-    rotation of :mod:`kvcodec.transforms.rope`, float64)."""
-    from kvcodec.transforms.rope import cos_sin, phase_steps
-
-    t, d = k.shape[0], k.shape[1] // heads
-    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
-    c, sn = (x.astype(np.float64)[:, None, :] for x in cos_sin(np.arange(t), phase_steps(inv)))
-    x = k.reshape(t, heads, d)
-    a, b = x[..., : d // 2], x[..., d // 2:]
-    return np.concatenate([a * c - sign * b * sn, b * c + sign * a * sn], axis=-1).reshape(t, -1)
 
 
 def kl_points(model: Any, tok: Any, text: str, heads: int, steps: list[float],

@@ -1,6 +1,6 @@
 """What the one-question studies under ``eval/studies/`` share: the held-out calibration file, a
-second evaluation window of the built-in text, and encodes timed with and without kvc's writer
-threads.
+second evaluation window of the built-in text, encodes timed with and without kvc's writer
+threads, and the cross-layer prediction studies' RoPE rotation and ridge fit.
 
 Example:
     >>> from kvcodec.harness.studies import calibration_path
@@ -163,3 +163,31 @@ def timed_encodes(runs: dict[Any, tuple[Any, int]], cache: Any, repeat: int) -> 
     finally:
         KVCCodec.encode_threads = shipped
     return best, blobs
+
+
+def rope_rotate(k: Any, heads: int, theta: float, sign: int) -> Any:
+    """Rotate-half RoPE of float64 ``k [T, heads * D]`` at positions ``0..T-1`` by ``sign`` (+1
+    applies RoPE, -1 undoes it), with the table rotation of :mod:`kvcodec.transforms.rope` at
+    base ``theta`` (eval/studies/kvc_xlayer.py, kvc_xpred.py)."""
+    import numpy as np
+
+    from ..transforms.rope import cos_sin, phase_steps
+
+    t, d = k.shape[0], k.shape[1] // heads
+    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    c, sn = (x.astype(np.float64)[:, None, :] for x in cos_sin(np.arange(t), phase_steps(inv)))
+    x = k.reshape(t, heads, d)
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([a * c - sign * b * sn, b * c + sign * a * sn], axis=-1).reshape(t, -1)
+
+
+def ridge_fit(xs: Any, ys: Any) -> Any:
+    """Ridge least squares ``ys ~ [xs, 1] @ W`` (lambda 1e-3 of the Gram matrix's mean diagonal):
+    ``W`` with the bias as its last row (the cross-layer predictors of eval/studies/kvc_xlayer.py
+    and kvc_xpred.py)."""
+    import numpy as np
+
+    x1 = np.hstack([xs, np.ones((len(xs), 1))])
+    g = x1.T @ x1
+    lam = 1e-3 * np.trace(g) / g.shape[0]
+    return np.linalg.solve(g + lam * np.eye(g.shape[0]), x1.T @ ys)

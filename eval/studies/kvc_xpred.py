@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""Does kvc itself keep the bits that predicting a layer from the one before saves? Closed loop,
+inside kvc's own coder, before any format change (issue 20, item 5).
+
+eval/studies/kvc_xlayer.py measured the gain in a simplified coder. Here kvc codes the residual
+itself, tensor by tensor through its own ``encode_tensor`` / ``decode_tensor`` (the planes a file
+would hold), with each model's profile at each level:
+
+* **plain**: every tensor of the cache as kvc codes it (the same per-tensor path, so both sides
+  count the same: the tensors' planes, not the container's header and token ids);
+* **predicted**: layer 0 as plain; layer ``l >= 1`` codes ``x_l - P_l`` where ``P_l`` is a
+  ridge prediction from layer ``l-1``'s *decoded* K (un-rotated to before RoPE, the prediction
+  rotated back) and V, as a decoder would have them; the predictors are fitted on the four
+  calibration texts coded the same way at the same level (so they learn from reconstructions,
+  never from the text measured). kvc's calibrated state (attention estimates) comes from the
+  cache itself, as in a real encode; its steps are fractions of the coded signal's RMS, so the
+  residual gets finer steps at the same level: compare the two at equal KL, not at equal level.
+
+Scored: the decoded cache's next-token KL against the fp16 cache (1024 cached tokens, 512
+scored) on the evaluation texts. The report gives each level's (bits, KL) both ways and the
+predicted coding's saving at its own KL, the plain bits there interpolated (log-log) between the
+plain points of the finer and coarser levels.
+
+Needs the profiles that eval/studies/kvc_profile.py makes (``kvcodec calibrate``'s cache).
+
+Writes ``<out>.json`` and ``<out>.md`` (default ``eval/results/kvc_xpred``).
+
+Usage:
+    python eval/studies/kvc_xpred.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from kvcodec.harness.results import provenance, write_result
+from kvcodec.harness.studies import ridge_fit as fit, rope_rotate as rotate
+
+#: level presets by target, the preset that codes it (the profile picks the steps)
+LEVEL_PRESETS = {0.002: "kvc-transparent", 0.005: "kvc-near", 0.01: "kvc-near", 0.02: "kvc-near",
+                 0.05: "kvc-aggressive"}
+
+
+def flat(t: Any) -> np.ndarray:
+    """``[T, H, D]`` tensor -> float64 ``[T, H * D]``."""
+    return t.double().reshape(t.shape[0], -1).numpy()
+
+
+class LayerCoder:
+    """Codes one cache tensor by tensor with one codec, optionally predicting each layer from
+    the decoded layer before (closed loop)."""
+
+    def __init__(self, codec: Any, cache: Any, heads: int, theta: float) -> None:
+        self.codec, self.cache, self.heads, self.theta = codec, cache, heads, theta
+        self.plan = codec.plan(cache)
+        self.decoded: list[dict[str, np.ndarray]] = []  # per layer: K before RoPE, K, V (float64, flat)
+        self.nbytes = 0
+
+    def close(self) -> None:
+        self.plan.__exit__(None, None, None)
+
+    def source(self, layer: int) -> np.ndarray:
+        """Predictor input for layer ``layer + 1``: ``[K before RoPE, V]`` decoded."""
+        d = self.decoded[layer]
+        return np.hstack([d["kpre"], d["v"]])
+
+    def code_layer(self, layer: int, w: dict[str, np.ndarray] | None) -> None:
+        """Code layer ``layer`` (its residual after ``w``'s prediction when given)."""
+        import torch
+
+        from kvcodec.planes import TensorContext
+
+        out: dict[str, np.ndarray] = {}
+        for role in ("k", "v"):
+            x = self.cache.layers[layer][role]
+            p = 0.0
+            if w is not None:
+                src = self.source(layer - 1)
+                p = src @ w[role][:-1] + w[role][-1]
+                if role == "k":
+                    p = rotate(p, self.heads, self.theta, 1)
+            res = torch.from_numpy(flat(x) - p).reshape(x.shape).to(x.dtype)
+            ctx = TensorContext(layer=layer, role=role, shape=tuple(x.shape), dtype=x.dtype,
+                                layer_kind=self.cache.layer_info[layer].kind, globals=self.plan.globals,
+                                state=self.plan.state)
+            enc = self.codec.encode_tensor(res, ctx)
+            self.nbytes += enc.nbytes
+            dec = self.codec.decode_tensor(enc, dataclasses.replace(ctx, state=None))
+            out[role] = flat(dec) + p
+        out["kpre"] = rotate(out["k"], self.heads, self.theta, -1)
+        self.decoded.append(out)
+
+    def to_cache(self) -> Any:
+        import torch
+
+        layers = []
+        for layer, d in zip(self.cache.layers, self.decoded):
+            layers.append({r: torch.from_numpy(d[r]).reshape(layer[r].shape).to(layer[r].dtype) for r in ("k", "v")})
+        return dataclasses.replace(self.cache, layers=layers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
+    ap.add_argument("--texts", default="prose,code,docs")
+    ap.add_argument("--targets", default="0.002,0.005,0.01,0.02,0.05",
+                    help=f"levels (target_kl) to code at, of {sorted(LEVEL_PRESETS)}")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--continuation", type=int, default=512)
+    ap.add_argument("--out", default="eval/results/kvc_xpred")
+    args = ap.parse_args(argv)
+    prov = provenance(argv)
+    import torch
+
+    import kvcodec
+    from kvcodec.harness.capture import capture, tokenize
+    from kvcodec.harness.evaluate import Evaluator
+    from kvcodec.harness.models import load_model
+    from kvcodec.harness.studies import profile_dir
+    from kvcodec.harness.texts import CALIBRATION_DOMAINS, calibration_text, eval_text
+    from kvcodec.integrations.transformers import rope_info
+    from kvcodec.metrics import next_token_metrics
+
+    torch.set_num_threads(2)
+    targets = [float(x) for x in args.targets.split(",")]
+    if not set(targets) <= set(LEVEL_PRESETS):
+        raise SystemExit(f"--targets must be among {sorted(LEVEL_PRESETS)}")
+    texts = args.texts.split(",")
+    rows: list[dict[str, Any]] = []
+    for name in args.models.split(","):
+        prof = profile_dir() / f"{name}.profile.safetensors"
+        if not prof.exists():
+            raise SystemExit(f"no profile at {prof}: run eval/studies/kvc_profile.py first")
+        model, tok = load_model(name)
+        theta = float(rope_info(model.config)[1].get("rope_theta", 10000.0))
+        heads = int(model.config.num_key_value_heads)
+        fits = [capture(model, tok, token_ids=tokenize(tok, calibration_text(d), None)[:args.context],
+                        dtype=torch.float16) for d in CALIBRATION_DOMAINS]
+        evs = {t: Evaluator(model, tok, eval_text(t), args.context, args.continuation, attn_queries=1, text_name=t)
+               for t in texts}
+        n_layers = fits[0].num_layers
+        for target in targets:
+            codec = kvcodec.get_codec({"id": LEVEL_PRESETS[target], "calibration": str(prof), "target_kl": target})
+            # the predictors, fitted on the calibration texts' own reconstructions at this level
+            ws: list[dict[str, np.ndarray] | None] = [None]
+            with contextlib.ExitStack() as stack:
+                coders = [LayerCoder(codec, c, heads, theta) for c in fits]
+                for c in coders:
+                    stack.callback(c.close)
+                    c.code_layer(0, None)
+                for layer in range(1, n_layers):
+                    xs = np.vstack([c.source(layer - 1) for c in coders])
+                    w = {"k": fit(xs, np.vstack([rotate(flat(c.cache.layers[layer]["k"]), heads, theta, -1)
+                                                 for c in coders])),
+                         "v": fit(xs, np.vstack([flat(c.cache.layers[layer]["v"]) for c in coders]))}
+                    ws.append(w)
+                    for c in coders:
+                        c.code_layer(layer, w)
+            for t, ev in evs.items():
+                for method in ("plain", "predicted"):
+                    coder = LayerCoder(codec, ev.reference, heads, theta)
+                    try:
+                        for layer in range(n_layers):
+                            coder.code_layer(layer, ws[layer] if method == "predicted" else None)
+                    finally:
+                        coder.close()
+                    dec = coder.to_cache()
+                    kl = float(next_token_metrics(ev.ref_logits, ev._continue(dec), ev.targets)["kl_mean"])
+                    bits = 8.0 * coder.nbytes / ev.reference.num_elements
+                    rows.append({"model": name, "text": t, "target": target, "method": method, "bits": bits, "kl": kl})
+                    print(f"{name} {t} level {target} {method}: {bits:.3f} b, KL {kl:.5f}", flush=True)
+        del model, evs, fits
+    # the predicted coding's saving at its own KL (plain bits there interpolated, log-log)
+    savings = []
+    for r in rows:
+        if r["method"] != "predicted":
+            continue
+        plain = sorted((q["kl"], q["bits"]) for q in rows if q["method"] == "plain" and q["model"] == r["model"]
+                       and q["text"] == r["text"])
+        x = np.log([p[0] for p in plain])
+        if not x[0] <= np.log(r["kl"]) <= x[-1]:
+            savings.append({**r, "plain_bits_at_kl": None, "saving": None})
+            continue
+        b = float(np.exp(np.interp(np.log(r["kl"]), x, np.log([p[1] for p in plain]))))
+        savings.append({**r, "plain_bits_at_kl": b, "saving": 1.0 - r["bits"] / b})
+    doc = {"targets": targets, "texts": texts, "context": args.context, "continuation": args.continuation,
+           "level_presets": {str(k): v for k, v in LEVEL_PRESETS.items()}, "rows": rows, "savings": savings}
+    lines = ["# kvc on the residual of a prediction from the layer before: closed loop, real KL", "",
+             "kvc codes each tensor through its own encode_tensor / decode_tensor with each model's profile at each "
+             "level. **plain**: the cache as kvc codes it. **predicted**: layer l >= 1 codes its residual after a ridge "
+             "prediction from layer l-1's decoded K (before RoPE) and V; the predictors are fitted on the four "
+             "calibration texts coded the same way. Bits: the tensors' planes per cached value (no container "
+             f"header or token ids, the same for both). KL: next-token, {args.context} cached tokens, "
+             f"{args.continuation} scored, against the fp16 cache. kvc's steps follow the coded signal's RMS, "
+             "so at one level the residual gets finer steps: the saving compares at the predicted point's own KL, "
+             "the plain bits there interpolated (log-log) between the plain levels ('-' outside them).", "",
+             "| model | text | level | plain b | plain KL | predicted b | predicted KL | plain b at that KL | saving |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for s in savings:
+        p = next(q for q in rows if q["method"] == "plain" and q["model"] == s["model"] and q["text"] == s["text"]
+                 and q["target"] == s["target"])
+        pb = "-" if s["plain_bits_at_kl"] is None else f"{s['plain_bits_at_kl']:.3f}"
+        sv = "-" if s["saving"] is None else f"{100 * s['saving']:.1f} %"
+        lines.append(f"| {s['model']} | {s['text']} | {s['target']:g} | {p['bits']:.3f} | {p['kl']:.5f} | "
+                     f"{s['bits']:.3f} | {s['kl']:.5f} | {pb} | {sv} |")
+    write_result(args.out, doc, "\n".join(lines) + "\n", prov=prov, echo=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
