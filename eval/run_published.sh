@@ -84,6 +84,9 @@ speed_issue19|python eval/studies/speed_compare.py --before 8760b98 --after . --
 encode_threads|python eval/studies/encode_threads.py --out eval/results/encode_threads
 kvc_xlayer|python eval/studies/kvc_xlayer.py --out eval/results/kvc_xlayer
 kvc_xpred|python eval/studies/kvc_xpred.py --out eval/results/kvc_xpred
+kvc_xpred_k|python eval/studies/kvc_xpred.py --predict k --targets 0.005,0.01,0.02,0.05 --scales '' --out eval/results/kvc_xpred_k
+kvc_xpred_v|python eval/studies/kvc_xpred.py --predict v --targets 0.005,0.01,0.02,0.05 --scales '' --out eval/results/kvc_xpred_v
+kvc_xpred_r4|python eval/studies/kvc_xpred.py --rank 4 --targets 0.005,0.01,0.02,0.05 --scales '' --out eval/results/kvc_xpred_r4
 speed_kvc_decode|python eval/studies/speed_compare.py --before 2124778 --after . --context 1536 --calibration "$(cal 1536)" --rounds 5 --out eval/results/speed_kvc_decode
 END
 )

@@ -46,6 +46,15 @@ LEVEL_PRESETS = {0.002: "kvc-transparent", 0.005: "kvc-near", 0.01: "kvc-near", 
                  0.05: "kvc-aggressive"}
 
 
+def low_rank(w: np.ndarray, rank: int) -> np.ndarray:
+    """``w`` (weights, then the bias row) with its weight part cut to ``rank`` by a truncated SVD
+    (0: unchanged): a predictor of ``rank * (inputs + outputs) + outputs`` numbers."""
+    if rank <= 0 or rank >= min(w.shape[0] - 1, w.shape[1]):
+        return w
+    u, sv, vt = np.linalg.svd(w[:-1], full_matrices=False)
+    return np.vstack([(u[:, :rank] * sv[:rank]) @ vt[:rank], w[-1:]])
+
+
 def flat(t: Any) -> np.ndarray:
     """``[T, H, D]`` tensor -> float64 ``[T, H * D]``."""
     return t.double().reshape(t.shape[0], -1).numpy()
@@ -55,8 +64,8 @@ class LayerCoder:
     """Codes one cache tensor by tensor with one codec, optionally predicting each layer from
     the decoded layer before (closed loop)."""
 
-    def __init__(self, codec: Any, cache: Any, heads: int, theta: float) -> None:
-        self.codec, self.cache, self.heads, self.theta = codec, cache, heads, theta
+    def __init__(self, codec: Any, cache: Any, heads: int, theta: float, roles: str = "kv") -> None:
+        self.codec, self.cache, self.heads, self.theta, self.roles = codec, cache, heads, theta, roles
         self.plan = codec.plan(cache)
         self.decoded: list[dict[str, np.ndarray]] = []  # per layer: K before RoPE, K, V (float64, flat)
         self.nbytes = 0
@@ -79,7 +88,7 @@ class LayerCoder:
         for role in ("k", "v"):
             x = self.cache.layers[layer][role]
             p = 0.0
-            if w is not None:
+            if w is not None and role in self.roles:
                 src = self.source(layer - 1)
                 p = src @ w[role][:-1] + w[role][-1]
                 if role == "k":
@@ -110,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--texts", default="prose,code,docs")
     ap.add_argument("--targets", default="0.002,0.005,0.01,0.02,0.05",
                     help=f"levels (target_kl) to code at, of {sorted(LEVEL_PRESETS)}")
+    ap.add_argument("--scales", default="1.25,1.5,1.75,2.0",
+                    help="also code predicted at each --scale-targets level's steps times these ('' for none)")
+    ap.add_argument("--scale-targets", default="0.01,0.05", help="levels whose steps --scales multiplies")
+    ap.add_argument("--predict", default="kv", choices=("kv", "k", "v"),
+                    help="which roles are predicted (the others coded as plain; the predictors read K and V)")
+    ap.add_argument("--rank", type=int, default=0,
+                    help="cut each predictor's weights to this rank (truncated SVD; 0: full)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--continuation", type=int, default=512)
     ap.add_argument("--out", default="eval/results/kvc_xpred")
@@ -118,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import kvcodec
+    from kvcodec.codecs.kvc.calibration import load_query_statistics
+    from kvcodec.codecs.kvc.profile import parse_profile, steps_for_target
     from kvcodec.harness.capture import capture, tokenize
     from kvcodec.harness.evaluate import Evaluator
     from kvcodec.harness.models import load_model
@@ -131,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     if not set(targets) <= set(LEVEL_PRESETS):
         raise SystemExit(f"--targets must be among {sorted(LEVEL_PRESETS)}")
     texts = args.texts.split(",")
+    scales = [float(x) for x in args.scales.split(",") if x]
+    scale_targets = [float(x) for x in args.scale_targets.split(",") if x] if scales else []
+    if not set(scale_targets) <= set(LEVEL_PRESETS):
+        raise SystemExit(f"--scale-targets must be among {sorted(LEVEL_PRESETS)}")
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
         prof = profile_dir() / f"{name}.profile.safetensors"
@@ -144,26 +166,27 @@ def main(argv: list[str] | None = None) -> int:
         evs = {t: Evaluator(model, tok, eval_text(t), args.context, args.continuation, attn_queries=1, text_name=t)
                for t in texts}
         n_layers = fits[0].num_layers
-        for target in targets:
-            codec = kvcodec.get_codec({"id": LEVEL_PRESETS[target], "calibration": str(prof), "target_kl": target})
-            # the predictors, fitted on the calibration texts' own reconstructions at this level
+        def measure(target: float, scale: float, codec: Any, methods: tuple[str, ...]) -> None:
+            # the predictors, fitted on the calibration texts' own reconstructions with this codec
             ws: list[dict[str, np.ndarray] | None] = [None]
-            with contextlib.ExitStack() as stack:
-                coders = [LayerCoder(codec, c, heads, theta) for c in fits]
-                for c in coders:
-                    stack.callback(c.close)
-                    c.code_layer(0, None)
-                for layer in range(1, n_layers):
-                    xs = np.vstack([c.source(layer - 1) for c in coders])
-                    w = {"k": fit(xs, np.vstack([rotate(flat(c.cache.layers[layer]["k"]), heads, theta, -1)
-                                                 for c in coders])),
-                         "v": fit(xs, np.vstack([flat(c.cache.layers[layer]["v"]) for c in coders]))}
-                    ws.append(w)
+            if "predicted" in methods:
+                with contextlib.ExitStack() as stack:
+                    coders = [LayerCoder(codec, c, heads, theta, args.predict) for c in fits]
                     for c in coders:
-                        c.code_layer(layer, w)
+                        stack.callback(c.close)
+                        c.code_layer(0, None)
+                    for layer in range(1, n_layers):
+                        xs = np.vstack([c.source(layer - 1) for c in coders])
+                        w = {"k": fit(xs, np.vstack([rotate(flat(c.cache.layers[layer]["k"]), heads, theta, -1)
+                                                     for c in coders])),
+                             "v": fit(xs, np.vstack([flat(c.cache.layers[layer]["v"]) for c in coders]))}
+                        w = {r: low_rank(m, args.rank) for r, m in w.items()}
+                        ws.append(w)
+                        for c in coders:
+                            c.code_layer(layer, w)
             for t, ev in evs.items():
-                for method in ("plain", "predicted"):
-                    coder = LayerCoder(codec, ev.reference, heads, theta)
+                for method in methods:
+                    coder = LayerCoder(codec, ev.reference, heads, theta, args.predict)
                     try:
                         for layer in range(n_layers):
                             coder.code_layer(layer, ws[layer] if method == "predicted" else None)
@@ -172,8 +195,21 @@ def main(argv: list[str] | None = None) -> int:
                     dec = coder.to_cache()
                     kl = float(next_token_metrics(ev.ref_logits, ev._continue(dec), ev.targets)["kl_mean"])
                     bits = 8.0 * coder.nbytes / ev.reference.num_elements
-                    rows.append({"model": name, "text": t, "target": target, "method": method, "bits": bits, "kl": kl})
-                    print(f"{name} {t} level {target} {method}: {bits:.3f} b, KL {kl:.5f}", flush=True)
+                    rows.append({"model": name, "text": t, "target": target, "scale": scale, "method": method,
+                                 "bits": bits, "kl": kl})
+                    print(f"{name} {t} level {target} x{scale:g} {method}: {bits:.3f} b, KL {kl:.5f}", flush=True)
+
+        for target in targets:
+            measure(target, 1.0, kvcodec.get_codec({"id": LEVEL_PRESETS[target], "calibration": str(prof),
+                                                    "target_kl": target}), ("plain", "predicted"))
+        profile = parse_profile(load_query_statistics(prof).profile, str(prof))
+        for target in scale_targets:
+            over = steps_for_target(profile, target)
+            base = {**kvcodec.get_codec(LEVEL_PRESETS[target]).get_config(), **over, "calibration": str(prof),
+                    "target_kl": 0.0}
+            for f in scales:
+                measure(target, f, kvcodec.get_codec({**base, "k_step": over["k_step"] * f,
+                                                       "v_step": over["v_step"] * f}), ("predicted",))
         del model, evs, fits
     # the predicted coding's saving at its own KL (plain bits there interpolated, log-log)
     savings = []
@@ -188,12 +224,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         b = float(np.exp(np.interp(np.log(r["kl"]), x, np.log([p[1] for p in plain]))))
         savings.append({**r, "plain_bits_at_kl": b, "saving": 1.0 - r["bits"] / b})
-    doc = {"targets": targets, "texts": texts, "context": args.context, "continuation": args.continuation,
+    doc = {"predict": args.predict, "rank": args.rank, "targets": targets, "texts": texts, "context": args.context, "continuation": args.continuation,
            "level_presets": {str(k): v for k, v in LEVEL_PRESETS.items()}, "rows": rows, "savings": savings}
     lines = ["# kvc on the residual of a prediction from the layer before: closed loop, real KL", "",
              "kvc codes each tensor through its own encode_tensor / decode_tensor with each model's profile at each "
              "level. **plain**: the cache as kvc codes it. **predicted**: layer l >= 1 codes its residual after a ridge "
-             "prediction from layer l-1's decoded K (before RoPE) and V; the predictors are fitted on the four "
+             f"prediction from layer l-1's decoded K (before RoPE) and V ({ {'kv': 'K and V', 'k': 'K only', 'v': 'V only'}[args.predict]} "
+             "predicted" + (f"; weights cut to rank {args.rank}" if args.rank else "") + "); the predictors are fitted on the four "
              "calibration texts coded the same way. Bits: the tensors' planes per cached value (no container "
              f"header or token ids, the same for both). KL: next-token, {args.context} cached tokens, "
              f"{args.continuation} scored, against the fp16 cache. kvc's steps follow the coded signal's RMS, "
@@ -202,12 +239,29 @@ def main(argv: list[str] | None = None) -> int:
              "| model | text | level | plain b | plain KL | predicted b | predicted KL | plain b at that KL | saving |",
              "|---|---|---|---|---|---|---|---|---|"]
     for s in savings:
+        if s["scale"] != 1.0:
+            continue
         p = next(q for q in rows if q["method"] == "plain" and q["model"] == s["model"] and q["text"] == s["text"]
                  and q["target"] == s["target"])
         pb = "-" if s["plain_bits_at_kl"] is None else f"{s['plain_bits_at_kl']:.3f}"
         sv = "-" if s["saving"] is None else f"{100 * s['saving']:.1f} %"
         lines.append(f"| {s['model']} | {s['text']} | {s['target']:g} | {p['bits']:.3f} | {p['kl']:.5f} | "
                      f"{s['bits']:.3f} | {s['kl']:.5f} | {pb} | {sv} |")
+    if scale_targets:
+        lines += ["", "## Coarser steps with the prediction on", "",
+                  "The predicted coding at a level's profile steps times a scale (the same settings, the predictors "
+                  "refitted at those steps): what a search with the prediction on could pick. Beside each, the plain "
+                  "coding at the level itself (scale 1), the point today's profile codes at.", "",
+                  "| model | text | level | scale | predicted b | predicted KL | plain b at the level | plain KL | "
+                  "bits vs plain |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r["scale"] == 1.0 or r["method"] != "predicted":
+                continue
+            p = next(q for q in rows if q["method"] == "plain" and q["model"] == r["model"] and q["text"] == r["text"]
+                     and q["target"] == r["target"])
+            lines.append(f"| {r['model']} | {r['text']} | {r['target']:g} | {r['scale']:g} | {r['bits']:.3f} | "
+                         f"{r['kl']:.5f} | {p['bits']:.3f} | {p['kl']:.5f} | {100 * (r['bits'] / p['bits'] - 1):+.1f} % |")
+    doc["scales"], doc["scale_targets"] = scales, scale_targets
     write_result(args.out, doc, "\n".join(lines) + "\n", prov=prov, echo=True)
     return 0
 
