@@ -87,6 +87,8 @@ kvc_xpred|python eval/studies/kvc_xpred.py --out eval/results/kvc_xpred
 kvc_xpred_k|python eval/studies/kvc_xpred.py --predict k --targets 0.005,0.01,0.02,0.05 --scales '' --out eval/results/kvc_xpred_k
 kvc_xpred_v|python eval/studies/kvc_xpred.py --predict v --targets 0.005,0.01,0.02,0.05 --scales '' --out eval/results/kvc_xpred_v
 kvc_xpred_r4|python eval/studies/kvc_xpred.py --rank 4 --targets 0.005,0.01,0.02,0.05 --scales '' --out eval/results/kvc_xpred_r4
+kvc_xpred_clean|python eval/studies/kvc_xpred.py --fit-on clean --targets 0.005,0.01,0.02,0.05 --scales 1.25,1.5 --scale-targets 0.05 --out eval/results/kvc_xpred_clean
+kvc_xpred_fit001|python eval/studies/kvc_xpred.py --fit-on 0.01 --targets 0.005,0.01,0.02,0.05 --scales 1.25,1.5 --scale-targets 0.05 --out eval/results/kvc_xpred_fit001
 speed_kvc_decode|python eval/studies/speed_compare.py --before 2124778 --after . --context 1536 --calibration "$(cal 1536)" --rounds 5 --out eval/results/speed_kvc_decode
 END
 )

@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-targets", default="0.01,0.05", help="levels whose steps --scales multiplies")
     ap.add_argument("--predict", default="kv", choices=("kv", "k", "v"),
                     help="which roles are predicted (the others coded as plain; the predictors read K and V)")
+    ap.add_argument("--fit-on", default="level",
+                    help="fit the predictors on the calibration texts coded at each level and scale ('level'), "
+                         "once on their uncoded K and V ('clean'), or once coded at one level (e.g. 0.01)")
     ap.add_argument("--rank", type=int, default=0,
                     help="cut each predictor's weights to this rank (truncated SVD; 0: full)")
     ap.add_argument("--context", type=int, default=1024)
@@ -149,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     if not set(targets) <= set(LEVEL_PRESETS):
         raise SystemExit(f"--targets must be among {sorted(LEVEL_PRESETS)}")
     texts = args.texts.split(",")
+    if args.fit_on not in ("level", "clean") and not (args.fit_on.replace(".", "", 1).isdigit()
+                                                       and float(args.fit_on) in LEVEL_PRESETS):
+        raise SystemExit(f"--fit-on is 'level', 'clean' or one of {sorted(LEVEL_PRESETS)}")
     scales = [float(x) for x in args.scales.split(",") if x]
     scale_targets = [float(x) for x in args.scale_targets.split(",") if x] if scales else []
     if not set(scale_targets) <= set(LEVEL_PRESETS):
@@ -166,24 +172,46 @@ def main(argv: list[str] | None = None) -> int:
         evs = {t: Evaluator(model, tok, eval_text(t), args.context, args.continuation, attn_queries=1, text_name=t)
                for t in texts}
         n_layers = fits[0].num_layers
-        def measure(target: float, scale: float, codec: Any, methods: tuple[str, ...]) -> None:
-            # the predictors, fitted on the calibration texts' own reconstructions with this codec
+
+        def fit_predictors(codec: Any | None) -> list[dict[str, np.ndarray] | None]:
+            """Predictors fitted on the calibration texts' own reconstructions with ``codec``
+            (closed loop, layer by layer), or on their uncoded K and V (``codec`` None)."""
             ws: list[dict[str, np.ndarray] | None] = [None]
-            if "predicted" in methods:
-                with contextlib.ExitStack() as stack:
-                    coders = [LayerCoder(codec, c, heads, theta, args.predict) for c in fits]
+            with contextlib.ExitStack() as stack:
+                coders = [LayerCoder(codec, c, heads, theta, args.predict) for c in fits] if codec is not None else []
+                for c in coders:
+                    stack.callback(c.close)
+                    c.code_layer(0, None)
+
+                def source(i: int, layer: int) -> np.ndarray:
+                    if codec is not None:
+                        return coders[i].source(layer)
+                    c = fits[i].layers[layer]
+                    return np.hstack([rotate(flat(c["k"]), heads, theta, -1), flat(c["v"])])
+
+                for layer in range(1, n_layers):
+                    xs = np.vstack([source(i, layer - 1) for i in range(len(fits))])
+                    w = {"k": fit(xs, np.vstack([rotate(flat(c.layers[layer]["k"]), heads, theta, -1) for c in fits])),
+                         "v": fit(xs, np.vstack([flat(c.layers[layer]["v"]) for c in fits]))}
+                    w = {r: low_rank(m, args.rank) for r, m in w.items()}
+                    ws.append(w)
                     for c in coders:
-                        stack.callback(c.close)
-                        c.code_layer(0, None)
-                    for layer in range(1, n_layers):
-                        xs = np.vstack([c.source(layer - 1) for c in coders])
-                        w = {"k": fit(xs, np.vstack([rotate(flat(c.cache.layers[layer]["k"]), heads, theta, -1)
-                                                     for c in coders])),
-                             "v": fit(xs, np.vstack([flat(c.cache.layers[layer]["v"]) for c in coders]))}
-                        w = {r: low_rank(m, args.rank) for r, m in w.items()}
-                        ws.append(w)
-                        for c in coders:
-                            c.code_layer(layer, w)
+                        c.code_layer(layer, w)
+            return ws
+
+        fixed: dict[str, list[dict[str, np.ndarray] | None]] = {}  # --fit-on clean / a level: fitted once
+
+        def measure(target: float, scale: float, codec: Any, methods: tuple[str, ...]) -> None:
+            ws: list[dict[str, np.ndarray] | None] = []
+            if "predicted" in methods:
+                if args.fit_on == "level":
+                    ws = fit_predictors(codec)
+                else:
+                    if args.fit_on not in fixed:
+                        fixed[args.fit_on] = fit_predictors(None if args.fit_on == "clean" else kvcodec.get_codec(
+                            {"id": LEVEL_PRESETS[float(args.fit_on)], "calibration": str(prof),
+                             "target_kl": float(args.fit_on)}))
+                    ws = fixed[args.fit_on]
             for t, ev in evs.items():
                 for method in methods:
                     coder = LayerCoder(codec, ev.reference, heads, theta, args.predict)
@@ -224,13 +252,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         b = float(np.exp(np.interp(np.log(r["kl"]), x, np.log([p[1] for p in plain]))))
         savings.append({**r, "plain_bits_at_kl": b, "saving": 1.0 - r["bits"] / b})
-    doc = {"predict": args.predict, "rank": args.rank, "targets": targets, "texts": texts, "context": args.context, "continuation": args.continuation,
+    doc = {"predict": args.predict, "rank": args.rank, "fit_on": args.fit_on, "targets": targets, "texts": texts, "context": args.context, "continuation": args.continuation,
            "level_presets": {str(k): v for k, v in LEVEL_PRESETS.items()}, "rows": rows, "savings": savings}
     lines = ["# kvc on the residual of a prediction from the layer before: closed loop, real KL", "",
              "kvc codes each tensor through its own encode_tensor / decode_tensor with each model's profile at each "
              "level. **plain**: the cache as kvc codes it. **predicted**: layer l >= 1 codes its residual after a ridge "
              f"prediction from layer l-1's decoded K (before RoPE) and V ({ {'kv': 'K and V', 'k': 'K only', 'v': 'V only'}[args.predict]} "
-             "predicted" + (f"; weights cut to rank {args.rank}" if args.rank else "") + "); the predictors are fitted on the four "
+             "predicted" + (f"; weights cut to rank {args.rank}" if args.rank else "")
+             + {"level": "", "clean": "; predictors fitted once on the uncoded K and V"}.get(
+                 args.fit_on, f"; predictors fitted once at level {args.fit_on}") + "); the predictors are fitted on the four "
              "calibration texts coded the same way. Bits: the tensors' planes per cached value (no container "
              f"header or token ids, the same for both). KL: next-token, {args.context} cached tokens, "
              f"{args.continuation} scored, against the fp16 cache. kvc's steps follow the coded signal's RMS, "
