@@ -73,6 +73,19 @@ def small_cache(layers: int = 2, t: int = 96, h: int = 2, d: int = 16, seed: int
     return kvcodec.KVCache.from_tensors(out)
 
 
+def word_tokenizer(n_words: int):
+    """A word-level tokenizer of the words ``w0 .. w{n_words-1}`` (ids 2 .. n_words + 1; 0
+    ``<unk>``, 1 ``<s>``) for tiny models: ``(tokenizer, words)``."""
+    import tokenizers
+    import transformers
+
+    words = [f"w{i}" for i in range(n_words)]
+    vocab = {"<unk>": 0, "<s>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>"), words
+
+
 def query_stats(cache: Any, hq: int = 4, n: int = 8, seed: int = 1, theta: float = 10000.0):
     """Random query statistics for ``cache`` (energies, ``hq`` heads x ``n`` sampled queries per
     layer, RoPE base ``theta``): a calibration file's content for tests without a model."""

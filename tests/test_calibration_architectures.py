@@ -369,12 +369,10 @@ def test_attention_metadata_round_trips_and_is_parsed_strictly(tmp_path):
 #    encoder accepts, and an encode through it codes the level's own steps and decodes to the
 #    cache. The held-out model of issue 20 is of an architecture neither real model here has.
 def _word_tokenizer():
-    tokenizers = pytest.importorskip("tokenizers")
-    words = [f"w{i}" for i in range(80)]
-    vocab = {"<unk>": 0, "<s>": 1, **{w: i + 2 for i, w in enumerate(words)}}  # ids < V
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>")
+    pytest.importorskip("tokenizers")
+    from kvc_tools import word_tokenizer
+
+    tok, words = word_tokenizer(80)  # ids < V
     rng = np.random.default_rng(0)
     return tok, {d: " ".join(words[i] for i in rng.integers(0, 60, 300)) for d in ("prose", "code")}
 

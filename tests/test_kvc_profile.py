@@ -454,12 +454,10 @@ def _tiny_llama():
     """A 2-layer random Llama (sharp random init so that coarse steps cost real KL), a word-level
     tokenizer and a text of random words."""
     transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
-    words = [f"w{i}" for i in range(120)]
-    vocab = {"<unk>": 0, "<s>": 1, **{w: i + 2 for i, w in enumerate(words)}}
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>")
+    pytest.importorskip("tokenizers")
+    from kvc_tools import word_tokenizer
+
+    tok, words = word_tokenizer(120)
     rng = np.random.default_rng(0)
     text = " ".join(words[i] for i in rng.integers(0, 40, 400))
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from kvcodec.harness.results import provenance, write_result
-from kvcodec.harness.studies import ridge_fit as fit, rope_rotate as rotate
+from kvcodec.harness.studies import ridge_fit as fit, ridge_predict, rope_rotate as rotate
 
 
 def grab(model: Any, ids: Any) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
@@ -109,6 +109,24 @@ def quantise(x: np.ndarray, heads: int, s: float, ref: np.ndarray) -> tuple[np.n
     return codes, codes * step + mean
 
 
+def predictor_input(prev: dict[str, np.ndarray], role: str, sources: str) -> np.ndarray:
+    """What predicts ``role`` from the layer before's reconstruction ``prev``: its K and V side
+    by side (``sources`` "kv"), or the same role alone ("same")."""
+    return np.hstack([prev["k"], prev["v"]]) if sources == "kv" else prev[role]
+
+
+def code_layer(kx: np.ndarray, vx: np.ndarray, heads: int, s: float, prev: dict[str, np.ndarray] | None,
+               w: dict[str, np.ndarray] | None, sources: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """One layer's K and V at step ``s``, each after ``w``'s prediction from ``prev`` when ``w``
+    is given: per role, the codes and the reconstruction."""
+    out = {}
+    for role, x in (("k", kx), ("v", vx)):
+        p = 0.0 if w is None else ridge_predict(predictor_input(prev, role, sources), w[role])
+        codes, r = quantise(x - p, heads, s, x)
+        out[role] = (codes, r + p)
+    return out
+
+
 def code_text(k: list[np.ndarray], v: list[np.ndarray], heads: int, s: float,
               preds: list[dict[str, np.ndarray]] | None, sources: str,
               ) -> tuple[dict[str, float], dict[str, float], dict[str, float], list[dict[str, np.ndarray]]]:
@@ -119,20 +137,14 @@ def code_text(k: list[np.ndarray], v: list[np.ndarray], heads: int, s: float,
     energy = {"k": 0.0, "v": 0.0}
     recon: list[dict[str, np.ndarray]] = []
     for layer in range(len(k)):
-        rec: dict[str, np.ndarray] = {}
+        coded = code_layer(k[layer], v[layer], heads, s, recon[layer - 1] if layer else None,
+                           preds[layer] if preds is not None and layer >= 1 else None, sources)
         for role, x in (("k", k[layer]), ("v", v[layer])):
-            p = 0.0
-            if preds is not None and layer >= 1:
-                prev = recon[layer - 1]
-                src = np.hstack([prev["k"], prev["v"]]) if sources == "kv" else prev[role]
-                w = preds[layer][role]
-                p = src @ w[:-1] + w[-1]
-            codes, r = quantise(x - p, heads, s, x)
-            rec[role] = r + p
+            codes, r = coded[role]
             bits[role] += entropy_bits(codes)
-            err[role] += float(((rec[role] - x) ** 2).sum())
+            err[role] += float(((r - x) ** 2).sum())
             energy[role] += float(((x - x.mean(axis=0)) ** 2).sum())
-        recon.append(rec)
+        recon.append({role: coded[role][1] for role in coded})
     return bits, err, energy, recon
 
 
@@ -230,27 +242,18 @@ def main(argv: list[str] | None = None) -> int:
         for s in steps:
             # fit the predictors closed loop on the calibration texts at this step, layer by layer
             preds: list[dict[str, np.ndarray]] = [{}]
-            recons = [[] for _ in fit_kv]  # per fit text, the reconstructions so far
-            for i, (k, v) in enumerate(fit_kv):
-                _, _, _, r0 = code_text(k[:1], v[:1], heads, s, None, args.sources)
-                recons[i] = r0
+            recons = [[{r: c[1] for r, c in code_layer(k[0], v[0], heads, s, None, None, args.sources).items()}]
+                      for k, v in fit_kv]  # per fit text, the reconstructions so far
             for layer in range(1, n_layers):
                 w: dict[str, np.ndarray] = {}
                 for role in ("k", "v"):
-                    xs = np.vstack([np.hstack([r[layer - 1]["k"], r[layer - 1]["v"]]) if args.sources == "kv"
-                                    else r[layer - 1][role] for r in recons])
+                    xs = np.vstack([predictor_input(r[layer - 1], role, args.sources) for r in recons])
                     ys = np.vstack([(kv[0] if role == "k" else kv[1])[layer] for kv in fit_kv])
                     w[role] = fit(xs, ys)
                 preds.append(w)
                 for i, (k, v) in enumerate(fit_kv):
-                    rec = {}
-                    for role, x in (("k", k[layer]), ("v", v[layer])):
-                        prev = recons[i][layer - 1]
-                        src = np.hstack([prev["k"], prev["v"]]) if args.sources == "kv" else prev[role]
-                        p = src @ w[role][:-1] + w[role][-1]
-                        _, r = quantise(x - p, heads, s, x)
-                        rec[role] = r + p
-                    recons[i].append(rec)
+                    coded = code_layer(k[layer], v[layer], heads, s, recons[i][layer - 1], w, args.sources)
+                    recons[i].append({r: c[1] for r, c in coded.items()})
             preds_at[s] = preds
             for t in texts:
                 k, v = test_kv[t]

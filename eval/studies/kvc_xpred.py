@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from kvcodec.harness.results import provenance, write_result
-from kvcodec.harness.studies import ridge_fit as fit, rope_rotate as rotate
+from kvcodec.harness.studies import ridge_fit as fit, ridge_predict, rope_rotate as rotate
 
 #: level presets by target, the preset that codes it (the profile picks the steps)
 LEVEL_PRESETS = {0.002: "kvc-transparent", 0.005: "kvc-near", 0.01: "kvc-near", 0.02: "kvc-near",
@@ -90,7 +90,7 @@ class LayerCoder:
             p = 0.0
             if w is not None and role in self.roles:
                 src = self.source(layer - 1)
-                p = src @ w[role][:-1] + w[role][-1]
+                p = ridge_predict(src, w[role])
                 if role == "k":
                     p = rotate(p, self.heads, self.theta, 1)
             res = torch.from_numpy(flat(x) - p).reshape(x.shape).to(x.dtype)

@@ -191,3 +191,8 @@ def ridge_fit(xs: Any, ys: Any) -> Any:
     g = x1.T @ x1
     lam = 1e-3 * np.trace(g) / g.shape[0]
     return np.linalg.solve(g + lam * np.eye(g.shape[0]), x1.T @ ys)
+
+
+def ridge_predict(xs: Any, w: Any) -> Any:
+    """``[xs, 1] @ w`` for ``w`` as :func:`ridge_fit` returns it (the bias its last row)."""
+    return xs @ w[:-1] + w[-1]
