@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Sequence
 
 from . import codecs  # noqa: F401  (registers the built-in codecs)
 from .cache import KVCache
@@ -22,7 +22,8 @@ from .format.manifest import MAX_ELEMENTS_PER_BYTE
 
 
 def open(src: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO,  # noqa: A001 - like io.open
-         require_codec: bool = True, max_elements_per_byte: int = MAX_ELEMENTS_PER_BYTE) -> KVCReader:
+         require_codec: bool = True, max_elements_per_byte: int = MAX_ELEMENTS_PER_BYTE,
+         profiles: Sequence[str | os.PathLike[str]] = ()) -> KVCReader:
     """Open a KVC file (path, bytes, or seekable binary file object) for lazy, validated decoding.
 
     With ``require_codec=False`` a file whose codec is not installed still opens for inspection
@@ -37,19 +38,22 @@ def open(src: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO
         TruncatedError, FormatError, VersionError, ChecksumError, UnknownCodecError: the file is
         damaged, foreign, too new, or names a codec this installation lacks.
     """
-    return open_with(src, get_codec, require_codec=require_codec, max_elements_per_byte=max_elements_per_byte)
+    return open_with(src, get_codec, require_codec=require_codec, max_elements_per_byte=max_elements_per_byte,
+                     profiles=profiles)
 
 
-def decode(data: Any, device: str = "cpu", max_elements_per_byte: int = MAX_ELEMENTS_PER_BYTE) -> KVCache:
+def decode(data: Any, device: str = "cpu", max_elements_per_byte: int = MAX_ELEMENTS_PER_BYTE,
+           profiles: Sequence[str | os.PathLike[str]] = ()) -> KVCache:
     """Decode KVC bytes, a path or a binary file with whatever codec the file names.
 
     ``device="cuda"`` (or ``"cuda:N"``) decodes with the GPU kernels where the codec has them.
+    ``profiles``: as for :func:`open`.
 
     Raises:
         FormatError: the file is damaged or foreign; the subclass (TruncatedError, VersionError,
             ChecksumError) names the problem. UnknownCodecError: the codec is not installed.
     """
-    with open(data, max_elements_per_byte=max_elements_per_byte) as r:
+    with open(data, max_elements_per_byte=max_elements_per_byte, profiles=profiles) as r:
         return r.read_cache(device=device)
 
 

@@ -260,8 +260,10 @@ class Codec(ABC):
         with self.plan(cache, tokens_per_chunk) as plan:
             return container.write_cache(plan, path=path)
 
-    def decode(self, data: bytes | str | os.PathLike[str], device: str = "cpu") -> KVCache:
-        """Decode KVC bytes (or a path, or a binary file) written by this codec into a :class:`KVCache`.
+    def decode(self, data: bytes | str | os.PathLike[str], device: str = "cpu",
+               profiles: Any = ()) -> KVCache:
+        """Decode KVC bytes (or a path, or a binary file) written by this codec into a :class:`KVCache`
+        (``profiles``: see :func:`kvcodec.open`).
 
         Raises:
             FormatError: the file is damaged or foreign (subclasses name the problem), or it was
@@ -269,7 +271,7 @@ class Codec(ABC):
         """
         from .decoding import read_with
 
-        return read_with(data, self, device=device)
+        return read_with(data, self, device=device, profiles=profiles)
 
     def bits_per_element(self, cache: KVCache) -> float:
         """Exact all-in size of ``encode(cache)`` in bits per cached value (headers included)."""

@@ -43,10 +43,13 @@ class KVCReader(ContainerReader):
     """
 
     def __init__(self, source: sio.Source, resolve: Resolver, require_codec: bool = True,
-                 max_elements_per_byte: int = MAX_ELEMENTS_PER_BYTE) -> None:
+                 max_elements_per_byte: int = MAX_ELEMENTS_PER_BYTE, profiles: Sequence[Any] = ()) -> None:
         from .errors import UnknownCodecError
 
         super().__init__(source, max_elements_per_byte)
+        #: profile files or directories to look in for a file coded with prediction across layers
+        self.profiles = [str(p) for p in profiles]
+        self._last: tuple[Any, dict[str, torch.Tensor]] | None = None  # the last layer decoded
         self.codec: Any = None
         self.codec_error: KVCodecError | None = None
         try:
@@ -95,8 +98,11 @@ class KVCReader(ContainerReader):
         Reads only that layer's bytes (plus the file-level planes once), verifying every CRC-32
         before decoding.
         """
+        key = (i, None if chunks is None else tuple(chunks), device)
         out: dict[str, torch.Tensor] = {}
-        for role, encs in self.read_layer_planes(i, chunks).items():
+        planes = self.read_layer_planes(i, chunks)
+        predicted = {role: [bool(enc.params.get("xp")) for _, enc in encs] for role, encs in planes.items()}
+        for role, encs in planes.items():
             parts = [self._decode_chunk(i, role, j, enc, device) for j, enc in encs]
             if len(parts) == 1:
                 out[role] = parts[0]
@@ -109,7 +115,41 @@ class KVCReader(ContainerReader):
             else:
                 _, h, d = self.tensor_shape(i, role)
                 out[role] = torch.empty((0, h, d), dtype=self.dtype, device=device if device != "cpu" else None)
+        if any(any(v) for v in predicted.values()):
+            out = self._add_predictions(i, chunks, out, predicted, device)
+        if getattr(self.codec, "add_predictions", None) is not None:  # what layer i + 1 may predict from
+            self._last = (key, {r: t.clone() for r, t in out.items()})
         return out
+
+    def _add_predictions(self, i: int, chunks: Sequence[int] | range | None, out: dict[str, torch.Tensor],
+                         predicted: dict[str, list[bool]], device: str) -> dict[str, torch.Tensor]:
+        """Layer ``i``'s residuals plus the codec's prediction from layer ``i - 1`` (decoded first,
+        the same chunks): prediction across layers (kvc ``xpred``, formats/codecs/kvc.md §13)."""
+        import numpy as np
+
+        where = f"layers.{i}"
+        add = getattr(self.codec, "add_predictions", None)
+        if add is None or i == 0:
+            raise FormatError(f"{where}: tensors marked as predicted from the layer before (xp), which "
+                              f"{'layer 0 has not' if i == 0 else 'codec ' + repr(self.codec.codec_id) + ' does not do'}")
+        key = (i - 1, None if chunks is None else tuple(chunks), device)
+        prev = self._last[1] if self._last is not None and self._last[0] == key else self.read_layer(i - 1, chunks, device)
+        lm = self._layer(i)
+        n_chunks = len(next(iter(lm.tensors.values())).chunks)
+        sel = list(range(n_chunks)) if chunks is None else list(chunks)
+        counts = [int(next(iter(lm.tensors.values())).chunks[j].tokens) for j in range(n_chunks)]
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        rows = np.concatenate([np.arange(starts[j], starts[j + 1]) for j in sel]) if sel else np.zeros(0, np.int64)
+        pos = self.positions()
+        positions = rows if pos is None else pos.numpy()[rows]
+        masks = {role: np.concatenate([np.full(counts[j], flag, dtype=bool) for j, flag in zip(sel, flags)])
+                 if flags else np.zeros(0, bool) for role, flags in predicted.items()}
+        try:
+            return add(i, out, prev, positions, masks, self.profiles, where)
+        except KVCodecError:
+            raise
+        except Exception as e:  # noqa: BLE001 - hostile input must only ever raise our errors
+            raise FormatError(f"{where}: prediction across layers failed: {type(e).__name__}: {str(e)[:200]}") from None
 
     def read_layers(self, layers: Iterable[int] | None = None, device: str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
         """Decode layers one at a time (default: all), yielding each layer's tensor dict."""
@@ -155,13 +195,13 @@ class KVCReader(ContainerReader):
 
 
 def open_with(src: Any, resolve: Resolver, require_codec: bool = True,
-              max_elements_per_byte: int = MAX_ELEMENTS_PER_BYTE) -> KVCReader:
+              max_elements_per_byte: int = MAX_ELEMENTS_PER_BYTE, profiles: Sequence[Any] = ()) -> KVCReader:
     """Open ``src`` (path, bytes, or seekable binary file object) with ``resolve`` choosing the codec."""
     return KVCReader(sio.as_source(src), resolve, require_codec=require_codec,
-                     max_elements_per_byte=max_elements_per_byte)
+                     max_elements_per_byte=max_elements_per_byte, profiles=profiles)
 
 
-def read_with(data: Any, codec: Any, device: str = "cpu") -> KVCache:
+def read_with(data: Any, codec: Any, device: str = "cpu", profiles: Sequence[Any] = ()) -> KVCache:
     """Decode a whole file that ``codec`` wrote (FormatError if the file names another codec id)."""
 
     def resolve(config: dict[str, Any]) -> Any:
@@ -170,7 +210,7 @@ def read_with(data: Any, codec: Any, device: str = "cpu") -> KVCache:
             raise FormatError(f"file was written by codec {cid!r}, not {codec.codec_id!r}")
         return type(codec).from_config(config)  # the file's own parameters decode it
 
-    with open_with(data, resolve) as r:
+    with open_with(data, resolve, profiles=profiles) as r:
         return r.read_cache(device=device)
 
 

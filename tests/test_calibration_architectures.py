@@ -377,6 +377,11 @@ def _word_tokenizer():
     return tok, {d: " ".join(words[i] for i in rng.integers(0, 60, 300)) for d in ("prose", "code")}
 
 
+def cache_layers(model) -> int:
+    """Layers after the first (each gets a predictor)."""
+    return int(model.config.num_hidden_layers) - 1
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_the_whole_calibration_runs_on_every_family(name, tmp_path):
     import json
@@ -399,6 +404,9 @@ def test_the_whole_calibration_runs_on_every_family(name, tmp_path):
         assert np.isfinite([lv["k_step"], lv["v_step"], lv["kl_search"], lv["kl_holdout"]]).all()
         assert lv["k_step"] > 0 and lv["v_step"] > 0 and lv["kl_holdout"] >= 0
     assert p.points and st.profile["model"]  # measured points, and the model's identity
+    # cross-layer predictors fitted for every layer after the first, and the search coded with them
+    assert st.profile["settings"]["xpred"] == 1 and st.xpred[0] is None
+    assert all(x is not None for x in st.xpred[1:]) and st.profile["xpred"]["layers"] == cache_layers(model)
     f = tmp_path / f"{name}.safetensors"
     save_query_statistics(st, f)
     cache = capture(model, tok, texts["prose"], context=48, dtype=torch.float16)
@@ -406,7 +414,11 @@ def test_the_whole_calibration_runs_on_every_family(name, tmp_path):
     blob = kvcodec.get_codec({"id": "kvc", "target_kl": 0.01, "calibration": str(f)}).encode(cache)
     with open_kvc(blob) as r:
         cfg = dict(r.manifest["codec"])
-    assert cfg["k_step"] == a["k_step"] and cfg["v_step"] == a["v_step"]
+    assert cfg["k_step"] == a["k_step"] and cfg["v_step"] == a["v_step"] and cfg["xpred"] == 1
+    with open_kvc(blob) as r:
+        flags = {c["params"].get("xp") for layer in r.manifest["layers"][1:] for t in layer["tensors"].values()
+                 for c in t["chunks"]}
+    assert flags == {1}
     dec = kvcodec.decode(blob)
     assert dec.num_layers == cache.num_layers
     for got, want in zip(dec.layers, cache.layers):

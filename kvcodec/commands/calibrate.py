@@ -1,7 +1,10 @@
 """``kvcodec calibrate``: measure a model's kvc profile (and its query statistics).
 
-The file is input to the encoder only (``{"id": "kvc-near", "calibration": FILE}``, or
-``{"id": "kvc", "target_kl": 0.005, "calibration": FILE}``); the decoder never needs it. By
+The file is input to the encoder (``{"id": "kvc-near", "calibration": FILE}``, or
+``{"id": "kvc", "target_kl": 0.005, "calibration": FILE}``). Its profile also holds cross-layer
+predictors (kvc ``xpred``), and files coded with it decode only where the same profile is (the
+path the encoder read, ``~/.cache/kvcodec/profiles``, ``$KVCODEC_PROFILES`` or ``kvcodec decode
+--profile``); ``--no-xpred`` makes a profile whose files decode anywhere. By
 default the command runs the closed loop of :mod:`kvcodec.harness.profile` on the built-in
 calibration text (four domains, none of it evaluated on): every quality level, and any target,
 then maps to steps measured on this model. ``--no-profile`` writes the statistics only.
@@ -34,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "0.01, kvc-aggressive 0.05) is met with a margin, and check it on a second window of the "
         "text. kvc reads the profile when named by its 'calibration' parameter: the level "
         "presets, and any {\"id\": \"kvc\", \"target_kl\": T}, then code with this model's steps. "
+        "The profile holds cross-layer predictors fitted on this model: files coded with it predict each "
+        "layer from the one before and decode only where the profile is (kvcodec decode --profile FILE, or "
+        "~/.cache/kvcodec/profiles); --no-xpred for files that decode anywhere. "
         "About 2.5 minutes for SmolLM2-135M and 4.5 for Qwen2.5-Coder-0.5B on 2 cores, with progress; a "
         "model with more KV values a token takes longer (11 minutes for Qwen3-0.6B's shape). "
         "Needs the [eval] extra.",
@@ -57,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-profile", action="store_true",
                    help="write the query statistics only (no closed-loop search; the level presets then "
                    "code with their fixed steps)")
+    p.add_argument("--no-xpred", action="store_true",
+                   help="no cross-layer predictors: files coded with this profile decode without it (they "
+                   "cost more bits at each level)")
     p.add_argument("--margin", type=_fraction, default=None,
                    help="a step meets a target when the mean KL over the search windows is at most this "
                    "fraction of it (and the worst window at most 1.2x the target; default 0.8)")
@@ -116,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
 
         stats = build_profile(model, tok, text, context=args.context, continuation=args.continuation,
                               samples=args.samples, sensitivity_samples=args.sensitivity,
-                              margin=args.margin or DEFAULT_MARGIN, text_name=text_name, progress=say)
+                              margin=args.margin or DEFAULT_MARGIN, text_name=text_name, progress=say,
+                              xpred=not args.no_xpred)
     save_query_statistics(stats, args.out)
     summary = {"output": os.fspath(args.out), "layers": stats.num_layers, "context": args.context,
                "skip_tokens": args.skip_tokens, "samples": args.samples,

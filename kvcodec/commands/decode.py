@@ -17,6 +17,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("input", help="KVC file")
     p.add_argument("output", help="raw safetensors dump to write (atomically)")
     p.add_argument("--device", default="cpu", help="cpu (the reference decoders), or cuda or cuda:N (the GPU kernels)")
+    p.add_argument("--profile", action="append", default=[], metavar="FILE",
+                   help="a profile (kvcodec calibrate) or a directory of them, for files coded with prediction "
+                   "across layers (kvc xpred), which decode only with the profile that coded them; it is also "
+                   "looked for where the encoder read it and in ~/.cache/kvcodec/profiles (repeatable)")
     p.add_argument("--json", action="store_true", help="print a JSON summary to stdout")
     p.set_defaults(func=run)
 
@@ -24,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import decode
 
-    cache = decode(args.input, device=args.device)
+    cache = decode(args.input, device=args.device, profiles=args.profile)
     cache.to_safetensors(args.output)
     summary = {"input": os.fspath(args.input), "output": os.fspath(args.output),
                "layers": cache.num_layers, "tokens": cache.num_tokens,

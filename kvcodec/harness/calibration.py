@@ -1,4 +1,5 @@
-"""Query statistics for the ``kvc`` encoder (optional calibration; the decoder never needs them).
+"""Query statistics for the ``kvc`` encoder (optional calibration; the decoder never needs them,
+only a profile's cross-layer predictors, :mod:`kvcodec.harness.xpred`).
 
 The model sees K through ``q · k`` and V through the attention weights, so the error that matters
 is weighted by the queries: a K channel the queries ignore can be coarse, and a token that

@@ -84,8 +84,14 @@ from ..errors import InputError
 SEARCH_SETTINGS: dict[str, Any] = {
     "k_qgamma": 1.0, "v_attn": 0.5, "k_attn": 1.0, "attn_clip": 3.0, "attn_coarse": 1.0,
     "sens": 1.0, "sens_clip": 8.0, "sens_coarse": 1.5, "recent_ramp": 128, "recent_fine": 4.0, "k_recon": 4,
-    "sink_v_ratio": 0.0, "k_rope_mean": 1,
+    "sink_v_ratio": 0.0, "k_rope_mean": 1, "xpred": 1,
 }
+#: The cross-layer predictors (``xpred``) are fitted once, closed loop, at the steps the Fisher
+#: information predicts for this level coded without them (``DEFAULT_MARGIN`` times it): one set
+#: fitted at the near-lossless level served every level on both models
+#: (eval/results/kvc_xpred_fit001.md); fitted on uncoded K and V they broke SmolLM2's coarse
+#: levels (kvc_xpred_clean.md).
+XPRED_FIT_KL = 0.01
 #: Entropy settings of the search's encodes (lossless: they change the bits it reports, not the KL).
 SEARCH_ENTROPY: dict[str, Any] = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chunk": 2048, "max_level": 32}
 #: A step meets a target ``t`` when the mean KL over the search windows is at most
@@ -113,7 +119,7 @@ MAX_TOTAL_SCORES = 16
 #: finest level first, from the step the Fisher information predicts for it, then secant steps
 #: with the slope of every measured point, a step stopped as soon as one window proves it over
 #: the level (:func:`search_levels`, :func:`score_windows_until`).
-SEARCH_METHOD = f"fine-first/3+balance/5+total/{MAX_TOTAL_SCORES}"
+SEARCH_METHOD = f"fine-first/3+balance/5+total/{MAX_TOTAL_SCORES}+xpred-fit/{XPRED_FIT_KL}"
 
 
 def search_settings() -> dict[str, Any]:
@@ -552,6 +558,7 @@ def build_profile(
     balance_probes: int = BALANCE_PROBES,
     text_name: str = "custom",
     progress: Callable[[str], None] | None = None,
+    xpred: bool = True,
 ) -> QueryStats:
     """Measure ``model``'s kvc profile (see the module docstring) on ``texts`` (one text, or a
     text per domain: :func:`kvcodec.harness.texts.calibration_texts`): the query statistics of
@@ -561,6 +568,9 @@ def build_profile(
     A step meets a target when, over the search windows, the mean KL is at most ``margin *
     target`` and the worst window's at most ``worst * target``. ``max_scores``: see
     :func:`search_levels`; ``max_total_scores``: :data:`MAX_TOTAL_SCORES` (None: no bound).
+    ``xpred``: fit cross-layer predictors first (:mod:`kvcodec.harness.xpred`) and search with
+    them on, so every level codes layers as residuals; files coded with such a profile decode
+    only where the profile is (formats/codecs/kvc.md §13). False: self-contained files.
 
     Raises:
         InputError: a text is shorter than a window, or bad arguments.
@@ -604,12 +614,35 @@ def build_profile(
     say(f"K/V balance v_step / k_step = {ratio:.3f}" + (" (measured)" if ratio_measured else " (no sensitivities)"))
     tmp = tempfile.NamedTemporaryFile(prefix="kvcodec-profile-", suffix=".safetensors", delete=False)
     tmp.close()
+    settings = {**SEARCH_SETTINGS, "xpred": int(bool(xpred))}
+    xp_on = [False]  # the predictors are fitted before the search codes with them
     try:
         save_query_statistics(stats, tmp.name)
 
         def config(k_step: float, v_step: float | None = None) -> dict[str, Any]:
-            return {"id": "kvc", **SEARCH_ENTROPY, **SEARCH_SETTINGS, "k_step": k_step,
-                    "v_step": k_step * ratio if v_step is None else v_step, "calibration": tmp.name}
+            return {"id": "kvc", **SEARCH_ENTROPY, **settings, "k_step": k_step,
+                    "v_step": k_step * ratio if v_step is None else v_step, "calibration": tmp.name,
+                    "xpred": int(xp_on[0])}
+
+        xpred_info: dict[str, Any] | None = None
+        if xpred:
+            from .xpred import fit_predictors
+
+            fit_step, fit_kl = 0.5, None
+            if fisher is not None:
+                def predict_plain(k_step: float) -> float:
+                    codec = get_codec(config(k_step))
+                    return fisher_kl(fisher, ref0, codec.decode(codec.encode(evs[0].reference)))
+
+                fit_step, fit_kl = _solve_step(predict_plain, margin * XPRED_FIT_KL, 0.5)
+            say(f"cross-layer predictors: fitting at step {fit_step:.4f} on the search windows' reconstructions "
+                f"({time.perf_counter() - t0:.0f} s)")
+            stats.xpred = fit_predictors(config(fit_step), tmp.name, [e.reference for e in evs], stats, say)
+            save_query_statistics(stats, tmp.name)
+            xp_on[0] = True
+            xpred_info = {"fit_k_step": float(fit_step), "fit_kl_predicted": fit_kl, "fit_level": XPRED_FIT_KL,
+                          "layers": sum(p is not None for p in stats.xpred),
+                          "parameters": int(sum(p[0].size + p[1].size for p in stats.xpred if p is not None))}
 
         first, first_kl = 0.5, None
         if fisher is not None:
@@ -668,7 +701,8 @@ def build_profile(
     ident = model_identity(model, tokenizer)
     stats.profile = {
         "version": PROFILE_VERSION,
-        "settings": search_settings(),  # every quality parameter the search coded with
+        "settings": {**search_settings(), "xpred": int(bool(xpred))},  # every quality parameter the search coded with
+        "xpred": xpred_info,
         "kv_ratio": ratio,
         "kv_ratio_measured": ratio_measured,
         "margin": 1.0,  # the points already hold the criterion below

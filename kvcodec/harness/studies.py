@@ -184,13 +184,10 @@ def rope_rotate(k: Any, heads: int, theta: float, sign: int) -> Any:
 def ridge_fit(xs: Any, ys: Any) -> Any:
     """Ridge least squares ``ys ~ [xs, 1] @ W`` (lambda 1e-3 of the Gram matrix's mean diagonal):
     ``W`` with the bias as its last row (the cross-layer predictors of eval/studies/kvc_xlayer.py
-    and kvc_xpred.py)."""
-    import numpy as np
+    and kvc_xpred.py; the fit ``kvcodec calibrate`` uses, :func:`kvcodec.harness.xpred.ridge_fit`)."""
+    from .xpred import ridge_fit as fit
 
-    x1 = np.hstack([xs, np.ones((len(xs), 1))])
-    g = x1.T @ x1
-    lam = 1e-3 * np.trace(g) / g.shape[0]
-    return np.linalg.solve(g + lam * np.eye(g.shape[0]), x1.T @ ys)
+    return fit(xs, ys)
 
 
 def ridge_predict(xs: Any, w: Any) -> Any:

@@ -118,6 +118,8 @@ class QueryStats:
         attention: per layer :class:`LayerAttention` (rotation, window, softcap), or None (files
             before ``qstats/4``: every layer rotates with the default RoPE of ``rope_theta``
             over all channels, no window, no softcap).
+        xpred: per layer the cross-layer predictor ``(W float16 [I, O], b float32 [O])`` or None
+            (layer 0 never has one), or None (no predictors): :mod:`kvcodec.codecs.kvc.xpred`.
     """
 
     q_energy: list[np.ndarray | None]
@@ -129,6 +131,7 @@ class QueryStats:
     v_sens: list[np.ndarray | None] | None = None
     profile: dict | None = None
     attention: list[LayerAttention] | None = None
+    xpred: list[tuple[np.ndarray, np.ndarray] | None] | None = None
 
     def layer_attention(self, layer: int) -> LayerAttention:
         """The :class:`LayerAttention` of ``layer`` (for files without per-layer facts, the one
@@ -175,6 +178,15 @@ def save_query_statistics(stats: QueryStats, path: str | os.PathLike[str]) -> No
         for i, la in enumerate(stats.attention):
             if la.rope == "rotary":
                 tensors[f"layers.{i}.rope_inv_freq"] = np.ascontiguousarray(la.inv_freq, dtype=np.float32)
+    if stats.xpred is not None:
+        if len(stats.xpred) != stats.num_layers or stats.xpred[0] is not None:
+            raise InputError(f"xpred needs one entry per layer ({stats.num_layers}), None for layer 0")
+        for i, p in enumerate(stats.xpred):
+            if p is not None:
+                w, b = np.ascontiguousarray(p[0], dtype=np.float16), np.ascontiguousarray(p[1], dtype=np.float32)
+                if w.ndim != 2 or b.shape != (w.shape[1],) or not (np.all(np.isfinite(w)) and np.all(np.isfinite(b))):
+                    raise InputError(f"layer {i} predictor must be finite float16 [I, O] and float32 [O]")
+                tensors[f"layers.{i}.xpred_w"], tensors[f"layers.{i}.xpred_b"] = w, b
     if stats.profile is not None:
         meta["profile"] = json.dumps(stats.profile, sort_keys=True)
     path = Path(path)
@@ -228,11 +240,23 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
     sample: list[np.ndarray | None] = [None] * n
     freqs: list[np.ndarray | None] = [None] * n
     sens: dict[str, list[np.ndarray | None]] = {"k": [None] * n, "v": [None] * n}
+    xw: list[np.ndarray | None] = [None] * n
+    xb: list[np.ndarray | None] = [None] * n
     for k, v in tensors.items():
         parts = k.split(".")
         if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= n:
             raise FormatError(f"{name}: unexpected tensor {k!r}")
         i = int(parts[1])
+        if parts[2] == "xpred_w":
+            if v.dtype != np.float16 or v.ndim != 2 or not v.size or not np.all(np.isfinite(v)) or i == 0:
+                raise FormatError(f"{name}: {k} must be a finite float16 matrix (layers >= 1)")
+            xw[i] = v
+            continue
+        if parts[2] == "xpred_b":
+            if v.dtype != np.float32 or v.ndim != 1 or not np.all(np.isfinite(v)):
+                raise FormatError(f"{name}: {k} must be a finite float32 vector")
+            xb[i] = v
+            continue
         if v.dtype != np.float32 or not np.all(np.isfinite(v)):
             raise FormatError(f"{name}: {k} must be finite float32")
         if parts[2] == "q_energy" and v.ndim == 2 and np.all(v >= 0):
@@ -250,6 +274,11 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
                      sens["v"] if any(a is not None for a in sens["v"]) else None, profile)
     if "attention" in meta:
         out.attention = _parse_attention(meta["attention"], freqs, out, name)
+    for i in range(n):
+        if (xw[i] is None) != (xb[i] is None) or (xw[i] is not None and xb[i].shape != (xw[i].shape[1],)):
+            raise FormatError(f"{name}: layer {i} predictor needs xpred_w [I, O] and xpred_b [O]")
+    if any(w is not None for w in xw):
+        out.xpred = [None if w is None else (w, b) for w, b in zip(xw, xb)]
     return out
 
 

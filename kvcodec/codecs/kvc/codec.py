@@ -128,6 +128,13 @@ class KVCCodec(Codec):
         sens, sens_clip, sens_coarse: per-(layer, head) steps from the file's sensitivities, when
             it has them: multiplier ``(s / geometric mean) ** (-sens / 2)`` clipped to
             ``[1/sens_clip, sens_coarse]`` (see :func:`_sens_multipliers`; 0 = off).
+        xpred: 1 to code each layer that the calibration file's profile has a predictor for as
+            its residual after a prediction from the layer before as decoded (closed loop;
+            :mod:`kvcodec.codecs.kvc.xpred`, formats/codecs/kvc.md §13). Profiles that
+            ``kvcodec calibrate`` writes set it for every level (``--no-xpred``: not). **Such a
+            file decodes only where that profile is** (found by its SHA-256: the path the
+            encoder read, ``profiles=`` / ``kvcodec decode --profile``, ``$KVCODEC_PROFILES``,
+            ``~/.cache/kvcodec/profiles``); every other setting leaves files self-contained.
 
     Example:
         >>> import kvcodec
@@ -146,7 +153,7 @@ class KVCCodec(Codec):
         "calibration": "", "k_qgamma": 1.5, "v_attn": 0.5, "k_attn": 1.0, "attn_clip": 2.0, "attn_coarse": 1.5,
         "sens": 1.0, "sens_clip": 2.0, "sens_coarse": 1.5, "recent_ramp": 0, "recent_fine": 1.0,
         "delta": 1, "calibration_sha256": "", "ctx": [], "k_recon": 0, "pack": 2, "target_kl": 0.0,
-        "fallback": "refuse", "query_pos": 0, "k_rope_mean": 0,
+        "fallback": "refuse", "query_pos": 0, "k_rope_mean": 0, "xpred": 0,
     }
 
     def check_params(self) -> None:
@@ -193,6 +200,8 @@ class KVCCodec(Codec):
             raise ConfigError(f"kvc fallback must be 'refuse' or 'steps', got {p['fallback']!r}")
         if not isinstance(p["k_rope_mean"], int) or isinstance(p["k_rope_mean"], bool) or p["k_rope_mean"] not in (0, 1):
             raise ConfigError(f"kvc k_rope_mean must be 0 or 1, got {p['k_rope_mean']!r}")
+        if not isinstance(p["xpred"], int) or isinstance(p["xpred"], bool) or p["xpred"] not in (0, 1):
+            raise ConfigError(f"kvc xpred must be 0 or 1, got {p['xpred']!r}")
         q = p["query_pos"]
         if not isinstance(q, int) or isinstance(q, bool) or not 0 <= q <= 1 << 40:
             raise ConfigError(f"kvc query_pos must be an integer in [0, 2**40] (0 = after the cache), got {q!r}")
@@ -208,7 +217,8 @@ class KVCCodec(Codec):
         """Per-call state: with a ``calibration`` file, read it once (its SHA-256 goes into the
         file's codec config) and estimate, per layer, the query energy per K channel and the
         attention each token will receive (:mod:`kvcodec.codecs.kvc.calibration`). Only the steps
-        change, and they are stored as always, so the decoder needs nothing else.
+        change, and they are stored as always, so the decoder needs nothing else, except with
+        ``xpred`` (the profile's cross-layer predictors: the decoder needs the profile).
 
         Raises:
             InputError: the calibration file cannot be read.
@@ -219,6 +229,8 @@ class KVCCodec(Codec):
         del config["query_pos"]  # encoder-only: where the attention estimates put the queries
         if not self.params["k_rope_mean"]:
             del config["k_rope_mean"]  # files without rotating means keep the config they always had
+        if not self.params["xpred"]:
+            del config["xpred"]  # files without prediction across layers keep the config they always had
         target = self.params["target_kl"]
         refuse = self.params["fallback"] == "refuse"
         if not target or not self.params["calibration"]:
@@ -228,6 +240,9 @@ class KVCCodec(Codec):
             if target and refuse:
                 raise ConfigError(f"kvc target_kl {target} needs a profile of your model: run `kvcodec calibrate "
                                   f"--model M --out F` and give 'calibration': F (or fallback 'steps')")
+            if self.params["xpred"]:
+                raise ConfigError("kvc xpred needs a profile that holds cross-layer predictors ('calibration': a "
+                                  "file from `kvcodec calibrate`)")
             return Prepared(config, {})
         cal = Calibration.load(self.params["calibration"])
         given = self.params["calibration_sha256"]
@@ -268,6 +283,15 @@ class KVCCodec(Codec):
                 state["rope"] = rope
         elif "k_rope_mean" in config:
             del config["k_rope_mean"]  # files without rotating means keep the config they always had
+        if params["xpred"]:
+            from .xpred import Predictors, XPredEncoder, absolute_positions
+
+            state["xpred"] = XPredEncoder(Predictors.from_calibration(cal),
+                                          absolute_positions(cache.positions, cache.num_tokens),
+                                          [{r: tuple(t.shape[1:]) for r, t in layer.items()} for layer in cache.layers])
+            config["xpred"] = 1
+        elif "xpred" in config:
+            del config["xpred"]
         # one tensor at a time (so only this thread resolves the attention futures, plan.py): a
         # calibrated encode gained nothing on threads (Qwen3-0.6B-shaped
         # window on 2 cores, scratch: 1.99 s on two against 1.78 on one; uncalibrated 0.70
@@ -469,7 +493,28 @@ class KVCCodec(Codec):
         return mask
 
     def encode_tensor(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
-        """:meth:`encode_planes`, its planes packed into one (``pack``, the default) or not."""
+        """:meth:`encode_planes`, its planes packed into one (``pack``, the default) or not; with
+        prediction across layers (``xpred``), of the residual after the prediction (param ``xp``)."""
+        xp = ctx.state.get("xpred") if isinstance(ctx.state, dict) else None
+        if xp is None:
+            return self._encode_tensor(x, ctx)
+        from .xpred import as_float32, residual, to_dtype
+
+        where = f"layers.{ctx.layer}.{ctx.role}"
+        with xp.lock:
+            rows = xp.rows(ctx.layer, ctx.role, x.shape[0])
+            pred = xp.prediction(ctx.layer, ctx.role, rows, where)
+            enc = self._encode_tensor(x if pred is None else residual(x, pred, where), ctx)
+            if pred is not None:
+                enc.params["xp"] = 1
+            dec = as_float32(self.decode_tensor(enc, TensorContext(ctx.layer, ctx.role, ctx.shape, ctx.dtype,
+                                                                   ctx.layer_kind, ctx.globals)))
+            if pred is not None:
+                dec = as_float32(to_dtype(dec + pred, ctx.dtype))
+            xp.store(ctx.layer, ctx.role, rows, dec)
+        return enc
+
+    def _encode_tensor(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
         enc = self.encode_planes(x, ctx)
         if not self.params["pack"]:
             return enc
@@ -672,6 +717,10 @@ class KVCCodec(Codec):
         extra = sorted(set(enc.planes) - set(PACK_PIECES))
         if extra:
             raise FormatError(f"{where}: unknown kvc plane(s) {extra}")
+        xp = pr.get("xp", 0)
+        if type(xp) is not int or xp not in (0, 1) or (xp and ctx.layer == 0) or ("xp" in pr and not xp):
+            raise FormatError(f"{where}: kvc xp (predicted from the layer before) must be 1 or absent, and never "
+                              f"on layer 0; got {xp!r}")
         if min(n, s, r) < 0 or s + r > t or not 1 <= lv <= 1024 or tr not in ("none", "hadamard"):
             raise FormatError(f"{where}: kvc params {pr!r} disagree with shape {list(ctx.shape)}")
         mask = self._mask(ctx, s, r, where)
@@ -732,6 +781,40 @@ class KVCCodec(Codec):
         v.__dict__.update(lv=lv, tr=tr, per_channel=per_channel, k_tok=k_tok, rows=rows, stage_planes=stage_planes,
                           esc=esc, use=use, sc_ch=sc_ch, base=base, mean=mean, rc=rc, rope=rope)
         return v
+
+    def add_predictions(self, layer: int, decoded: dict[str, torch.Tensor], previous: dict[str, torch.Tensor],
+                        positions: np.ndarray, predicted: dict[str, np.ndarray], profiles: Any = (),
+                        where: str = "") -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s tensors from their decoded residuals (``decoded``; the rows that
+        ``predicted`` marks, per role) and layer ``layer - 1`` as decoded (``previous``), at
+        absolute ``positions``: formats/codecs/kvc.md §13. The predictors come from the profile
+        the file names (``calibration_sha256``; :func:`kvcodec.codecs.kvc.xpred.find_profile`).
+
+        Raises:
+            FormatError: the profile is not here, has no predictor for the layer, or does not fit.
+        """
+        from .xpred import as_float32, find_profile, to_dtype
+
+        sha = self.params["calibration_sha256"]
+        if not sha:
+            raise FormatError(f"{where}: tensors predicted from the layer before (xp), but the codec config "
+                              f"names no profile (calibration_sha256)")
+        pred = find_profile(sha, self.params["calibration"], profiles, where)
+        if not pred.has(layer):
+            raise FormatError(f"{where}: the profile {sha[:12]}... has no predictor for layer {layer}")
+        shapes = {r: (int(t.shape[1]), int(t.shape[2])) for r, t in decoded.items()}
+        p = pred.predict(layer, {r: as_float32(t) for r, t in previous.items()}, shapes,
+                         np.asarray(positions, dtype=np.int64), where)
+        out = {}
+        for r, t in decoded.items():
+            m = predicted[r]
+            if not m.any():
+                out[r] = t
+                continue
+            v = as_float32(t)
+            v[m] = v[m] + p[r][m]
+            out[r] = to_dtype(v, t.dtype).to(t.device)
+        return out
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
         p = self.params

@@ -56,7 +56,7 @@ PROFILE_VERSION = 1
 #: plain presets' 0.3, cost about 0.06 b for a KL the search never asked for.)
 QUALITY_PARAMS = ("k_step", "v_step", "k_gamma", "v_scale", "v_center", "recent", "rho",
                   "transform", "k_qgamma", "v_attn", "k_attn", "attn_clip", "attn_coarse", "sens", "sens_clip",
-                  "sens_coarse", "recent_ramp", "recent_fine", "k_recon", "sink_v_ratio", "k_rope_mean")
+                  "sens_coarse", "recent_ramp", "recent_fine", "k_recon", "sink_v_ratio", "k_rope_mean", "xpred")
 #: the quality levels kvc's presets name (mean next-token KL against the fp16 cache)
 LEVELS = {"transparent": 0.002, "near": 0.01, "aggressive": 0.05}
 _EPS = 1e-12

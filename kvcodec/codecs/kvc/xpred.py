@@ -1,0 +1,354 @@
+"""Prediction across layers (kvc ``xpred``; formats/codecs/kvc.md §13, normative).
+
+Layer ``l``'s K and V are linear maps of a residual stream that changes little from layer
+``l - 1``, so an affine map of layer ``l - 1``'s *decoded* K (turned back to before RoPE) and V
+predicts much of them (docs/kvc-design.md §8, eval/results/kvc_xpred*.md). With ``xpred`` the
+encoder codes each tensor of a layer that has a predictor as its residual after that prediction,
+and the decoder adds the prediction back, layer after layer:
+
+1. the inputs: every tensor of layer ``l - 1`` as decoded (the cache dtype widened to float32
+   exactly), in role order ``k``, ``v``, ``kv``; K turned back with the table rotation of
+   :mod:`kvcodec.transforms.rope` at each token's absolute position where the profile says the
+   layer rotates: ``(a cos + b sin, b cos - a sin)`` on each pair ``(a, b)``, every product and
+   sum a separately rounded float32 operation in that order; each tensor flattened per token
+   (heads, then channels), concatenated: ``x`` float32 ``[T, I]``;
+2. ``y = b + x W`` with the layer's predictor (``W`` float16 ``[I, O]`` widened exactly, ``b``
+   float32 ``[O]``): per output, ``y = b``, then for ``i = 0 .. I-1`` ascending
+   ``y = y + x[i] * W[i]``, each product and sum rounded to float32 (no fused multiply-add:
+   :func:`affine_reference`, and csrc/xpred.c built with ``-ffp-contract=off``);
+3. ``y`` split into layer ``l``'s tensors in role order; K turned forward where layer ``l``
+   rotates: ``(a cos - b sin, b cos + a sin)``;
+4. each tensor is its decoded residual widened to float32, plus its prediction, rounded (to
+   nearest, ties to even) to the cache dtype: the values the next layer reads.
+
+The predictors live in the model's profile (``kvcodec calibrate`` fits them, one set per model,
+on the calibration windows' own reconstructions: :mod:`kvcodec.harness.xpred`), not in the file,
+which names the profile by ``calibration_sha256``: a file coded this way decodes only where that
+profile is (:func:`find_profile`).
+
+Example:
+    >>> import numpy as np
+    >>> x = np.array([[1.0, 2.0]], np.float32); w = np.array([[0.5], [0.25]], np.float32)
+    >>> affine_reference(x, w, np.array([1.0], np.float32)).tolist()
+    [[2.0]]
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from ...errors import ConfigError, FormatError, InputError
+from ...transforms.rope import _slices, cos_sin, layer_rotates, phase_steps
+from .calibration import Calibration, QueryStats
+
+#: the order in which a layer's tensors enter and leave a predictor
+ROLE_ORDER = ("k", "v", "kv")
+#: environment variable: more places (files or directories, ``os.pathsep``-separated) where
+#: :func:`find_profile` looks for a profile by its SHA-256
+PROFILES_ENV = "KVCODEC_PROFILES"
+
+#: ``(phase steps uint32 [r2], offset, style)`` of a layer whose K rotates, else None
+Rotation = "tuple[np.ndarray, int, str] | None"
+
+
+def affine_reference(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The normative ``b + x W`` (float32, inputs summed in ascending order, each product and sum
+    rounded): ``x`` ``[T, I]``, ``w`` ``[I, O]``, ``b`` ``[O]`` -> float32 ``[T, O]``."""
+    x = np.asarray(x, dtype=np.float32)
+    w = np.asarray(w, dtype=np.float32)
+    out = np.empty((x.shape[0], w.shape[1]), dtype=np.float32)
+    out[:] = np.asarray(b, dtype=np.float32)[None]
+    tmp = np.empty_like(out)
+    xt = np.ascontiguousarray(x.T)
+    for i in range(x.shape[1]):
+        np.multiply(xt[i][:, None], w[i][None], out=tmp)
+        np.add(out, tmp, out=out)
+    return out
+
+
+#: rows from which :func:`affine` splits the work over two threads (the C call releases the GIL;
+#: rows are independent, so the bits do not change)
+AFFINE_SPLIT_ROWS = 256
+
+
+def affine(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """:func:`affine_reference`, in C where the native library is built (bit for bit the same),
+    on two threads for long inputs where the machine has two CPUs."""
+    from ... import native
+    from ...native.xpred import affine as native_affine
+
+    try:
+        t = x.shape[0]
+        if t < AFFINE_SPLIT_ROWS or (os.cpu_count() or 1) < 2:
+            return native_affine(x, w, b)
+        half = t // 2
+        got: list[Any] = [None]
+
+        def second() -> None:
+            try:
+                got[0] = native_affine(x[half:], w, b)
+            except BaseException as e:  # noqa: BLE001 - raised on the calling thread below
+                got[0] = e
+
+        th = threading.Thread(target=second, name="kvc-xpred")
+        th.start()
+        try:
+            first = native_affine(x[:half], w, b)
+        finally:
+            th.join()
+        if isinstance(got[0], BaseException):
+            raise got[0]
+        return np.concatenate([first, got[0]])
+    except native.Unsupported:
+        return affine_reference(x, w, b)
+
+
+def _turn(a: np.ndarray, positions: np.ndarray, rot: Any, sign: int) -> np.ndarray:
+    """``a`` float32 ``[T, H, D]`` turned forward (``sign`` 1) or back (-1) by the table
+    rotation ``rot`` at ``positions`` (steps 1 and 3 of the module docstring)."""
+    if rot is None:
+        return a
+    steps, offset, style = rot
+    out = a.copy()
+    if not len(steps) or not a.shape[0]:
+        return out
+    sa, sb = _slices(len(steps), offset, style)
+    c, s = cos_sin(positions, steps)
+    c, s = c[:, None, :], s[:, None, :]
+    xa, xb = a[:, :, sa], a[:, :, sb]
+    if sign > 0:
+        np.subtract(xa * c, xb * s, out=out[:, :, sa])
+        np.add(xb * c, xa * s, out=out[:, :, sb])
+    else:
+        np.add(xa * c, xb * s, out=out[:, :, sa])
+        np.subtract(xb * c, xa * s, out=out[:, :, sb])
+    return out
+
+
+def layer_rotation(stats: QueryStats, layer: int, width: int) -> Any:
+    """The rotation of ``layer``'s K as the profile knows it (None where it does not rotate with
+    a known table rotation)."""
+    la = stats.layer_attention(layer)
+    if not layer_rotates(la, width):
+        return None
+    return phase_steps(la.inv_freq), int(la.offset), la.style
+
+
+@dataclass(frozen=True)
+class Predictors:
+    """A profile's predictors: per layer ``(W float32 [I, O], b float32 [O])`` or None (layer 0
+    and layers the profile does not predict), and the statistics they came with."""
+
+    sha256: str
+    stats: QueryStats = field(repr=False)
+    layers: tuple[Any, ...] = field(repr=False)
+
+    @classmethod
+    def from_calibration(cls, cal: Calibration) -> "Predictors":
+        got = cal.stats.xpred
+        if got is None:
+            raise ConfigError(f"kvc xpred: {cal.path!r} holds no cross-layer predictors; run `kvcodec calibrate` "
+                              f"again (this version fits them) or set xpred 0")
+        return cls(cal.sha256, cal.stats, tuple(None if p is None else (p[0].astype(np.float32), p[1])
+                                               for p in got))
+
+    def has(self, layer: int) -> bool:
+        return 0 < layer < len(self.layers) and self.layers[layer] is not None
+
+    def predict(self, layer: int, prev: dict[str, np.ndarray], shapes: dict[str, tuple[int, int]],
+                positions: np.ndarray, where: str) -> dict[str, np.ndarray]:
+        """Layer ``layer``'s predictions (float32 ``[T, H, D]`` per role of ``shapes``) from layer
+        ``layer - 1``'s decoded tensors ``prev`` (float32 ``[T, H, D]`` per role) at absolute
+        ``positions`` (int64 ``[T]``). Raises FormatError where the shapes do not fit the
+        predictor (a profile of another model)."""
+        w, b = self.layers[layer]
+        parts = []
+        for role in ROLE_ORDER:
+            if role in prev:
+                a = prev[role]
+                if role == "k":
+                    a = _turn(a, positions, layer_rotation(self.stats, layer - 1, a.shape[2]), -1)
+                parts.append(a.reshape(a.shape[0], -1))
+        x = np.concatenate(parts, axis=1) if parts else np.zeros((0, 0), np.float32)
+        roles = [r for r in ROLE_ORDER if r in shapes]
+        n_out = sum(h * d for h, d in (shapes[r] for r in roles))
+        if x.shape[1] != w.shape[0] or n_out != w.shape[1]:
+            raise FormatError(f"{where}: the profile's predictor maps {w.shape[0]} values to {w.shape[1]}, the file's "
+                              f"layers hold {x.shape[1]} and {n_out}: a profile of another model")
+        y = affine(x, w, b)
+        out, at = {}, 0
+        for r in roles:
+            h, d = shapes[r]
+            part = np.ascontiguousarray(y[:, at:at + h * d]).reshape(-1, h, d)
+            at += h * d
+            if r == "k":
+                part = _turn(part, positions, layer_rotation(self.stats, layer, d), 1)
+            out[r] = part
+        return out
+
+
+def to_dtype(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """float32 values rounded to ``dtype`` (to nearest, ties to even)."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+    return t if dtype == torch.float32 else t.to(dtype)
+
+
+def as_float32(t: torch.Tensor) -> np.ndarray:
+    """A decoded tensor widened exactly to float32 numpy."""
+    return t.detach().cpu().to(torch.float32).numpy()
+
+
+def absolute_positions(positions: Any, t: int) -> np.ndarray:
+    """The tokens' absolute positions (int64 ``[t]``): the file's or cache's positions, else ``0 .. t-1``."""
+    if positions is None:
+        return np.arange(t, dtype=np.int64)
+    return np.asarray(positions.detach().cpu().to(torch.int64).numpy() if isinstance(positions, torch.Tensor)
+                      else positions, dtype=np.int64)
+
+
+class XPredEncoder:
+    """One encode call's closed loop (the encoder's per-call state): every tensor of a layer
+    with a predictor is coded as its residual after the prediction from the layer before *as
+    the decoder will have it*, then decoded to feed the next layer. The writer hands tensors
+    over in layer order, chunks in token order, on one thread."""
+
+    def __init__(self, predictors: Predictors, positions: np.ndarray,
+                 shapes: list[dict[str, tuple[int, int]]]) -> None:
+        self.predictors = predictors
+        self.positions = positions
+        self.shapes = shapes  # per layer: role -> (heads, channels)
+        self.offset: dict[tuple[int, str], int] = {}
+        self.decoded: dict[int, dict[str, np.ndarray]] = {}  # per layer: role -> float32 [T, H, D] (filled by rows)
+        self.pending: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self.lock = threading.Lock()
+
+    def rows(self, layer: int, role: str, n: int) -> tuple[int, int]:
+        a = self.offset.get((layer, role), 0)
+        self.offset[(layer, role)] = a + n
+        return a, a + n
+
+    def prediction(self, layer: int, role: str, rows: tuple[int, int], where: str) -> np.ndarray | None:
+        """Layer ``layer``'s prediction of ``role`` on token rows ``rows`` (None: not predicted)."""
+        if not self.predictors.has(layer):
+            return None
+        key = (layer, rows[0])
+        if key not in self.pending:
+            prev = self.decoded.get(layer - 1)
+            if prev is None:
+                raise ConfigError(f"{where}: kvc xpred codes layers in order; layer {layer - 1} was not coded first")
+            a, b = rows
+            self.pending[key] = self.predictors.predict(layer, {r: v[a:b] for r, v in prev.items()}, self.shapes[layer],
+                                                        self.positions[a:b], where)
+        got = self.pending[key].pop(role)
+        if not self.pending[key]:
+            del self.pending[key]
+        return got
+
+    def store(self, layer: int, role: str, rows: tuple[int, int], value: np.ndarray) -> None:
+        d = self.decoded.setdefault(layer, {})
+        if role not in d:
+            d[role] = np.empty((self.positions.shape[0],) + value.shape[1:], dtype=np.float32)
+        d[role][rows[0]:rows[1]] = value
+        self.decoded.pop(layer - 2, None)  # two layers back is never read again
+
+
+def residual(x: torch.Tensor, pred: np.ndarray, where: str) -> torch.Tensor:
+    """The value the encoder codes: ``x - pred`` rounded to ``x``'s dtype."""
+    r = to_dtype(as_float32(x) - pred, x.dtype)
+    if r.numel() and not bool(torch.isfinite(r.abs().amax())):
+        raise InputError(f"{where}: the residual after the cross-layer prediction overflows {x.dtype}; "
+                         f"encode with xpred 0")
+    return r
+
+
+# ---------------------------------------------------------------------- finding a profile by hash
+_found: dict[str, Predictors] = {}
+_hashes: dict[tuple[str, int, int], str] = {}
+_lock = threading.Lock()
+
+
+def default_profile_dir() -> Path:
+    """Where ``kvcodec calibrate`` profiles are looked for by default (``profiles`` under the
+    kvcodec cache dir, where the harness keeps each model's profile)."""
+    base = os.environ.get("KVCODEC_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "kvcodec") / "profiles"
+
+
+def _candidates(hint: str, extra: Iterable[str]) -> list[Path]:
+    out: list[Path] = []
+    places = [*extra, *(p for p in os.environ.get(PROFILES_ENV, "").split(os.pathsep) if p), str(default_profile_dir())]
+    if hint:
+        out.append(Path(hint))
+    for place in places:
+        p = Path(place)
+        if p.is_dir():
+            out.extend(sorted(p.glob("*.safetensors")))
+        else:
+            out.append(p)
+    return out
+
+
+def _sha256_of(path: Path) -> str | None:
+    import hashlib
+
+    try:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    except OSError:
+        return None
+    with _lock:
+        if key in _hashes:
+            return _hashes[key]
+    try:
+        h = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+    with _lock:
+        _hashes[key] = h
+    return h
+
+
+def find_profile(sha256: str, hint: str = "", extra: Iterable[str] = (), where: str = "") -> Predictors:
+    """The predictors of the profile whose file has SHA-256 ``sha256``: looked for at ``hint``
+    (the path the encoder recorded), in ``extra`` (files or directories given by the caller), in
+    ``$KVCODEC_PROFILES`` and in :func:`default_profile_dir`.
+
+    Raises:
+        FormatError: no such profile here (the message names the hash and how to give it).
+    """
+    with _lock:
+        if sha256 in _found:
+            return _found[sha256]
+    for path in _candidates(hint, extra):
+        if _sha256_of(path) == sha256:
+            try:
+                cal = Calibration.load(path)
+            except (InputError, FormatError):
+                continue
+            if cal.sha256 != sha256:  # changed since it was hashed
+                continue
+            try:
+                pred = Predictors.from_calibration(cal)
+            except ConfigError as e:
+                raise FormatError(f"{where}: {e}") from None
+            with _lock:
+                _found[sha256] = pred
+                while len(_found) > 4:
+                    _found.pop(next(iter(_found)))
+            return pred
+    raise FormatError(
+        f"{where}: coded with prediction across layers (xpred) from the profile with SHA-256 {sha256}, which "
+        f"decoding needs and which is not here: give it (kvcodec decode --profile FILE, kvcodec.decode(..., "
+        f"profiles=[FILE])), or put it in {default_profile_dir()} or ${PROFILES_ENV}")
+
+
+__all__ = ["PROFILES_ENV", "ROLE_ORDER", "Predictors", "XPredEncoder", "absolute_positions", "affine",
+           "affine_reference", "as_float32", "default_profile_dir", "find_profile", "layer_rotation", "residual",
+           "to_dtype"]

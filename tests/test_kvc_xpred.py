@@ -1,0 +1,258 @@
+"""kvc's prediction across layers (``xpred``, formats/codecs/kvc.md §13): the closed loop, the
+normative arithmetic (reference and C bit for bit), profiles found by hash, and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import kvcodec
+from kvcodec.codecs.kvc import xpred
+from kvcodec.codecs.kvc.calibration import load_query_statistics, save_query_statistics
+from kvcodec.errors import ConfigError, FormatError
+from kvc_tools import manifest_of, query_stats, rewrite
+
+
+def drifting_cache(layers: int = 4, t: int = 200, h: int = 2, d: int = 16, seed: int = 0,
+                   dtype: torch.dtype = torch.float16, positions: torch.Tensor | None = None):
+    """Layers that each differ a little from the one before (what the predictor exploits)."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(t, h, d, generator=g) * 2 + 3
+    v = torch.randn(t, h, d, generator=g)
+    out = []
+    for _ in range(layers):
+        out.append((k.to(dtype), v.to(dtype)))
+        k = k + 0.1 * torch.randn(t, h, d, generator=g)
+        v = v + 0.1 * torch.randn(t, h, d, generator=g)
+    return kvcodec.KVCache.from_tensors(out, positions=positions)
+
+
+def profile_file(path, cache, kind: str = "identity", seed: int = 3, skip: tuple[int, ...] = ()):
+    """A calibration file for ``cache`` with predictors: the identity (layer l = layer l - 1) or
+    random maps; none for the layers in ``skip``."""
+    st = query_stats(cache)
+    n = sum(x.shape[1] * x.shape[2] for x in cache.layers[0].values())
+    rng = np.random.default_rng(seed)
+    preds = [None]
+    for i in range(1, cache.num_layers):
+        if i in skip:
+            preds.append(None)
+        elif kind == "identity":
+            preds.append((np.eye(n, dtype=np.float16), np.zeros(n, np.float32)))
+        else:
+            preds.append(((rng.normal(size=(n, n)) / np.sqrt(n)).astype(np.float16),
+                          rng.normal(size=n).astype(np.float32)))
+    st.xpred = preds
+    save_query_statistics(st, path)
+    return path
+
+
+def cfg(path, **kw):
+    return {"id": "kvc", "calibration": str(path), "xpred": 1, "k_step": 0.5, "v_step": 1.0, **kw}
+
+
+def mse(a, b):
+    return [float(((a.layers[i][r].float() - b.layers[i][r].float()) ** 2).mean())
+            for i in range(a.num_layers) for r in ("k", "v")]
+
+
+def test_affine_native_equals_reference_bit_for_bit():
+    rng = np.random.default_rng(0)
+    for t, n_in, n_out in ((1, 1, 1), (7, 33, 65), (130, 256, 128), (301, 40, 24)):  # the last on two threads
+        # values over many binades, so the order of the sums matters
+        x = (rng.normal(size=(t, n_in)) * np.exp(rng.uniform(-8, 8, (t, n_in)))).astype(np.float32)
+        w = (rng.normal(size=(n_in, n_out)) * np.exp(rng.uniform(-6, 6, (n_in, n_out)))).astype(np.float32)
+        b = rng.normal(size=n_out).astype(np.float32)
+        ref = xpred.affine_reference(x, w, b)
+        assert np.array_equal(xpred.affine(x, w, b).view(np.uint32), ref.view(np.uint32))
+        if n_in > 1:  # the order is normative: float64 sums rounded once differ somewhere
+            assert not np.array_equal((b + x.astype(np.float64) @ w).astype(np.float32), ref)
+
+
+def test_prediction_lowers_the_error_and_round_trips(tmp_path):
+    cache = drifting_cache()
+    prof = profile_file(tmp_path / "p.safetensors", cache)
+    plain = kvcodec.get_codec({**cfg(prof), "xpred": 0})
+    codec = kvcodec.get_codec(cfg(prof))
+    blob = codec.encode(cache)
+    m = manifest_of(blob)
+    assert m["codec"]["xpred"] == 1 and m["codec"]["calibration_sha256"]
+    assert "xpred" not in manifest_of(plain.encode(cache))["codec"]  # old configs unchanged
+    flags = [[c["params"].get("xp") for c in m["layers"][i]["tensors"]["k"]["chunks"]] for i in range(4)]
+    assert flags == [[None], [1], [1], [1]]
+    dec = kvcodec.decode(blob)
+    err, err_plain = mse(dec, cache), mse(plain.decode(plain.encode(cache)), cache)
+    assert err[:2] == err_plain[:2]  # layer 0 is coded as before
+    assert all(e < 0.25 * p for e, p in zip(err[2:], err_plain[2:]))  # the residual is small, its steps finer
+    # decoding twice, layer by layer, or a layer alone gives the same values
+    again = kvcodec.decode(blob)
+    assert again.equal(dec)
+    with kvcodec.open(blob) as r:
+        assert torch.equal(r.read_layer(3)["k"], dec.layers[3]["k"])
+        assert [torch.equal(x["v"], y["v"]) for x, y in zip(r.read_layers(), dec.layers)] == [True] * 4
+
+
+def test_decoder_equals_the_reference_arithmetic(tmp_path, monkeypatch):
+    """Residuals decoded tensor by tensor plus the prediction computed by hand with the reference
+    (numpy) arithmetic: the reader's output, bit for bit; random predictors, RoPE on."""
+    pos = torch.arange(1000, 1000 + 150)
+    cache = drifting_cache(layers=3, t=150, positions=pos)
+    prof = profile_file(tmp_path / "p.safetensors", cache, kind="random")
+    blob = kvcodec.get_codec(cfg(prof, k_step=0.3, v_step=0.6)).encode(cache)
+    dec = kvcodec.decode(blob)
+    stats = load_query_statistics(prof)
+    monkeypatch.setattr(xpred, "affine", xpred.affine_reference)
+    with kvcodec.open(blob) as r:
+        prev = None
+        for i in range(3):
+            res = {role: r._decode_chunk(i, role, 0, encs[0][1], "cpu") for role, encs in r.read_layer_planes(i).items()}
+            if prev is None:
+                now = {k: v.float().numpy() for k, v in res.items()}
+            else:
+                w, b = stats.xpred[i]
+                rot0 = xpred.layer_rotation(stats, i - 1, 16)
+                assert rot0 is not None
+                ka = xpred._turn(prev["k"], pos.numpy(), rot0, -1)
+                x = np.concatenate([ka.reshape(150, -1), prev["v"].reshape(150, -1)], axis=1)
+                y = xpred.affine_reference(x, w.astype(np.float32), b)
+                pk = xpred._turn(y[:, :32].reshape(150, 2, 16), pos.numpy(), xpred.layer_rotation(stats, i, 16), 1)
+                pv = y[:, 32:].reshape(150, 2, 16)
+                now = {"k": torch.from_numpy(res["k"].float().numpy() + pk).half().float().numpy(),
+                       "v": torch.from_numpy(res["v"].float().numpy() + pv).half().float().numpy()}
+            for role in ("k", "v"):
+                assert np.array_equal(now[role], dec.layers[i][role].float().numpy()), (i, role)
+            prev = now
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_dtypes_and_chunks(tmp_path, dtype):
+    cache = drifting_cache(dtype=dtype, t=130)
+    prof = profile_file(tmp_path / "p.safetensors", cache)
+    codec = kvcodec.get_codec(cfg(prof))
+    whole = kvcodec.decode(codec.encode(cache))
+    chunked_blob = codec.encode(cache, tokens_per_chunk=64)
+    chunked = kvcodec.decode(chunked_blob)
+    assert chunked.layers[3]["k"].dtype == dtype
+    for e in (mse(whole, cache), mse(chunked, cache)):
+        assert max(e[2:]) < 0.05
+    with kvcodec.open(chunked_blob) as r:  # one chunk alone: the same rows as the whole decode
+        assert torch.equal(r.read_layer(3, chunks=[1])["v"], chunked.layers[3]["v"][64:128])
+
+
+def test_layers_without_a_predictor_are_coded_plain(tmp_path):
+    cache = drifting_cache()
+    prof = profile_file(tmp_path / "p.safetensors", cache, skip=(2,))
+    m = manifest_of(kvcodec.get_codec(cfg(prof)).encode(cache))
+    assert [m["layers"][i]["tensors"]["v"]["chunks"][0]["params"].get("xp") for i in range(4)] == [None, 1, None, 1]
+
+
+def test_the_profile_is_found_by_hash_or_the_error_says_how(tmp_path, monkeypatch):
+    cache = drifting_cache()
+    prof = profile_file(tmp_path / "p.safetensors", cache)
+    blob = kvcodec.get_codec(cfg(prof)).encode(cache)
+    want = kvcodec.decode(blob)
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    shutil.move(prof, moved / "renamed.safetensors")
+    monkeypatch.setenv("KVCODEC_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv(xpred.PROFILES_ENV, raising=False)
+    xpred._found.clear()
+    sha = manifest_of(blob)["codec"]["calibration_sha256"]
+    with pytest.raises(FormatError, match=f"layers.1: .*SHA-256 {sha}.*--profile"):
+        kvcodec.decode(blob)
+    assert kvcodec.decode(blob, profiles=[moved]).equal(want)  # a directory
+    xpred._found.clear()
+    assert kvcodec.decode(blob, profiles=[moved / "renamed.safetensors"]).equal(want)  # a file
+    xpred._found.clear()
+    monkeypatch.setenv(xpred.PROFILES_ENV, str(moved))
+    assert kvcodec.decode(blob).equal(want)
+    xpred._found.clear()
+    monkeypatch.delenv(xpred.PROFILES_ENV)
+    (tmp_path / "empty-cache" / "profiles").mkdir(parents=True)
+    shutil.copy(moved / "renamed.safetensors", tmp_path / "empty-cache" / "profiles" / "m.safetensors")
+    assert kvcodec.decode(blob).equal(want)  # the default profile directory
+
+
+def test_another_profile_with_the_same_name_is_not_used(tmp_path, monkeypatch):
+    cache = drifting_cache()
+    prof = profile_file(tmp_path / "p.safetensors", cache)
+    blob = kvcodec.get_codec(cfg(prof)).encode(cache)
+    profile_file(prof, cache, kind="random")  # overwritten: another hash at the recorded path
+    monkeypatch.setenv("KVCODEC_CACHE_DIR", str(tmp_path / "empty"))
+    xpred._found.clear()
+    with pytest.raises(FormatError, match="not here"):
+        kvcodec.decode(blob)
+
+
+def test_bad_input(tmp_path):
+    cache = drifting_cache()
+    prof = profile_file(tmp_path / "p.safetensors", cache)
+    with pytest.raises(ConfigError, match="xpred must be 0 or 1"):
+        kvcodec.get_codec(cfg(prof, xpred=2))
+    with pytest.raises(ConfigError, match="needs a profile"):
+        kvcodec.get_codec({"id": "kvc", "xpred": 1}).encode(cache)
+    plain = tmp_path / "stats.safetensors"
+    save_query_statistics(query_stats(cache), plain)
+    with pytest.raises(ConfigError, match="no cross-layer predictors"):
+        kvcodec.get_codec(cfg(plain)).encode(cache)
+    wrong = load_query_statistics(prof)  # a predictor of another shape
+    wrong.xpred[2] = (np.eye(8, dtype=np.float16), np.zeros(8, np.float32))
+    save_query_statistics(wrong, tmp_path / "q.safetensors")
+    with pytest.raises(FormatError, match="layers.2.k: .*maps 8 values to 8.*another model"):
+        kvcodec.get_codec(cfg(tmp_path / "q.safetensors")).encode(cache)
+    blob = kvcodec.get_codec(cfg(prof)).encode(cache)
+
+    # xp on layer 0, and xp 0 written out, are refused
+    for layer, value in ((0, 1), (1, 0), (1, True)):
+        def edit(m, layer=layer, value=value):
+            m["layers"][layer]["tensors"]["k"]["chunks"][0]["params"]["xp"] = value
+        with pytest.raises(FormatError, match="xp"):
+            kvcodec.decode(rewrite(blob, manifest=edit))
+
+
+def test_profile_files_with_malformed_predictors_are_refused(tmp_path):
+    from safetensors.numpy import load, save
+
+    from kvcodec.codecs.kvc.calibration import Calibration
+    from kvcodec.format import safetensors_io as sio
+
+    cache = drifting_cache()
+    prof = profile_file(tmp_path / "p.safetensors", cache)
+    st = load_query_statistics(prof)
+    assert st.xpred[0] is None and st.xpred[1][0].dtype == np.float16 and st.xpred[1][1].dtype == np.float32
+    data = prof.read_bytes()
+    meta = sio.read_raw_header(sio.as_source(data)).metadata
+    tensors = load(data)
+    for change, match in ((lambda t: t.update({"layers.1.xpred_w": t["layers.1.xpred_w"].astype(np.float32)}), "float16"),
+                          (lambda t: t.pop("layers.2.xpred_b"), "needs xpred_w"),
+                          (lambda t: t.update({"layers.0.xpred_w": t["layers.1.xpred_w"],
+                                               "layers.0.xpred_b": t["layers.1.xpred_b"]}), "layers >= 1"),
+                          (lambda t: t.update({"layers.3.xpred_b": t["layers.3.xpred_b"][:5]}), "needs xpred_w"),
+                          (lambda t: t.update({"layers.3.xpred_w": np.full_like(t["layers.3.xpred_w"], np.inf)}),
+                           "finite")):
+        t = dict(tensors)
+        change(t)
+        bad = tmp_path / "bad.safetensors"
+        bad.write_bytes(save(t, metadata=meta))
+        with pytest.raises(FormatError, match=match):
+            Calibration.load(bad)
+
+
+def test_decode_cli_takes_a_profile(tmp_path, monkeypatch):
+    from kvcodec.cli import main
+
+    cache = drifting_cache()
+    prof = profile_file(tmp_path / "p.safetensors", cache)
+    kvcodec.get_codec(cfg(prof)).encode(cache, tmp_path / "a.kvc")
+    want = kvcodec.decode(tmp_path / "a.kvc")
+    moved = tmp_path / "m.safetensors"
+    shutil.move(prof, moved)
+    monkeypatch.setenv("KVCODEC_CACHE_DIR", str(tmp_path / "empty"))
+    xpred._found.clear()
+    assert main(["decode", str(tmp_path / "a.kvc"), str(tmp_path / "out.safetensors")]) != 0
+    assert main(["decode", str(tmp_path / "a.kvc"), str(tmp_path / "out.safetensors"), "--profile", str(moved)]) == 0
+    assert kvcodec.KVCache.from_safetensors(tmp_path / "out.safetensors").equal(want)
