@@ -88,6 +88,8 @@ def test_prediction_lowers_the_error_and_round_trips(tmp_path):
     err, err_plain = mse(dec, cache), mse(plain.decode(plain.encode(cache)), cache)
     assert err[:2] == err_plain[:2]  # layer 0 is coded as before
     assert all(e < 0.25 * p for e, p in zip(err[2:], err_plain[2:]))  # the residual is small, its steps finer
+    # packing is lossless: the closed loop reads the same values either way
+    assert kvcodec.decode(kvcodec.get_codec(cfg(prof, pack=0)).encode(cache)).equal(dec)
     # decoding twice, layer by layer, or a layer alone gives the same values
     again = kvcodec.decode(blob)
     assert again.equal(dec)
@@ -256,3 +258,31 @@ def test_decode_cli_takes_a_profile(tmp_path, monkeypatch):
     assert main(["decode", str(tmp_path / "a.kvc"), str(tmp_path / "out.safetensors")]) != 0
     assert main(["decode", str(tmp_path / "a.kvc"), str(tmp_path / "out.safetensors"), "--profile", str(moved)]) == 0
     assert kvcodec.KVCache.from_safetensors(tmp_path / "out.safetensors").equal(want)
+
+
+def test_fit_predictors_closed_loop_and_held_out_sets(tmp_path):
+    """kvcodec calibrate's fit: a predictor per layer >= 1 that predicts well, and per cache a set
+    fitted on the other caches (the search scores each window with one that never saw it)."""
+    from kvcodec.harness.xpred import fit_predictors
+
+    a, b = drifting_cache(seed=0), drifting_cache(seed=1)
+    stats_file = tmp_path / "s.safetensors"
+    save_query_statistics(query_stats(a), stats_file)
+    stats = load_query_statistics(stats_file)
+    config = {"id": "kvc", "k_step": 0.3, "v_step": 0.6}
+    full, held = fit_predictors(config, str(stats_file), [a, b], stats)
+    assert full[0] is None and all(p is not None for p in full[1:]) and len(held) == 2
+    w, bias = full[2]
+    assert w.dtype == np.float16 and bias.dtype == np.float32 and w.shape == (64, 64)
+    assert np.abs(np.diag(w.astype(np.float32))).mean() > 0.8  # layer l ~ layer l - 1 here
+    assert not np.array_equal(held[0][2][0], w) and not np.array_equal(held[0][2][0], held[1][2][0])
+    # the same cache twice: every held-out set is the full fit (ridge scaled with the data)
+    full2, held2 = fit_predictors(config, str(stats_file), [a, a], stats)
+    for layer in range(1, 4):
+        for h in held2:
+            assert np.allclose(h[layer][0].astype(np.float32), full2[layer][0].astype(np.float32), atol=2e-3)
+    # a profile file with them codes and decodes
+    stats.xpred = full
+    save_query_statistics(stats, tmp_path / "p.safetensors")
+    blob = kvcodec.get_codec(cfg(tmp_path / "p.safetensors")).encode(a)
+    assert max(mse(kvcodec.decode(blob), a)[2:]) < 0.05

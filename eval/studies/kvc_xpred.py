@@ -67,6 +67,8 @@ class LayerCoder:
     def __init__(self, codec: Any, cache: Any, heads: int, theta: float, roles: str = "kv") -> None:
         self.codec, self.cache, self.heads, self.theta, self.roles = codec, cache, heads, theta, roles
         self.plan = codec.plan(cache)
+        if isinstance(self.plan.state, dict):  # this study predicts by itself: profiles made since
+            self.plan.state.pop("xpred", None)  # kvc's own xpred must not predict a second time
         self.decoded: list[dict[str, np.ndarray]] = []  # per layer: K before RoPE, K, V (float64, flat)
         self.nbytes = 0
 

@@ -59,6 +59,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
@@ -119,7 +120,7 @@ MAX_TOTAL_SCORES = 16
 #: finest level first, from the step the Fisher information predicts for it, then secant steps
 #: with the slope of every measured point, a step stopped as soon as one window proves it over
 #: the level (:func:`search_levels`, :func:`score_windows_until`).
-SEARCH_METHOD = f"fine-first/3+balance/5+total/{MAX_TOTAL_SCORES}+xpred-fit/{XPRED_FIT_KL}"
+SEARCH_METHOD = f"fine-first/3+balance/5+total/{MAX_TOTAL_SCORES}+xpred-fit/{XPRED_FIT_KL}/held"
 
 
 def search_settings() -> dict[str, Any]:
@@ -151,7 +152,7 @@ def score_windows(evaluators: list[Any], config: dict[str, Any], margin: float,
     return crit, kls, bits
 
 
-def score_windows_until(evaluators: list[Any], config: dict[str, Any], margin: float, worst: float,
+def score_windows_until(evaluators: list[Any], config: Any, margin: float, worst: float,
                         stop_above: float | None, order: list[int] | None = None,
                         ) -> tuple[float, list[float | None], float, bool]:
     """:func:`score_windows` that stops as soon as the windows scored so far prove the criterion
@@ -159,12 +160,13 @@ def score_windows_until(evaluators: list[Any], config: dict[str, Any], margin: f
     ``(criterion or its lower bound, per-window KL (None where not scored), mean bits of the
     scored windows, whether every window was scored)``. Windows are scored in ``order`` (the
     search puts the one with the highest KL so far first). The lower bound after windows ``S``
-    of ``N``: ``max(sum_S KL / (N * margin), max_S KL / worst)`` (the others' KL is >= 0)."""
+    of ``N``: ``max(sum_S KL / (N * margin), max_S KL / worst)`` (the others' KL is >= 0).
+    ``config``: one codec config, or a function of the window's index that gives its own."""
     n = len(evaluators)
     kls: list[float | None] = [None] * n
     bits = []
     for i in (order or list(range(n))):
-        r = evaluators[i].score_next_token(config, kl_only=True)
+        r = evaluators[i].score_next_token(config(i) if callable(config) else config, kl_only=True)
         kls[i] = float(r["next_token"]["kl_mean"])
         bits.append(r["bits_per_element"])
         got = [k for k in kls if k is not None]
@@ -616,6 +618,7 @@ def build_profile(
     tmp.close()
     settings = {**SEARCH_SETTINGS, "xpred": int(bool(xpred))}
     xp_on = [False]  # the predictors are fitted before the search codes with them
+    window_files: list[str] = []  # per search window: the statistics with its own predictors (xpred)
     try:
         save_query_statistics(stats, tmp.name)
 
@@ -623,6 +626,13 @@ def build_profile(
             return {"id": "kvc", **SEARCH_ENTROPY, **settings, "k_step": k_step,
                     "v_step": k_step * ratio if v_step is None else v_step, "calibration": tmp.name,
                     "xpred": int(xp_on[0])}
+
+        def for_window(i: int, cfg: dict[str, Any]) -> dict[str, Any]:
+            return {**cfg, "calibration": window_files[i]} if window_files else cfg
+
+        def windows_config(k_step: float, v_step: float | None = None) -> Any:
+            cfg = config(k_step, v_step)
+            return lambda i: for_window(i, cfg)
 
         xpred_info: dict[str, Any] | None = None
         if xpred:
@@ -637,19 +647,27 @@ def build_profile(
                 fit_step, fit_kl = _solve_step(predict_plain, margin * XPRED_FIT_KL, 0.5)
             say(f"cross-layer predictors: fitting at step {fit_step:.4f} on the search windows' reconstructions "
                 f"({time.perf_counter() - t0:.0f} s)")
-            stats.xpred = fit_predictors(config(fit_step), tmp.name, [e.reference for e in evs], stats, say)
+            stats.xpred, held_sets = fit_predictors(config(fit_step), tmp.name, [e.reference for e in evs], stats, say)
+            # each search window is scored with predictors fitted on the other windows (what unseen
+            # text gets: see fit_predictors); the held-out windows and the profile use all of them
+            for w_set in held_sets:
+                f = tempfile.NamedTemporaryFile(prefix="kvcodec-profile-", suffix=".safetensors", delete=False)
+                f.close()
+                window_files.append(f.name)
+                save_query_statistics(dataclasses.replace(stats, xpred=w_set), f.name)
             save_query_statistics(stats, tmp.name)
             xp_on[0] = True
             xpred_info = {"fit_k_step": float(fit_step), "fit_kl_predicted": fit_kl, "fit_level": XPRED_FIT_KL,
                           "layers": sum(p is not None for p in stats.xpred),
-                          "parameters": int(sum(p[0].size + p[1].size for p in stats.xpred if p is not None))}
+                          "parameters": int(sum(p[0].size + p[1].size for p in stats.xpred if p is not None)),
+                          "search": "each search window scored with predictors fitted on the other windows"}
 
         first, first_kl = 0.5, None
         if fisher is not None:
             # the first step: where window 0's Fisher information predicts 0.9x the finest
             # level (the second-order prediction holds best at small KL; encodes only, no model run)
             def predict(k_step: float) -> float:
-                codec = get_codec(config(k_step))
+                codec = get_codec(for_window(0, config(k_step)))
                 return fisher_kl(fisher, ref0, codec.decode(codec.encode(evs[0].reference)))
 
             first, first_kl = _solve_step(predict, 0.9 * min(levels.values()), 0.5)
@@ -659,7 +677,7 @@ def build_profile(
 
         def score_kv(k_step: float, v_step: float | None, stop: float | None,
                      ) -> tuple[float, list[float | None], float, bool]:
-            res = score_windows_until(evs, config(k_step, v_step), margin, worst, stop, order)
+            res = score_windows_until(evs, windows_config(k_step, v_step), margin, worst, stop, order)
             spent[0] += sum(x is not None for x in res[1])
             if res[3]:
                 order.sort(key=lambda i: -float(res[1][i] or 0.0))
@@ -676,7 +694,7 @@ def build_profile(
             # bits on it (each probe's score then measures every window's), so their encodes
             # cost a quarter of matching on all four (on a model with Qwen3-0.6B's KV shape,
             # 9x Qwen2.5-Coder's, one encode of a window takes ~2 s: eval/results/kvc_calib_time.md)
-            codec = get_codec(config(k_step, v_step))
+            codec = get_codec(for_window(0, config(k_step, v_step)))
             e = evs[0]
             return 8.0 * len(codec.encode(e.reference)) / e.reference.num_elements
 
@@ -695,7 +713,8 @@ def build_profile(
             say(f"{name}: held-out mean KL {np.mean(kls):.5f}, worst {max(kls):.5f} (target {row['target_kl']:g}), "
                 f"{bits:.3f} b")
     finally:
-        os.unlink(tmp.name)
+        for name in [tmp.name, *window_files]:
+            os.unlink(name)
     from .capture import model_identity
 
     ident = model_identity(model, tokenizer)

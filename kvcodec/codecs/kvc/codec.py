@@ -504,18 +504,23 @@ class KVCCodec(Codec):
         with xp.lock:
             rows = xp.rows(ctx.layer, ctx.role, x.shape[0])
             pred = xp.prediction(ctx.layer, ctx.role, rows, where)
-            enc = self._encode_tensor(x if pred is None else residual(x, pred, where), ctx)
+            planes = self.encode_planes(x if pred is None else residual(x, pred, where), ctx)
+            # decoded from the planes before packing (lossless): the values the decoder will have
+            dec = as_float32(self.decode_tensor(planes, TensorContext(ctx.layer, ctx.role, ctx.shape, ctx.dtype,
+                                                                      ctx.layer_kind, ctx.globals)))
+            enc = self._packed(planes)
             if pred is not None:
                 enc.params["xp"] = 1
-            dec = as_float32(self.decode_tensor(enc, TensorContext(ctx.layer, ctx.role, ctx.shape, ctx.dtype,
-                                                                   ctx.layer_kind, ctx.globals)))
             if pred is not None:
                 dec = as_float32(to_dtype(dec + pred, ctx.dtype))
             xp.store(ctx.layer, ctx.role, rows, dec)
         return enc
 
     def _encode_tensor(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
-        enc = self.encode_planes(x, ctx)
+        return self._packed(self.encode_planes(x, ctx))
+
+    def _packed(self, enc: EncodedTensor) -> EncodedTensor:
+        """``enc``'s planes packed into one (``pack``), or ``enc`` itself (``pack`` 0)."""
         if not self.params["pack"]:
             return enc
         blob, directory = pack_planes(enc.planes, PACK_PIECES, *((PACK_ZSTD_LEVEL, PACK_ZSTD_PIECES)
