@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from .cache import KVCache, ModelIdentity
@@ -104,6 +105,9 @@ class KVCReader(ContainerReader):
         predicted = {role: [bool(enc.params.get("xp")) for _, enc in encs] for role, encs in planes.items()}
         for role, encs in planes.items():
             parts = [self._decode_chunk(i, role, j, enc, device) for j, enc in encs]
+            rows_of = getattr(self.codec, "predicted_rows", None)
+            if any(predicted[role]) and rows_of is not None:  # which rows of each chunk take the prediction
+                predicted[role] = [rows_of(enc, self.chunk_context(i, role, j)) for j, enc in encs]
             if len(parts) == 1:
                 out[role] = parts[0]
             elif parts:
@@ -115,7 +119,7 @@ class KVCReader(ContainerReader):
             else:
                 _, h, d = self.tensor_shape(i, role)
                 out[role] = torch.empty((0, h, d), dtype=self.dtype, device=device if device != "cpu" else None)
-        if any(any(v) for v in predicted.values()):
+        if any(any(bool(np.any(f)) for f in v) for v in predicted.values()):
             out = self._add_predictions(i, chunks, out, predicted, device)
         if getattr(self.codec, "add_predictions", None) is not None:  # what layer i + 1 may predict from
             self._last = (key, {r: t.clone() for r, t in out.items()})
@@ -129,7 +133,7 @@ class KVCReader(ContainerReader):
 
         where = f"layers.{i}"
         add = getattr(self.codec, "add_predictions", None)
-        if add is None or i == 0:
+        if add is None or getattr(self.codec, "predicted_rows", None) is None or i == 0:
             raise FormatError(f"{where}: tensors marked as predicted from the layer before (xp), which "
                               f"{'layer 0 has not' if i == 0 else 'codec ' + repr(self.codec.codec_id) + ' does not do'}")
         key = (i - 1, None if chunks is None else tuple(chunks), device)
@@ -142,7 +146,8 @@ class KVCReader(ContainerReader):
         rows = np.concatenate([np.arange(starts[j], starts[j + 1]) for j in sel]) if sel else np.zeros(0, np.int64)
         pos = self.positions()
         positions = rows if pos is None else pos.numpy()[rows]
-        masks = {role: np.concatenate([np.full(counts[j], flag, dtype=bool) for j, flag in zip(sel, flags)])
+        masks = {role: np.concatenate([np.full(counts[j], flag, dtype=bool) if isinstance(flag, bool) else flag
+                                       for j, flag in zip(sel, flags)])
                  if flags else np.zeros(0, bool) for role, flags in predicted.items()}
         try:
             return add(i, out, prev, positions, masks, self.profiles, where)

@@ -120,7 +120,7 @@ MAX_TOTAL_SCORES = 16
 #: finest level first, from the step the Fisher information predicts for it, then secant steps
 #: with the slope of every measured point, a step stopped as soon as one window proves it over
 #: the level (:func:`search_levels`, :func:`score_windows_until`).
-SEARCH_METHOD = f"fine-first/3+balance/5+total/{MAX_TOTAL_SCORES}+xpred-fit/{XPRED_FIT_KL}/held"
+SEARCH_METHOD = f"fine-first/3+balance/5+total/{MAX_TOTAL_SCORES}+xpred-fit/{XPRED_FIT_KL}/held/tensor-rms"
 
 
 def search_settings() -> dict[str, Any]:

@@ -78,10 +78,11 @@ def fit_predictors(config: dict[str, Any], calibration: str, caches: list[KVCach
 
     A predictor explains much more of the text it was fitted on than of other text (open loop on
     SmolLM2, residual energy 16 % of K and V's on the four search windows it was fitted on, 30 %
-    on the evaluation texts: a scratch run of the commit that added this), and kvc's steps follow
-    the residual's RMS, so a window coded with predictors fitted on it reads a KL about half of
-    what unseen text gets. The search therefore scores window ``c`` with ``held[c]``, and the
-    profile keeps ``all``."""
+    on the evaluation texts: a scratch run of the commit that added this). When kvc's steps
+    followed the residual's RMS, a window coded with predictors fitted on it read about half the
+    KL that unseen text got (eval/results/kvc_profile_xpred_insample.md); they follow the
+    tensor's own RMS now, so it reads fewer bits and a little less error than unseen text gets.
+    The search therefore scores window ``c`` with ``held[c]``, and the profile keeps ``all``."""
     from ..codec import get_codec
     from ..planes import TensorContext
 

@@ -11,6 +11,7 @@ docs/kvc-design.md.
 
 from __future__ import annotations
 
+import dataclasses
 from contextvars import ContextVar
 from types import SimpleNamespace
 from typing import Any
@@ -504,7 +505,17 @@ class KVCCodec(Codec):
         with xp.lock:
             rows = xp.rows(ctx.layer, ctx.role, x.shape[0])
             pred = xp.prediction(ctx.layer, ctx.role, rows, where)
-            planes = self.encode_planes(x if pred is None else residual(x, pred, where), ctx)
+            if pred is not None:  # protected tokens are stored as they are: no prediction there
+                p = ctx.state.get("params", self.params)
+                t = x.shape[0]
+                s = min(p["sinks"], t)
+                pred = pred.copy()
+                pred[self._mask(ctx, s, min(p["recent"], t - s), where)] = 0.0
+            if pred is None:
+                planes = self.encode_planes(x, ctx)
+            else:  # the residual, at the steps the tensor itself would get (its RMS, not the residual's)
+                planes = self.encode_planes(residual(x, pred, where),
+                                            dataclasses.replace(ctx, state={**ctx.state, "scale_of": x}))
             # decoded from the planes before packing (lossless): the values the decoder will have
             dec = as_float32(self.decode_tensor(planes, TensorContext(ctx.layer, ctx.role, ctx.shape, ctx.dtype,
                                                                       ctx.layer_kind, ctx.globals)))
@@ -586,6 +597,10 @@ class KVCCodec(Codec):
                 z = y - mean.astype(np.float32)[None]
             else:
                 z = (y.astype(np.float64) - mean[None].astype(np.float32)).astype(np.float32)
+        # the signal whose RMS sets the steps: the coded one, or with prediction across layers the
+        # tensor before the prediction (its RMS, centred alike; an orthonormal transform keeps it)
+        orig = ctx.state.get("scale_of") if isinstance(ctx.state, dict) else None
+        zs = z if orig is None else _centred_like(orig, mask, rope, is_k or p["v_center"])
         if use_h:
             z = fwht(z)
         # squares of float16-range values summed in float32 cannot overflow (65504^2 * 2^31 <
@@ -597,7 +612,7 @@ class KVCCodec(Codec):
         if self._per_channel(ctx, p):
             lv = p["k_recon"] if (is_k and n) else 0  # levels with reconstruction offsets
             step_rel = p["k_step"] if is_k else p["v_step"]
-            base = head_rms(z, acc)  # [H]
+            base = head_rms(zs, acc)  # [H]
             calib = _layer_calib(ctx.state, ctx.layer) if ctx.role == "k" else {}
             if "k_mult" in calib:  # per-head sensitivity from the calibration (Fisher) statistics
                 base = base * calib["k_mult"]
@@ -642,7 +657,7 @@ class KVCCodec(Codec):
                 # kvcodec.quant.deadzone)
                 params["rc"] = rc
         else:
-            rel = p["v_step"] * token_rms(z, acc)  # [n, H]
+            rel = p["v_step"] * token_rms(zs, acc)  # [n, H]
             vcal = _layer_calib(ctx.state, ctx.layer) if ctx.role == "v" else {}
             if "v_mult" in vcal:  # per-head sensitivity from the calibration (Fisher) statistics
                 rel = rel * vcal["v_mult"][None, :]
@@ -787,11 +802,22 @@ class KVCCodec(Codec):
                           esc=esc, use=use, sc_ch=sc_ch, base=base, mean=mean, rc=rc, rope=rope)
         return v
 
+    def predicted_rows(self, enc: EncodedTensor, ctx: TensorContext) -> np.ndarray:
+        """bool ``[T]``: the tokens of a decoded tensor (or chunk) that take the prediction from
+        the layer before: with param ``xp``, its coded tokens (formats/codecs/kvc.md §13), not
+        the protected ones, which are stored as they are. Call after decoding it (the params are
+        checked then)."""
+        t = ctx.shape[0]
+        if not enc.params.get("xp"):
+            return np.zeros(t, dtype=bool)
+        pr = enc.params
+        return ~self._mask(ctx, pr["sinks"], pr["recent"], f"layers.{ctx.layer}.{ctx.role}")
+
     def add_predictions(self, layer: int, decoded: dict[str, torch.Tensor], previous: dict[str, torch.Tensor],
                         positions: np.ndarray, predicted: dict[str, np.ndarray], profiles: Any = (),
                         where: str = "") -> dict[str, torch.Tensor]:
         """Layer ``layer``'s tensors from their decoded residuals (``decoded``; the rows that
-        ``predicted`` marks, per role) and layer ``layer - 1`` as decoded (``previous``), at
+        ``predicted`` marks, per role: :meth:`predicted_rows`) and layer ``layer - 1`` as decoded (``previous``), at
         absolute ``positions``: formats/codecs/kvc.md §13. The predictors come from the profile
         the file names (``calibration_sha256``; :func:`kvcodec.codecs.kvc.xpred.find_profile`).
 
@@ -913,6 +939,22 @@ class KVCCodec(Codec):
         if not run:
             out[torch.from_numpy(~v.mask)] = dst
         return True
+
+
+def _centred_like(x: torch.Tensor, mask: np.ndarray, rope: Any, centre: bool) -> np.ndarray:
+    """``x``'s coded tokens (those ``mask`` leaves) centred as :meth:`KVCCodec.encode_planes`
+    centres the tensor it codes (rotating means with ``rope``, channel means with ``centre``,
+    else as they are), float32: with ``xpred``, the steps follow this RMS, the tensor's before
+    the prediction, so the prediction saves bits and leaves the error where the level put it."""
+    y = x.detach().cpu().to(torch.float32).numpy()[~mask]
+    if rope is not None:
+        (_, off, sty, _), steps = rope
+        pos = np.flatnonzero(~mask)
+        mean = np.clip(unrotated_mean(y, pos, steps, off, STYLES[sty]), -65504.0, 65504.0)
+        return y - rotated_means(mean.astype(np.float16).astype(np.float32), pos, steps, off, STYLES[sty])
+    if centre:
+        return y - channel_means(y).astype(np.float32)[None]
+    return y
 
 
 def _rope_plan(cache: KVCache, stats: QueryStats) -> dict[str, Any] | None:

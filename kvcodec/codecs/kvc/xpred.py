@@ -21,6 +21,13 @@ and the decoder adds the prediction back, layer after layer:
 4. each tensor is its decoded residual widened to float32, plus its prediction, rounded (to
    nearest, ties to even) to the cache dtype: the values the next layer reads.
 
+The encoder codes the residual at the steps the tensor itself would get (they follow the
+tensor's RMS, not the residual's): the prediction then lowers the bits, and the error stays
+where the level's steps put it (a little lower: more of a small residual falls in the dead
+zone), whether or not the predictor suits the text at hand. With steps that followed the
+residual's RMS, text the predictors explained less got coarser steps, and the KL moved with the
+text: eval/results/kvc_profile_xpred_insample.md.
+
 The predictors live in the model's profile (``kvcodec calibrate`` fits them, one set per model,
 on the calibration windows' own reconstructions: :mod:`kvcodec.harness.xpred`), not in the file,
 which names the profile by ``calibration_sha256``: a file coded this way decodes only where that
