@@ -61,14 +61,25 @@ def mse(a, b):
 
 
 def test_affine_native_equals_reference_bit_for_bit():
+    from kvcodec import native
+    from kvcodec.native.xpred import affine as native_affine
+
+    if native.build.lib() is None:
+        pytest.skip("native library unavailable (KVCODEC_NATIVE=0): the reference alone runs")
     rng = np.random.default_rng(0)
-    for t, n_in, n_out in ((1, 1, 1), (7, 33, 65), (130, 256, 128), (301, 40, 24)):  # the last on two threads
+    for t, n_in, n_out in ((1, 1, 1), (7, 33, 65), (130, 256, 128), (301, 40, 24), (9, 8, 96)):  # 301: two threads
         # values over many binades, so the order of the sums matters
         x = (rng.normal(size=(t, n_in)) * np.exp(rng.uniform(-8, 8, (t, n_in)))).astype(np.float32)
         w = (rng.normal(size=(n_in, n_out)) * np.exp(rng.uniform(-6, 6, (n_in, n_out)))).astype(np.float32)
         b = rng.normal(size=n_out).astype(np.float32)
         ref = xpred.affine_reference(x, w, b)
         assert np.array_equal(xpred.affine(x, w, b).view(np.uint32), ref.view(np.uint32))
+        for lanes in (4, 8, 16):  # every vector kernel this CPU runs
+            try:
+                got = native_affine(x, w, b, lanes)
+            except native.Unsupported:
+                continue
+            assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), lanes
         if n_in > 1:  # the order is normative: float64 sums rounded once differ somewhere
             assert not np.array_equal((b + x.astype(np.float64) @ w).astype(np.float32), ref)
 

@@ -69,7 +69,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     # tables.c
     "kvn_member_sums": ([_p, _i64, _i64, _p, _i64, _p, _p], None),
     # xpred.c
-    "kvn_xpred_affine": ([_p, _i64, _i64, _p, _p, _i64, _p], _i),
+    "kvn_xpred_affine": ([_p, _i64, _i64, _p, _p, _i64, _p, _i], _i),
 }
 
 

@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass, field
@@ -117,6 +118,16 @@ def affine(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
         return affine_reference(x, w, b)
 
 
+@functools.lru_cache(maxsize=8)
+def _cos_sin(positions: bytes, steps: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`kvcodec.transforms.rope.cos_sin`, kept for the next layers (they turn at the same
+    positions by the same steps). Read-only arrays."""
+    c, s = cos_sin(np.frombuffer(positions, dtype=np.int64), np.frombuffer(steps, dtype=np.uint32))
+    c.setflags(write=False)
+    s.setflags(write=False)
+    return c, s
+
+
 def _turn(a: np.ndarray, positions: np.ndarray, rot: Any, sign: int) -> np.ndarray:
     """``a`` float32 ``[T, H, D]`` turned forward (``sign`` 1) or back (-1) by the table
     rotation ``rot`` at ``positions`` (steps 1 and 3 of the module docstring)."""
@@ -127,7 +138,8 @@ def _turn(a: np.ndarray, positions: np.ndarray, rot: Any, sign: int) -> np.ndarr
     if not len(steps) or not a.shape[0]:
         return out
     sa, sb = _slices(len(steps), offset, style)
-    c, s = cos_sin(positions, steps)
+    c, s = _cos_sin(np.ascontiguousarray(positions, dtype=np.int64).tobytes(),
+                    np.ascontiguousarray(steps, dtype=np.uint32).tobytes())
     c, s = c[:, None, :], s[:, None, :]
     xa, xb = a[:, :, sa], a[:, :, sb]
     if sign > 0:
