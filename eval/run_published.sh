@@ -11,7 +11,8 @@
 # command) and take minutes to an hour on two cores; kvc_recon only reads committed results and
 # must follow the four kvc_presets* targets it reads. The gpu_* targets need a CUDA device (run through
 # eval/gpu_check.sh or the device tool) and are skipped in a full run without nvidia-smi. kvc_preset_search is a
-# hand-merged record and has no target (eval/studies/README.md). Python: $PYTHON, else .venv/bin/python,
+# hand-merged record and has no target (eval/studies/README.md), nor has kvc_profile_xpred_insample (the
+# kvc_profile run of commit 893a7bc, kept as the record of a criterion that failed). Python: $PYTHON, else .venv/bin/python,
 # else python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."

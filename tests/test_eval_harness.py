@@ -115,7 +115,9 @@ def test_run_published_lists_every_study_and_result():
     for name in _index():
         assert any(f"eval/studies/{name}.py " in cmd for cmd in targets.values()), f"no target runs study {name}"
     stems = {p.relative_to(RESULTS).with_suffix("").as_posix().removesuffix("/bench") for p in _result_files()}
-    stems -= {"kvc_preset_search"}  # a hand-merged record, not regenerated (eval/studies/README.md)
+    # records, not regenerated (eval/studies/README.md): a hand-merged search, and the run of a
+    # criterion that failed (commit 893a7bc's code; the study today makes eval/results/kvc_profile)
+    stems -= {"kvc_preset_search", "kvc_profile_xpred_insample"}
     assert stems <= set(targets), f"published results without a target: {sorted(stems - set(targets))}"
 
 
