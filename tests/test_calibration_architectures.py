@@ -425,3 +425,25 @@ def test_the_whole_calibration_runs_on_every_family(name, tmp_path):
         assert got.keys() == want.keys()
         for role in want:
             assert got[role].shape == want[role].shape and bool(torch.isfinite(got[role].float()).all())
+
+
+def test_calibration_leaves_out_predictors_too_wide_to_decode(tmp_path, monkeypatch):
+    """Past XPRED_MAX_WEIGHTS a profile is made without cross-layer predictors, and says why;
+    files coded with it decode without it."""
+    import kvcodec
+    from kvcodec.codecs.kvc.calibration import save_query_statistics
+    from kvcodec.harness import profile as hp
+    from kvcodec.harness.capture import capture
+
+    model = _model("llama")
+    tok, texts = _word_tokenizer()
+    monkeypatch.setattr(hp, "XPRED_MAX_WEIGHTS", 4)
+    st = hp.build_profile(model, tok, texts, context=64, continuation=16, samples=16, sensitivity_samples=1,
+                          levels={"a": 0.05}, max_windows=2, max_held=1)
+    assert st.xpred is None and st.profile["settings"]["xpred"] == 0 and "off" in st.profile["xpred"]
+    f = tmp_path / "p.safetensors"
+    save_query_statistics(st, f)
+    blob = kvcodec.get_codec({"id": "kvc", "target_kl": 0.05, "calibration": str(f)}).encode(
+        capture(model, tok, texts["prose"], context=48, dtype=torch.float16))
+    f.unlink()  # no profile needed to decode
+    assert kvcodec.decode(blob).num_layers == model.config.num_hidden_layers

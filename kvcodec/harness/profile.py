@@ -93,6 +93,13 @@ SEARCH_SETTINGS: dict[str, Any] = {
 #: (eval/results/kvc_xpred_fit001.md); fitted on uncoded K and V they broke SmolLM2's coarse
 #: levels (kvc_xpred_clean.md).
 XPRED_FIT_KL = 0.01
+#: Cross-layer predictors are full rank (smaller ones explain much less: docs/kvc-design.md §5), so
+#: their weights and the decoder's work grow as the square of a layer's K and V values per token:
+#: SmolLM2 384 (147,456 weights a layer, 8 ms a 1536-token layer on one core here), Qwen2.5-Coder
+#: 256; Qwen3-0.6B's 2,048 would take 4.2 M weights a layer (a 235 MB profile) and ~30x
+#: SmolLM2's decode work. Past this bound a profile is made without them (1,024 values: a 1B
+#: model with 8 KV heads of 64 channels stays within it).
+XPRED_MAX_WEIGHTS = 1 << 20
 #: Entropy settings of the search's encodes (lossless: they change the bits it reports, not the KL).
 SEARCH_ENTROPY: dict[str, Any] = {"ctx": [3, 8, 20], "rows_per_stream": 64, "chunk": 2048, "max_level": 32}
 #: A step meets a target ``t`` when the mean KL over the search windows is at most
@@ -635,6 +642,15 @@ def build_profile(
             return lambda i: for_window(i, cfg)
 
         xpred_info: dict[str, Any] | None = None
+        width = max(sum(int(t.shape[1] * t.shape[2]) for t in layer.values()) for layer in evs[0].reference.layers)
+        if xpred and width * width > XPRED_MAX_WEIGHTS:
+            # full-rank predictors grow as the square of the KV width: too slow to decode on a CPU
+            # (and too large a profile) past the bound; the levels are searched without them
+            say(f"cross-layer predictors: off ({width} K and V values a token and layer, "
+                f"{width * width} weights a layer > {XPRED_MAX_WEIGHTS})")
+            xpred_info = {"off": f"{width * width} weights a layer > XPRED_MAX_WEIGHTS {XPRED_MAX_WEIGHTS}"}
+            xpred = False
+            settings["xpred"] = 0
         if xpred:
             from .xpred import fit_predictors
 
