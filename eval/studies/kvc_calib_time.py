@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     fd, cal = tempfile.mkstemp(suffix=".safetensors")
     os.close(fd)
     save_query_statistics(stats, cal)
-    config = {"id": "kvc", **P.SEARCH_ENTROPY, **P.SEARCH_SETTINGS, "k_step": 1.0, "v_step": 2.0, "calibration": cal}
+    # this shape is past XPRED_MAX_WEIGHTS: the search codes it without cross-layer predictors
+    config = {"id": "kvc", **P.SEARCH_ENTROPY, **P.SEARCH_SETTINGS, "xpred": 0, "k_step": 1.0, "v_step": 2.0,
+              "calibration": cal}
     codec = kvcodec.get_codec(config)
     plain = kvcodec.get_codec({k: v for k, v in config.items() if k != "calibration"})
     threads = min(kvc.KVCCodec.encode_threads, os.cpu_count() or 1)
