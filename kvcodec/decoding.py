@@ -103,9 +103,9 @@ class KVCReader(ContainerReader):
         out: dict[str, torch.Tensor] = {}
         planes = self.read_layer_planes(i, chunks)
         predicted = {role: [bool(enc.params.get("xp")) for _, enc in encs] for role, encs in planes.items()}
+        rows_of = getattr(self.codec, "predicted_rows", None)
         for role, encs in planes.items():
             parts = [self._decode_chunk(i, role, j, enc, device) for j, enc in encs]
-            rows_of = getattr(self.codec, "predicted_rows", None)
             if any(predicted[role]) and rows_of is not None:  # which rows of each chunk take the prediction
                 predicted[role] = [rows_of(enc, self.chunk_context(i, role, j)) for j, enc in encs]
             if len(parts) == 1:
@@ -121,16 +121,23 @@ class KVCReader(ContainerReader):
                 out[role] = torch.empty((0, h, d), dtype=self.dtype, device=device if device != "cpu" else None)
         if any(any(bool(np.any(f)) for f in v) for v in predicted.values()):
             out = self._add_predictions(i, chunks, out, predicted, device)
-        if getattr(self.codec, "add_predictions", None) is not None:  # what layer i + 1 may predict from
+        if self._predicts:  # what layer i + 1 predicts from
             self._last = (key, {r: t.clone() for r, t in out.items()})
         return out
+
+    @property
+    def _predicts(self) -> bool:
+        """Whether any tensor of the file is predicted from the layer before (param ``xp``): only
+        then does the reader keep the last layer it decoded."""
+        if not hasattr(self, "_predicts_cache"):
+            self._predicts_cache = any(c["params"].get("xp") for layer in self.manifest["layers"]
+                                       for t in layer["tensors"].values() for c in t["chunks"])
+        return self._predicts_cache
 
     def _add_predictions(self, i: int, chunks: Sequence[int] | range | None, out: dict[str, torch.Tensor],
                          predicted: dict[str, list[bool]], device: str) -> dict[str, torch.Tensor]:
         """Layer ``i``'s residuals plus the codec's prediction from layer ``i - 1`` (decoded first,
         the same chunks): prediction across layers (kvc ``xpred``, formats/codecs/kvc.md §13)."""
-        import numpy as np
-
         where = f"layers.{i}"
         add = getattr(self.codec, "add_predictions", None)
         if add is None or getattr(self.codec, "predicted_rows", None) is None or i == 0:

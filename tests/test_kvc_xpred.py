@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kvcodec
+from kvcodec import native
 from kvcodec.codecs.kvc import xpred
 from kvcodec.codecs.kvc.calibration import load_query_statistics, save_query_statistics
 from kvcodec.errors import ConfigError, FormatError
@@ -60,28 +61,46 @@ def mse(a, b):
             for i in range(a.num_layers) for r in ("k", "v")]
 
 
+def _operands(t, n_in, n_out, rng):
+    # values over many binades, so the order of the sums matters
+    x = (rng.normal(size=(t, n_in)) * np.exp(rng.uniform(-8, 8, (t, n_in)))).astype(np.float32)
+    w = (rng.normal(size=(n_in, n_out)) * np.exp(rng.uniform(-6, 6, (n_in, n_out)))).astype(np.float32)
+    return x, w, rng.normal(size=n_out).astype(np.float32)
+
+
+SHAPES = ((1, 1, 1), (7, 33, 65), (130, 256, 128), (301, 40, 24), (9, 8, 96))  # 301: two threads
+
+
+def test_affine_reference_order_is_normative():
+    rng = np.random.default_rng(0)
+    for t, n_in, n_out in SHAPES[1:]:
+        x, w, b = _operands(t, n_in, n_out, rng)
+        ref = xpred.affine_reference(x, w, b)
+        assert ref.dtype == np.float32 and ref.shape == (t, n_out)
+        assert np.allclose(ref, b + x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3 * np.abs(ref).max())
+        # float64 sums rounded once differ somewhere: the order is part of the format
+        assert not np.array_equal((b + x.astype(np.float64) @ w).astype(np.float32), ref)
+
+
+@pytest.mark.skipif(native.build._compiler() is None, reason="no C compiler on this machine")
 def test_affine_native_equals_reference_bit_for_bit():
-    from kvcodec import native
     from kvcodec.native.xpred import affine as native_affine
 
-    if native.build.lib() is None:
-        pytest.skip("native library unavailable (KVCODEC_NATIVE=0): the reference alone runs")
     rng = np.random.default_rng(0)
-    for t, n_in, n_out in ((1, 1, 1), (7, 33, 65), (130, 256, 128), (301, 40, 24), (9, 8, 96)):  # 301: two threads
-        # values over many binades, so the order of the sums matters
-        x = (rng.normal(size=(t, n_in)) * np.exp(rng.uniform(-8, 8, (t, n_in)))).astype(np.float32)
-        w = (rng.normal(size=(n_in, n_out)) * np.exp(rng.uniform(-6, 6, (n_in, n_out)))).astype(np.float32)
-        b = rng.normal(size=n_out).astype(np.float32)
+    ran = set()
+    for t, n_in, n_out in SHAPES:
+        x, w, b = _operands(t, n_in, n_out, rng)
         ref = xpred.affine_reference(x, w, b)
         assert np.array_equal(xpred.affine(x, w, b).view(np.uint32), ref.view(np.uint32))
-        for lanes in (4, 8, 16):  # every vector kernel this CPU runs
+        for lanes in (4, 8, 16):  # every vector kernel this CPU runs (4 lanes runs everywhere)
             try:
                 got = native_affine(x, w, b, lanes)
             except native.Unsupported:
+                assert lanes != 4
                 continue
+            ran.add(lanes)
             assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), lanes
-        if n_in > 1:  # the order is normative: float64 sums rounded once differ somewhere
-            assert not np.array_equal((b + x.astype(np.float64) @ w).astype(np.float32), ref)
+    assert 4 in ran
 
 
 def test_prediction_saves_bits_at_no_more_error_and_round_trips(tmp_path):

@@ -29,10 +29,11 @@ def calibration_path(context: int) -> Path:
 
 def profile_dir() -> Path:
     """Where eval/studies/kvc_profile.py keeps each model's profile (``<model>.profile.safetensors``,
-    under the kvcodec cache dir); eval/studies/kvc_alloc.py reads them there."""
-    from .models import cache_dir
+    under the kvcodec cache dir); eval/studies/kvc_alloc.py reads them there, and decoders look for
+    profiles there (:func:`kvcodec.codecs.kvc.xpred.default_profile_dir`, the one definition)."""
+    from ..codecs.kvc.xpred import default_profile_dir
 
-    return cache_dir() / "profiles"
+    return default_profile_dir()
 
 
 def profile_current(path: Path) -> bool:

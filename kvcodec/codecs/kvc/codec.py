@@ -522,7 +522,6 @@ class KVCCodec(Codec):
             enc = self._packed(planes)
             if pred is not None:
                 enc.params["xp"] = 1
-            if pred is not None:
                 dec = as_float32(to_dtype(dec + pred, ctx.dtype))
             xp.store(ctx.layer, ctx.role, rows, dec)
         return enc
@@ -579,28 +578,16 @@ class KVCCodec(Codec):
         else:
             y = x[~keep].double().numpy()
         rope = _tensor_rope(ctx, n, use_h) if ctx.role == "k" else None
+        centre = is_k or p["v_center"]
+        mean, z = _centre(y, mask, rope, centre, from_f16)
         if rope is not None:
-            # rotating means: the channel means before RoPE, turned to each coded token's position
-            # (the decoder's float32 values, kvcodec.transforms.rope), subtracted in float32
-            (u, off, sty, r2), steps = rope
-            pos = np.flatnonzero(~mask)
-            mean = np.clip(unrotated_mean(y, pos, steps, off, STYLES[sty]), -65504.0, 65504.0)
-            mean = mean.astype(np.float16).astype(np.float64)  # what side[0] holds
-            rot = rotated_means(mean.astype(np.float32), pos, steps, off, STYLES[sty])
-            z = (y.astype(np.float32) - rot).astype(np.float32)
-            params["rope"] = [u, off, sty, r2]
-        else:
-            mean = channel_means(y) if (is_k or p["v_center"]) else np.zeros((h, d))
-            if from_f16:
-                # float16 values and float16-rounded means: their difference is exact in float64, so
-                # one float32 subtraction rounds it exactly as the float64 route would
-                z = y - mean.astype(np.float32)[None]
-            else:
-                z = (y.astype(np.float64) - mean[None].astype(np.float32)).astype(np.float32)
+            params["rope"] = list(rope[0])
         # the signal whose RMS sets the steps: the coded one, or with prediction across layers the
-        # tensor before the prediction (its RMS, centred alike; an orthonormal transform keeps it)
+        # tensor before the prediction (its RMS, centred alike; an orthonormal transform keeps it),
+        # so the prediction saves bits and leaves the error where the level's steps put it
         orig = ctx.state.get("scale_of") if isinstance(ctx.state, dict) else None
-        zs = z if orig is None else _centred_like(orig, mask, rope, is_k or p["v_center"])
+        zs = z if orig is None else _centre(orig.detach().cpu().to(torch.float32).numpy()[~mask], mask, rope,
+                                            centre, True)[1]
         if use_h:
             z = fwht(z)
         # squares of float16-range values summed in float32 cannot overflow (65504^2 * 2^31 <
@@ -941,20 +928,26 @@ class KVCCodec(Codec):
         return True
 
 
-def _centred_like(x: torch.Tensor, mask: np.ndarray, rope: Any, centre: bool) -> np.ndarray:
-    """``x``'s coded tokens (those ``mask`` leaves) centred as :meth:`KVCCodec.encode_planes`
-    centres the tensor it codes (rotating means with ``rope``, channel means with ``centre``,
-    else as they are), float32: with ``xpred``, the steps follow this RMS, the tensor's before
-    the prediction, so the prediction saves bits and leaves the error where the level put it."""
-    y = x.detach().cpu().to(torch.float32).numpy()[~mask]
+def _centre(y: np.ndarray, mask: np.ndarray, rope: Any, centre: bool, float32_diff: bool
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """The coded tokens ``y`` (those ``mask`` leaves) centred as kvc codes them: ``(mean float64
+    [H, D] as side[0] holds it, z float32 [n, H, D])``. With ``rope`` (:func:`_tensor_rope`)
+    rotating means: the channel means before RoPE, turned to each coded token's position (the
+    decoder's float32 values, kvcodec.transforms.rope), subtracted in float32; else the channel
+    means (``centre``) or none, subtracted in float32 when ``float32_diff`` (float16 values and
+    float16-rounded means: their difference is exact in float64, so one float32 subtraction
+    rounds it exactly as the float64 route would), else in float64."""
     if rope is not None:
         (_, off, sty, _), steps = rope
         pos = np.flatnonzero(~mask)
         mean = np.clip(unrotated_mean(y, pos, steps, off, STYLES[sty]), -65504.0, 65504.0)
-        return y - rotated_means(mean.astype(np.float16).astype(np.float32), pos, steps, off, STYLES[sty])
-    if centre:
-        return y - channel_means(y).astype(np.float32)[None]
-    return y
+        mean = mean.astype(np.float16).astype(np.float64)  # what side[0] holds
+        rot = rotated_means(mean.astype(np.float32), pos, steps, off, STYLES[sty])
+        return mean, (y.astype(np.float32) - rot).astype(np.float32)
+    mean = channel_means(y) if centre else np.zeros(y.shape[1:])
+    if float32_diff:
+        return mean, y - mean.astype(np.float32)[None]
+    return mean, (y.astype(np.float64) - mean[None].astype(np.float32)).astype(np.float32)
 
 
 def _rope_plan(cache: KVCache, stats: QueryStats) -> dict[str, Any] | None:
