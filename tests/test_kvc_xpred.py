@@ -326,3 +326,19 @@ def test_fit_predictors_closed_loop_and_held_out_sets(tmp_path):
     blob = kvcodec.get_codec(cfg(tmp_path / "p.safetensors")).encode(a)
     assert len(blob) < 0.8 * len(kvcodec.get_codec(cfg(tmp_path / "p.safetensors", xpred=0)).encode(a))
     assert kvcodec.decode(blob).num_layers == 4
+
+
+def test_closed_loop_decodes_with_the_files_config(tmp_path):
+    """A caller's setting that the profile overrides and that the decoder reads (``v_center``):
+    the encoder's closed loop decodes as the file's decoder will, so the file decodes."""
+    cache = drifting_cache()
+    prof = profile_file(tmp_path / "p.safetensors", cache)
+    st = load_query_statistics(prof)
+    st.profile = {"version": 1, "settings": {"v_center": False, "xpred": 1}, "kv_ratio": 2.0, "margin": 1.0,
+                  "points": [[0.5, 0.01, 2.0]], "levels": [{"target_kl": 0.01, "k_step": 0.5, "v_step": 1.0}]}
+    save_query_statistics(st, prof)
+    blob = kvcodec.get_codec({"id": "kvc", "calibration": str(prof), "target_kl": 0.01, "v_center": True}).encode(cache)
+    assert manifest_of(blob)["codec"]["v_center"] is False
+    dec = kvcodec.decode(blob)
+    plain = kvcodec.get_codec(cfg(prof, xpred=0))
+    assert all(e <= 1.02 * p for e, p in zip(mse(dec, cache)[2:], mse(plain.decode(plain.encode(cache)), cache)[2:]))

@@ -287,10 +287,13 @@ class KVCCodec(Codec):
         if params["xpred"]:
             from .xpred import Predictors, XPredEncoder, absolute_positions
 
+            config["xpred"] = 1
+            # the closed loop decodes each tensor as the file's decoder will: with the file's config
+            # (the profile's settings over the caller's), not this codec's own
             state["xpred"] = XPredEncoder(Predictors.from_calibration(cal),
                                           absolute_positions(cache.positions, cache.num_tokens),
-                                          [{r: tuple(t.shape[1:]) for r, t in layer.items()} for layer in cache.layers])
-            config["xpred"] = 1
+                                          [{r: tuple(t.shape[1:]) for r, t in layer.items()} for layer in cache.layers],
+                                          type(self).from_config(config))
         elif "xpred" in config:
             del config["xpred"]
         # one tensor at a time (so only this thread resolves the attention futures, plan.py): a
@@ -517,8 +520,8 @@ class KVCCodec(Codec):
                 planes = self.encode_planes(residual(x, pred, where),
                                             dataclasses.replace(ctx, state={**ctx.state, "scale_of": x}))
             # decoded from the planes before packing (lossless): the values the decoder will have
-            dec = as_float32(self.decode_tensor(planes, TensorContext(ctx.layer, ctx.role, ctx.shape, ctx.dtype,
-                                                                      ctx.layer_kind, ctx.globals)))
+            dec = as_float32(xp.decoder.decode_tensor(planes, TensorContext(ctx.layer, ctx.role, ctx.shape, ctx.dtype,
+                                                                            ctx.layer_kind, ctx.globals)))
             enc = self._packed(planes)
             if pred is not None:
                 enc.params["xp"] = 1

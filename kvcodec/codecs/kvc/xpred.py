@@ -239,8 +239,9 @@ class XPredEncoder:
     over in layer order, chunks in token order, on one thread."""
 
     def __init__(self, predictors: Predictors, positions: np.ndarray,
-                 shapes: list[dict[str, tuple[int, int]]]) -> None:
+                 shapes: list[dict[str, tuple[int, int]]], decoder: Any) -> None:
         self.predictors = predictors
+        self.decoder = decoder  # the codec of the file's config, which decodes each tensor coded
         self.positions = positions
         self.shapes = shapes  # per layer: role -> (heads, channels)
         self.offset: dict[tuple[int, str], int] = {}
