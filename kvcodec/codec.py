@@ -120,6 +120,10 @@ class Codec(ABC):
     #: :meth:`encode_tensor` calls share the call's ``ctx.state``): 1 unless the codec says its
     #: tensors code safely side by side. Bytes never depend on it: the writer keeps the order.
     encode_threads: ClassVar[int] = 1
+    #: How many tensors the reader may decode at once on the CPU (:meth:`decode_tensor` calls
+    #: on threads, a few layers ahead): 1 unless the codec's decoder is safe side by side and
+    #: gains (its native passes release the GIL). Values never depend on it.
+    decode_threads: ClassVar[int] = 1
 
     def __init__(self, **params: Any) -> None:
         unknown = set(params) - set(self.defaults)

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -26,6 +27,10 @@ from .format import safetensors_io as sio
 from .format.container import ContainerReader
 from .format.manifest import MAX_ELEMENTS_PER_BYTE
 from .planes import EncodedTensor, TensorContext
+
+#: how many layers :meth:`KVCReader.read_layers` decodes ahead of the one it finishes, where the
+#: codec decodes on several threads
+DECODE_AHEAD_LAYERS = 2
 
 #: resolves a file's codec config to a codec object (the registry's get_codec, or a fixed codec)
 Resolver = Callable[[dict[str, Any]], Any]
@@ -99,23 +104,32 @@ class KVCReader(ContainerReader):
         Reads only that layer's bytes (plus the file-level planes once), verifying every CRC-32
         before decoding.
         """
+        planes = self.read_layer_planes(i, chunks)
+        parts = {role: [self._decode_chunk(i, role, j, enc, device) for j, enc in encs] for role, encs in planes.items()}
+        return self._finish_layer(i, chunks, planes, parts, device)
+
+    def _finish_layer(self, i: int, chunks: Sequence[int] | range | None,
+                      planes: dict[str, list[tuple[int, EncodedTensor]]], parts: dict[str, list[torch.Tensor]],
+                      device: str) -> dict[str, torch.Tensor]:
+        """Layer ``i`` from its decoded chunks ``parts`` (per role, in the order of ``planes``):
+        the chunks concatenated, then the prediction from the layer before added where the file
+        has one."""
         key = (i, None if chunks is None else tuple(chunks), device)
         out: dict[str, torch.Tensor] = {}
-        planes = self.read_layer_planes(i, chunks)
         predicted = {role: [bool(enc.params.get("xp")) for _, enc in encs] for role, encs in planes.items()}
         rows_of = getattr(self.codec, "predicted_rows", None)
         for role, encs in planes.items():
-            parts = [self._decode_chunk(i, role, j, enc, device) for j, enc in encs]
+            got = parts[role]
             if any(predicted[role]) and rows_of is not None:  # which rows of each chunk take the prediction
                 predicted[role] = [rows_of(enc, self.chunk_context(i, role, j)) for j, enc in encs]
-            if len(parts) == 1:
-                out[role] = parts[0]
-            elif parts:
+            if len(got) == 1:
+                out[role] = got[0]
+            elif got:
                 if device != "cpu":  # the parts may still be decoding on other CUDA streams
                     from .gpu import sync_batch_streams
 
                     sync_batch_streams()
-                out[role] = torch.cat(parts, dim=0)
+                out[role] = torch.cat(got, dim=0)
             else:
                 _, h, d = self.tensor_shape(i, role)
                 out[role] = torch.empty((0, h, d), dtype=self.dtype, device=device if device != "cpu" else None)
@@ -124,6 +138,43 @@ class KVCReader(ContainerReader):
         if self._predicts:  # what layer i + 1 predicts from
             self._last = (key, {r: t.clone() for r, t in out.items()})
         return out
+
+    def _read_layers_threaded(self, layers: Sequence[int], threads: int) -> Iterator[dict[str, torch.Tensor]]:
+        """:meth:`read_layers` on the CPU with ``threads`` decoding tensors at once: this thread
+        reads each layer's bytes (and checks them), the pool decodes its tensors (the native
+        decoders release the GIL) up to :data:`DECODE_AHEAD_LAYERS` layers ahead, and this
+        thread finishes the layers in order (concatenation, prediction across layers). The same
+        values as one thread, bit for bit."""
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.globals()  # read once here, not raced for by the pool
+        todo = iter(layers)
+        with ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-decode") as pool:
+            ahead: deque = deque()
+
+            def start() -> None:
+                i = next(todo, None)
+                if i is None:
+                    return
+                planes = self.read_layer_planes(i)
+                futs = {role: [pool.submit(self._decode_chunk, i, role, j, enc, "cpu") for j, enc in encs]
+                        for role, encs in planes.items()}
+                ahead.append((i, planes, futs))
+
+            try:
+                for _ in range(DECODE_AHEAD_LAYERS):
+                    start()
+                while ahead:
+                    i, planes, futs = ahead.popleft()
+                    start()
+                    parts = {role: [f.result() for f in fs] for role, fs in futs.items()}
+                    yield self._finish_layer(i, None, planes, parts, "cpu")
+            finally:  # an error (or a consumer that stops): nothing more starts, what runs ends
+                for _, _, futs in ahead:
+                    for fs in futs.values():
+                        for f in fs:
+                            f.cancel()
 
     @property
     def _predicts(self) -> bool:
@@ -164,8 +215,15 @@ class KVCReader(ContainerReader):
             raise FormatError(f"{where}: prediction across layers failed: {type(e).__name__}: {str(e)[:200]}") from None
 
     def read_layers(self, layers: Iterable[int] | None = None, device: str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
-        """Decode layers one at a time (default: all), yielding each layer's tensor dict."""
-        for i in range(self.num_layers) if layers is None else layers:
+        """Decode layers in order (default: all), yielding each layer's tensor dict. On the CPU,
+        a codec whose ``decode_threads`` is over 1 decodes the tensors of the next layers on
+        that many threads (at most the CPUs) while this one finishes each layer."""
+        todo = list(range(self.num_layers) if layers is None else layers)
+        threads = min(int(getattr(self.codec, "decode_threads", 1)), os.cpu_count() or 1)
+        if device == "cpu" and threads > 1 and len(todo) > 1:
+            yield from self._read_layers_threaded(todo, threads)
+            return
+        for i in todo:
             yield self.read_layer(i, device=device)
 
     def read_cache(self, device: str = "cpu") -> KVCache:

@@ -35,6 +35,8 @@ class TensorContext:
     globals: dict[str, np.ndarray] = field(default_factory=dict)
     #: the codec's per-call state from :meth:`Codec.prepare` (None for codecs that keep none)
     state: Any = None
+    #: where the tensor's first token lies in the cache (a chunk's offset; the writer sets it)
+    start: int = 0
 
     @property
     def numel(self) -> int:

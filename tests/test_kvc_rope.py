@@ -73,6 +73,35 @@ def test_unrotated_mean_recovers_the_mean_before_rope() -> None:
     assert np.max(np.abs(k.mean(0) - mu)) > 1.0
 
 
+@pytest.mark.parametrize("n,h,d,r2,off,style", [(1536, 3, 64, 32, 0, "half"), (37, 2, 16, 4, 4, "interleaved"),
+                                                (5, 1, 8, 3, 2, "half"), (1, 2, 6, 3, 0, "interleaved"),
+                                                (300, 2, 80, 16, 8, "half")])
+def test_native_means_equal_the_reference_bit_for_bit(n, h, d, r2, off, style) -> None:
+    """csrc/rope.c against the numpy references: random positions past 2**32, random steps,
+    partial rotary, float32 and float16 K over many binades."""
+    from kvcodec import native
+
+    if not native.available():
+        pytest.skip("native library not built")
+    from kvcodec.native import rope as NR
+
+    rng = np.random.default_rng(n)
+    pos = rng.integers(0, 2**40, n)
+    steps = rng.integers(0, 2**32, r2).astype(np.uint32)
+    for dt in (np.float32, np.float16):
+        k = (rng.normal(size=(n, h, d)) * np.exp(rng.uniform(-5, 5, (n, h, d)))).astype(dt)
+        a = NR.unrotated_mean(k, pos, steps, off, style, R.sin_table())
+        b = R.unrotated_mean_reference(k, pos, steps, off, style)
+        assert np.array_equal(a.view(np.uint64), b.view(np.uint64)), dt
+    mu = (rng.normal(size=(h, d)) * 10).astype(np.float32)
+    a = NR.rotated_means(mu, pos, steps, off, style, R.sin_table())
+    assert np.array_equal(a.view(np.uint32), R.rotated_means_reference(mu, pos, steps, off, style).view(np.uint32))
+    c, s = R.cos_sin(pos, steps)
+    assert not c.flags.writeable and R.cos_sin(pos, steps)[0] is c  # kept for the next layer
+    with pytest.raises(ValueError):
+        NR.rotated_means(mu, pos, steps, d - 1, style, R.sin_table())  # pairs past the head
+
+
 def test_phase_step_rounding() -> None:
     st = R.phase_steps(np.array([0.0, math.pi, 2 * math.pi - 1e-12, 1e-9]))
     assert st.dtype == np.uint32 and st.tolist() == [0, 2**31, 0, 1]

@@ -103,6 +103,88 @@ def test_affine_native_equals_reference_bit_for_bit():
     assert 4 in ran
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_native_layer_pass_equals_the_reference(tmp_path, dtype):
+    """The fused C pass (turn back, affine, turn forward, add, round; two threads past 256 rows)
+    against :meth:`Predictors.predict` and :func:`add_reference`, bit for bit, on random
+    predictors, RoPE at absolute positions and random masks; also its prediction-only mode."""
+    if not native.available():
+        pytest.skip("native library not built")
+    t = 301
+    pos = torch.arange(5000, 5000 + t)
+    cache = drifting_cache(layers=3, t=t, dtype=dtype, positions=pos)
+    prof = profile_file(tmp_path / "p.safetensors", cache, kind="random")
+    from kvcodec.codecs.kvc.calibration import Calibration
+
+    pred = xpred.Predictors.from_calibration(Calibration.load(prof))
+    rng = np.random.default_rng(1)
+    positions = pos.numpy()
+    for layer in (1, 2):
+        prev = {r: cache.layers[layer - 1][r].clone() for r in ("k", "v")}
+        res = {r: (torch.randn(t, 2, 16, generator=torch.Generator().manual_seed(layer)) * 3).to(dtype)
+               for r in ("k", "v")}
+        masks = {r: rng.random(t) < 0.8 for r in ("k", "v")}
+        shapes = {r: (2, 16) for r in ("k", "v")}
+        ref_pred = pred.predict(layer, {r: xpred.as_float32(v) for r, v in prev.items()}, shapes, positions, "t")
+        ref = xpred.add_reference({r: v.clone() for r, v in res.items()}, ref_pred, masks)  # float32: in place
+        got = pred.add(layer, {r: v.clone() for r, v in res.items()}, prev, positions, masks, "t")
+        for r in ("k", "v"):
+            assert got[r].dtype == dtype
+            assert torch.equal(got[r].view(torch.int16 if dtype != torch.float32 else torch.int32),
+                               ref[r].view(torch.int16 if dtype != torch.float32 else torch.int32)), (layer, r)
+            assert not torch.equal(got[r], res[r])  # the prediction was added
+        only = pred.prediction(layer, {r: xpred.as_float32(v) for r, v in prev.items()}, shapes, positions, "t")
+        for r in ("k", "v"):
+            assert np.array_equal(only[r].view(np.uint32), ref_pred[r].view(np.uint32)), (layer, r)
+
+
+@pytest.mark.parametrize("style,offset,r2", [("half", 0, 8), ("interleaved", 0, 8), ("half", 4, 4),
+                                              ("interleaved", 6, 3)])
+def test_native_pass_turns_every_rope_layout(style, offset, r2):
+    """Both pair layouts, partial rotary (an offset, fewer pairs than channels) and different
+    tables on the way in and out: :func:`kvcodec.native.xpred.xpred_pass` equals the numpy turn,
+    affine and add."""
+    if not native.available():
+        pytest.skip("native library not built")
+    from kvcodec.native.xpred import xpred_pass
+    from kvcodec.transforms.rope import pairs
+
+    rng = np.random.default_rng(7)
+    t, h, d = 40, 3, 16
+    positions = rng.integers(0, 10**6, t).astype(np.int64)
+    steps_in = rng.integers(1, 2**31, r2).astype(np.uint32)
+    steps_out = rng.integers(1, 2**31, r2).astype(np.uint32)
+    k0 = torch.randn(t, h, d).half()
+    v0 = torch.randn(t, h, d).half()
+    w = (rng.normal(size=(2 * h * d, 2 * h * d)) / 8).astype(np.float32)
+    b = rng.normal(size=2 * h * d).astype(np.float32)
+    tables = []
+    for steps in (steps_in, steps_out):
+        c, s = xpred._cos_sin(positions.tobytes(), steps.tobytes())
+        ia, ib = pairs(r2, offset, style)
+        tables.append((c, s, ia.astype(np.int32), ib.astype(np.int32)))
+    ka = xpred._turn(k0.float().numpy(), positions, (steps_in, offset, style), -1)
+    x = np.concatenate([ka.reshape(t, -1), v0.float().numpy().reshape(t, -1)], axis=1)
+    y = xpred.affine_reference(x, w, b)
+    pk = xpred._turn(np.ascontiguousarray(y[:, :h * d]).reshape(t, h, d), positions, (steps_out, offset, style), 1)
+    pv = y[:, h * d:].reshape(t, h, d)
+    rk, rv = torch.randn(t, h, d).half(), torch.randn(t, h, d).half()
+    mk = rng.random(t) < 0.5
+    want_k = rk.float().numpy().copy()
+    want_k[mk] = want_k[mk] + pk[mk]
+    want_v = rv.float().numpy() + pv
+    ok, ov = rk.clone(), rv.clone()
+    xpred_pass((0, 17), [(k0, True), (v0, False)], tables[0], w, b, [(ok, True), (ov, False)], tables[1],
+               [mk.astype(np.uint8), np.ones(t, np.uint8)])
+    xpred_pass((17, t), [(k0, True), (v0, False)], tables[0], w, b, [(ok, True), (ov, False)], tables[1],
+               [mk.astype(np.uint8), np.ones(t, np.uint8)])
+    assert torch.equal(ok, torch.from_numpy(want_k).half())
+    assert torch.equal(ov, torch.from_numpy(want_v).half())
+    with pytest.raises(ValueError, match="add up"):
+        xpred_pass((0, t), [(k0, True)], tables[0], w, b, [(ok, True), (ov, False)], tables[1],
+                   [mk.astype(np.uint8), mk.astype(np.uint8)])
+
+
 def test_prediction_saves_bits_at_no_more_error_and_round_trips(tmp_path):
     cache = drifting_cache()
     prof = profile_file(tmp_path / "p.safetensors", cache)
@@ -342,3 +424,72 @@ def test_closed_loop_decodes_with_the_files_config(tmp_path):
     dec = kvcodec.decode(blob)
     plain = kvcodec.get_codec(cfg(prof, xpred=0))
     assert all(e <= 1.02 * p for e, p in zip(mse(dec, cache)[2:], mse(plain.decode(plain.encode(cache)), cache)[2:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_closed_loop_reconstructs_what_the_decoder_decodes(tmp_path, monkeypatch, dtype):
+    """The encoder feeds the next layer's prediction from the codes it wrote
+    (``KVCCodec.reconstruct``), not by decoding its streams: the same values as
+    ``decode_tensor`` on those planes, bit for bit, on every tensor of several settings
+    (per-token K steps, RoPE means, token-mode V, reconstruction offsets, chunks, sinks)."""
+    seen = []
+    real = kvcodec.codecs.kvc.codec.KVCCodec.reconstruct
+
+    def check(self, enc, codes, ctx):  # decoded below, once the entropy stage's planes are in
+        got = real(self, enc, codes, ctx)
+        seen.append((self, enc, ctx, got.clone()))
+        return got
+
+    monkeypatch.setattr(kvcodec.codecs.kvc.codec.KVCCodec, "reconstruct", check)
+    cache = drifting_cache(layers=3, t=140, dtype=dtype, positions=torch.arange(7, 147))
+    prof = profile_file(tmp_path / "p.safetensors", cache, kind="random")
+    for kw, chunk in (({}, 0), ({"k_recon": 2, "sinks": 3}, 0), ({"v_scale": "head", "v_center": True}, 64),
+                      ({"k_rope_mean": 1, "recent": 20, "recent_ramp": 64, "ctx": [3, 8, 20], "rows_per_stream": 64}, 0), ({"transform": "hadamard"}, 0)):
+        seen.clear()
+        blob = kvcodec.get_codec(cfg(prof, **kw)).encode(cache, tokens_per_chunk=chunk)
+        assert len(seen) == 3 * 2 * (1 if not chunk else 3)
+        for codec, enc, ctx, got in seen:
+            want = codec.decode_tensor(enc, ctx)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (ctx.layer, ctx.role)
+        assert kvcodec.decode(blob).num_layers == 3
+
+
+@pytest.mark.parametrize("chunk", [0, 50])
+def test_threads_code_the_same_bytes_and_a_failure_stops_them(tmp_path, monkeypatch, chunk):
+    """The closed loop on the writer's threads (a tensor waits for the layer before on its rows):
+    the bytes of one thread; an error in one tensor raises, and nothing waits forever."""
+    import threading
+
+    import kvcodec.codecs.kvc.codec as kc
+
+    cache = drifting_cache(layers=5, t=150, positions=torch.arange(3, 153))
+    prof = profile_file(tmp_path / "p.safetensors", cache, kind="random")
+    codec = kvcodec.get_codec(cfg(prof, k_attn=1.0))
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    seen: set[str] = set()
+    real = kc.KVCCodec.encode_tensor
+
+    def spy(self, x, ctx):
+        seen.add(threading.current_thread().name)
+        return real(self, x, ctx)
+
+    monkeypatch.setattr(kc.KVCCodec, "encode_tensor", spy)
+    out = {}
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(kc, "XPRED_ENCODE_THREADS", threads)
+        seen.clear()
+        out[threads] = codec.encode(cache, tokens_per_chunk=chunk)
+        assert len(seen) == threads
+    assert out[1] == out[2] == out[3]
+
+    real_residual = xpred.residual
+
+    def broken(x, pred, where):
+        if where == "layers.2.v":
+            raise RuntimeError("boom")
+        return real_residual(x, pred, where)
+
+    monkeypatch.setattr(xpred, "residual", broken)
+    monkeypatch.setattr(kc, "XPRED_ENCODE_THREADS", 2)
+    with pytest.raises(RuntimeError, match="boom"):
+        codec.encode(cache, tokens_per_chunk=chunk)

@@ -114,7 +114,7 @@ def _encode_planes(plan: "EncodePlan",
                 x = x.detach().cpu().contiguous()
                 yield i, role, j, x, TensorContext(layer=i, role=role, shape=tuple(x.shape), dtype=x.dtype,
                                                    layer_kind=cache.layer_info[i].kind, globals=globals_,
-                                                   state=plan.state)
+                                                   state=plan.state, start=s)
 
     for i, role, j, x, enc in _encoded(codec, jobs(), plan.encode_threads):
         params_out[(i, role)].append({"tokens": int(x.shape[0]),

@@ -32,3 +32,86 @@ def affine(x: np.ndarray, w: np.ndarray, b: np.ndarray, lanes: int = 0) -> np.nd
     if lb.kvn_xpred_affine(ptr(x), t, n_in, ptr(w), ptr(b), w.shape[1], ptr(out), lanes) == 0:
         raise Unsupported(f"this CPU has no {lanes}-lane kernel")
     return out
+
+
+def xpred_pass(rows: tuple[int, int], inputs: list, rot_in: tuple | None, w: np.ndarray, b: np.ndarray,
+               outputs: list, rot_out: tuple | None, masks: list | None, lanes: int = 0) -> int:
+    """One layer's prediction pass on token rows ``rows`` (csrc/xpred.c ``kvn_xpred_pass``; the
+    arithmetic of :meth:`kvcodec.codecs.kvc.xpred.Predictors.predict` and the add, bit for bit).
+
+    ``inputs``: layer ``l - 1``'s tensors in role order, each ``(contiguous CPU torch tensor [T,
+    H, D] of float32 / float16 / bfloat16, turned back: bool)``; ``outputs`` alike for layer
+    ``l`` (turned forward). ``rot_in`` / ``rot_out``: ``(cos float32 [T, P], sin float32 [T, P],
+    channel a int32 [P], channel b int32 [P])`` of the turned parts, or None. ``masks``: per
+    output a uint8 ``[T]`` array: the outputs hold their decoded residuals and the marked rows
+    become ``dtype(residual + prediction)`` in place; None: the outputs are float32 and get the
+    prediction on every row. Returns the kernel lanes used.
+
+    Raises:
+        Unsupported: the native library is unavailable, or the CPU lacks the kernel asked for.
+    """
+    import torch
+
+    from .abi import float_kind
+
+    lb = required()
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    b = np.ascontiguousarray(b, dtype=np.float32)
+    keep: list = [w, b]
+
+    def side(parts: list, rot: tuple | None) -> tuple:
+        ptrs = np.zeros(max(1, len(parts)), dtype=np.int64)
+        geo = np.zeros(4 * max(1, len(parts)), dtype=np.int64)
+        for k, (t, turned) in enumerate(parts):
+            if t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 3:
+                raise ValueError("xpred_pass: tensors must be contiguous CPU [T, H, D]")
+            if turned and rot is None:
+                raise ValueError("xpred_pass: a turned part needs its rotation tables")
+            ptrs[k] = t.data_ptr()
+            geo[4 * k:4 * k + 4] = (float_kind(t.dtype), t.shape[1], t.shape[2], int(bool(turned)))
+        if rot is None:
+            z = np.zeros(1, np.float32)
+            zi = np.zeros(1, np.int32)
+            rot = (z, z, zi, zi)
+        c, s, ia, ib = (np.ascontiguousarray(rot[0], np.float32), np.ascontiguousarray(rot[1], np.float32),
+                        np.ascontiguousarray(rot[2], np.int32), np.ascontiguousarray(rot[3], np.int32))
+        keep.extend((ptrs, geo, c, s, ia, ib))
+        return ptrs, geo, c, s, ia, ib
+
+    t_all = inputs[0][0].shape[0] if inputs else 0
+    for t, _ in [*inputs, *outputs]:
+        if t.shape[0] != t_all:
+            raise ValueError("xpred_pass: every tensor must have the same tokens")
+    for rot in (rot_in, rot_out):
+        if rot is not None and (rot[0].shape != (t_all, rot[2].size) or rot[1].shape != rot[0].shape
+                                or rot[3].shape != rot[2].shape):
+            raise ValueError("xpred_pass: rotation tables [T, P] and pairs [P] expected")
+    if masks is None:
+        if any(t.dtype != torch.float32 for t, _ in outputs):
+            raise ValueError("xpred_pass: prediction-only outputs must be float32")
+        mptr = np.zeros(max(1, len(outputs)), dtype=np.int64)
+    else:
+        ms = [np.ascontiguousarray(m, dtype=np.uint8) for m in masks]
+        if len(ms) != len(outputs) or any(m.shape != (t_all,) for m in ms):
+            raise ValueError("xpred_pass: one uint8 [T] mask per output")
+        keep.append(ms)
+        mptr = np.array([m.ctypes.data for m in ms] or [0], dtype=np.int64)
+    pi, gi, ci, si, ai, bi = side(inputs, rot_in)
+    po, go, co, so, ao, bo = side(outputs, rot_out)
+    r0, r1 = int(rows[0]), int(rows[1])
+    if not 0 <= r0 <= r1 <= t_all:
+        raise ValueError(f"xpred_pass: rows {rows} outside 0..{t_all}")
+    if lanes not in (0, 4, 8, 16):
+        raise ValueError(f"lanes must be 0, 4, 8 or 16, got {lanes}")
+    rc = lb.kvn_xpred_pass(r0, r1, len(inputs), ptr(pi), ptr(gi), ptr(ci), ptr(si), ptr(ai), ptr(bi),
+                           0 if rot_in is None else ai.size, ptr(w), ptr(b), w.shape[0], w.shape[1], len(outputs),
+                           ptr(po), ptr(go), ptr(mptr), ptr(co), ptr(so), ptr(ao), ptr(bo),
+                           0 if rot_out is None else ao.size, 0 if masks is not None else 1, lanes)
+    if rc == -1:
+        raise MemoryError("xpred_pass: out of memory")
+    if rc == -2:
+        raise ValueError(f"xpred_pass: the parts do not add up to the predictor's {w.shape[0]} -> {w.shape[1]}")
+    if rc == 0 and r1 > r0:
+        raise Unsupported(f"this CPU has no {lanes}-lane kernel")
+    del keep
+    return rc

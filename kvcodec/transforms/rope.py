@@ -81,7 +81,21 @@ def pairs(r2: int, offset: int, style: str) -> tuple[np.ndarray, np.ndarray]:
 
 def cos_sin(positions: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float32 ``(cos, sin)`` ``[n, r2]`` at ``positions`` (int64 ``[n]``, >= 0) for phase
-    ``steps`` (uint32 ``[r2]``), from :func:`sin_table`."""
+    ``steps`` (uint32 ``[r2]``), from :func:`sin_table`. Read-only arrays, kept for the next
+    calls at the same positions and steps (every layer of a cache turns alike)."""
+    return _cos_sin_kept(np.ascontiguousarray(positions, dtype=np.int64).tobytes(),
+                         np.ascontiguousarray(steps, dtype=np.uint32).tobytes())
+
+
+@functools.lru_cache(maxsize=8)
+def _cos_sin_kept(positions: bytes, steps: bytes) -> tuple[np.ndarray, np.ndarray]:
+    c, s = _cos_sin(np.frombuffer(positions, dtype=np.int64), np.frombuffer(steps, dtype=np.uint32))
+    c.setflags(write=False)
+    s.setflags(write=False)
+    return c, s
+
+
+def _cos_sin(positions: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     p = (np.asarray(positions, dtype=np.int64) & 0xFFFFFFFF).astype(np.uint64)
     ph = (p[:, None] * np.asarray(steps, dtype=np.uint64)[None]) & np.uint64(0xFFFFFFFF)
     i = (ph >> np.uint64(32 - SIN_BITS)).astype(np.int64)
@@ -91,6 +105,22 @@ def cos_sin(positions: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.nd
 
 def rotated_means(mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offset: int,
                   style: str) -> np.ndarray:
+    """``R(p) mu`` for every position: float32 ``[n, H, D]`` from ``mu`` float32 ``[H, D]``:
+    :func:`rotated_means_reference`, in C where the native library is built (the same bits)."""
+    from .. import native
+
+    if len(steps) and len(positions) and np.ndim(mu) == 2:
+        try:
+            from ..native.rope import rotated_means as fast
+
+            return fast(mu, positions, steps, offset, style, sin_table())
+        except native.Unsupported:
+            pass
+    return rotated_means_reference(mu, positions, steps, offset, style)
+
+
+def rotated_means_reference(mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offset: int,
+                            style: str) -> np.ndarray:
     """``R(p) mu`` for every position: float32 ``[n, H, D]`` from ``mu`` float32 ``[H, D]``
     (the normative arithmetic of the module docstring)."""
     mu = np.asarray(mu, dtype=np.float32)
@@ -120,6 +150,23 @@ def layer_rotates(la: Any, width: int) -> bool:
 def unrotated_mean(k: np.ndarray, positions: np.ndarray, steps: np.ndarray, offset: int,
                    style: str) -> np.ndarray:
     """The mean over tokens of ``R(p)^-1 k`` (float64 ``[H, D]``; encoder side) for ``k``
+    ``[n, H, D]``: :func:`unrotated_mean_reference`, in C for float32 and float16 ``k`` where
+    the native library is built (the same bits)."""
+    from .. import native
+
+    if len(steps) and len(k) and isinstance(k, np.ndarray) and k.dtype in (np.float32, np.float16) and k.ndim == 3:
+        try:
+            from ..native.rope import unrotated_mean as fast
+
+            return fast(k, positions, steps, offset, style, sin_table())
+        except native.Unsupported:
+            pass
+    return unrotated_mean_reference(k, positions, steps, offset, style)
+
+
+def unrotated_mean_reference(k: np.ndarray, positions: np.ndarray, steps: np.ndarray, offset: int,
+                             style: str) -> np.ndarray:
+    """The mean over tokens of ``R(p)^-1 k`` (float64 ``[H, D]``; encoder side) for ``k``
     ``[n, H, D]``: the channel means before RoPE, with the table's rotation."""
     x = np.asarray(k, dtype=np.float64)
     out = x.mean(axis=0)
@@ -133,5 +180,5 @@ def unrotated_mean(k: np.ndarray, positions: np.ndarray, steps: np.ndarray, offs
     return out
 
 
-__all__ = ["SIN_BITS", "STYLES", "cos_sin", "layer_rotates", "pairs", "phase_steps", "rotated_means", "sin_table",
-           "unrotated_mean"]
+__all__ = ["SIN_BITS", "STYLES", "cos_sin", "layer_rotates", "pairs", "phase_steps", "rotated_means",
+           "rotated_means_reference", "sin_table", "unrotated_mean", "unrotated_mean_reference"]

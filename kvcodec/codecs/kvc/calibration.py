@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -324,6 +325,10 @@ def _parse_attention(text: str, freqs: list[np.ndarray | None], st: QueryStats, 
     return out
 
 
+_KEPT: dict[tuple[str, int, int], "Calibration"] = {}
+_KEPT_LOCK = threading.Lock()
+
+
 @dataclass(frozen=True)
 class Calibration:
     """A calibration file as the encoder uses it: where it came from, the SHA-256 of its bytes and
@@ -353,6 +358,29 @@ class Calibration:
         except OSError as e:
             raise InputError(f"kvc calibration file {name!r} cannot be read: {e.strerror or e}") from None
         return cls(name, hashlib.sha256(data).hexdigest(), parse_query_statistics(data, name))
+
+    @classmethod
+    def load_kept(cls, path: str | os.PathLike[str]) -> "Calibration":
+        """:meth:`load`, kept for the next calls while the file keeps its size and modification
+        time (the encoder reads the same profile for every cache; reading and hashing a profile
+        with predictors took 50 ms of a 1536-token SmolLM2 encode). The statistics are shared:
+        callers must not change them."""
+        name = os.fspath(path)
+        try:
+            st = os.stat(name)
+            key = (os.path.realpath(name), st.st_size, st.st_mtime_ns)
+        except OSError:
+            return cls.load(path)
+        with _KEPT_LOCK:
+            got = _KEPT.get(key)
+        if got is not None:
+            return got if got.path == name else cls(name, got.sha256, got.stats)
+        got = cls.load(path)
+        with _KEPT_LOCK:
+            _KEPT[key] = got
+            while len(_KEPT) > 4:
+                _KEPT.pop(next(iter(_KEPT)))
+        return got
 
 
 def rotate_queries(q: np.ndarray, delta: float, theta: float) -> np.ndarray:

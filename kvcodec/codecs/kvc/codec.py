@@ -60,6 +60,10 @@ PACK_PIECES = ("protect", "side", "esc", "pred", "ans_meta", "ans_words", "ans_o
                "ans_row_table")
 
 
+#: tensors coded at once (at most the CPUs) in an encode call with prediction across layers
+XPRED_ENCODE_THREADS = 2
+
+
 @register_codec
 class KVCCodec(Codec):
     """Transform codec: protected tokens, centring, weighted dead-zone steps, clustered-table ANS.
@@ -147,6 +151,8 @@ class KVCCodec(Codec):
     #: Tensors code side by side (the native passes release the GIL); a calibrated encode, whose
     #: per-call state holds the attention estimates' futures, says 1 for its call (:meth:`prepare`).
     encode_threads = 4
+    #: Tensors decode side by side (one native call each, which releases the GIL)
+    decode_threads = 2
     defaults = {
         "k_step": 0.45, "v_step": 1.35, "k_gamma": 1.0, "v_scale": "token", "v_center": False,
         "sinks": 1, "recent": 0, "sink_v_ratio": 0.3, "rho": 0.5, "transform": "none", "max_level": 32,
@@ -245,7 +251,7 @@ class KVCCodec(Codec):
                 raise ConfigError("kvc xpred needs a profile that holds cross-layer predictors ('calibration': a "
                                   "file from `kvcodec calibrate`)")
             return Prepared(config, {})
-        cal = Calibration.load(self.params["calibration"])
+        cal = Calibration.load_kept(self.params["calibration"])
         given = self.params["calibration_sha256"]
         if given and given != cal.sha256:
             raise ConfigError(f"kvc calibration {self.params['calibration']!r} has SHA-256 {cal.sha256}, "
@@ -296,11 +302,12 @@ class KVCCodec(Codec):
                                           type(self).from_config(config))
         elif "xpred" in config:
             del config["xpred"]
-        # one tensor at a time (so only this thread resolves the attention futures, plan.py): a
-        # calibrated encode gained nothing on threads (Qwen3-0.6B-shaped
-        # window on 2 cores, scratch: 1.99 s on two against 1.78 on one; uncalibrated 0.70
-        # against 1.17); its numpy passes (rotating means, tables) hold the GIL
-        return Prepared(config, state, lambda: pool.shutdown(wait=True, cancel_futures=True), encode_threads=1)
+        # a calibrated encode without prediction across layers gained nothing on threads
+        # (Qwen3-0.6B-shaped window on 2 cores, scratch: 1.99 s on two against 1.78 on one;
+        # uncalibrated 0.70 against 1.17); with it, one tensor's entropy coding overlaps the next
+        # layer's quantization (XPredEncoder orders them)
+        return Prepared(config, state, lambda: pool.shutdown(wait=True, cancel_futures=True),
+                        encode_threads=XPRED_ENCODE_THREADS if "xpred" in state else 1)
 
     def part_config(self, first: bool = False, last: bool = False, query_pos: int = 0) -> dict[str, Any]:
         """This codec's config for a *part* of a longer sequence (an independent chunk): no
@@ -505,8 +512,8 @@ class KVCCodec(Codec):
         from .xpred import as_float32, residual, to_dtype
 
         where = f"layers.{ctx.layer}.{ctx.role}"
-        with xp.lock:
-            rows = xp.rows(ctx.layer, ctx.role, x.shape[0])
+        with xp.coding():
+            rows = (ctx.start, ctx.start + x.shape[0])
             pred = xp.prediction(ctx.layer, ctx.role, rows, where)
             if pred is not None:  # protected tokens are stored as they are: no prediction there
                 p = ctx.state.get("params", self.params)
@@ -515,18 +522,20 @@ class KVCCodec(Codec):
                 pred = pred.copy()
                 pred[self._mask(ctx, s, min(p["recent"], t - s), where)] = 0.0
             if pred is None:
-                planes = self.encode_planes(x, ctx)
+                planes, codes, stage = self._symbols(x, ctx)
             else:  # the residual, at the steps the tensor itself would get (its RMS, not the residual's)
-                planes = self.encode_planes(residual(x, pred, where),
-                                            dataclasses.replace(ctx, state={**ctx.state, "scale_of": x}))
-            # decoded from the planes before packing (lossless): the values the decoder will have
-            dec = as_float32(xp.decoder.decode_tensor(planes, TensorContext(ctx.layer, ctx.role, ctx.shape, ctx.dtype,
-                                                                            ctx.layer_kind, ctx.globals)))
-            enc = self._packed(planes)
+                planes, codes, stage = self._symbols(residual(x, pred, where),
+                                                     dataclasses.replace(ctx, state={**ctx.state, "scale_of": x}))
+            # the values the decoder will have, from the codes (what decoding the planes gives)
+            dec = as_float32(xp.decoder.reconstruct(planes, codes, TensorContext(ctx.layer, ctx.role, ctx.shape,
+                                                                                 ctx.dtype, ctx.layer_kind,
+                                                                                 ctx.globals)))
+            if pred is not None:
+                dec = as_float32(to_dtype(dec + pred, ctx.dtype))
+            xp.store(ctx.layer, ctx.role, rows, dec)  # the next layer may start
+            enc = self._packed(self._staged(planes, stage))
             if pred is not None:
                 enc.params["xp"] = 1
-                dec = as_float32(to_dtype(dec + pred, ctx.dtype))
-            xp.store(ctx.layer, ctx.role, rows, dec)
         return enc
 
     def _encode_tensor(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
@@ -542,6 +551,23 @@ class KVCCodec(Codec):
 
     def encode_planes(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
         """One tensor's planes and params, each plane on its own (see the module docstring)."""
+        enc, _, stage = self._symbols(x, ctx)
+        return self._staged(enc, stage)
+
+    def _staged(self, enc: EncodedTensor, stage: Any) -> EncodedTensor:
+        """``enc`` with its entropy stage's planes (``stage`` from :meth:`_symbols`)."""
+        if stage is not None:
+            p, sym, lv, stats, ctx_thr = stage
+            for k, v in _stage({**p, "ctx": ctx_thr}).encode(sym, alphabet=2 * lv, layout="tokens",
+                                                             ctx_stats=stats).items():
+                enc.planes[_STAGE_PREFIX + k] = v
+        return enc
+
+    def _symbols(self, x: torch.Tensor, ctx: TensorContext) -> tuple[EncodedTensor, np.ndarray | None, Any]:
+        """:meth:`encode_planes` up to the entropy stage: the tensor's planes and params but the
+        stage's, the integer codes the stage will code (token-major ``[n, R]``, what the
+        decoder's escape join gives back; None without coded tokens), and what
+        :meth:`_staged` needs to code them."""
         p = (ctx.state or {}).get("params", self.params)  # a profile's settings, else the codec's
         t, h, d = x.shape
         where = f"layers.{ctx.layer}.{ctx.role}"
@@ -683,11 +709,7 @@ class KVCCodec(Codec):
         params["L"] = lv
         if esc.size:  # no escapes: no plane (each plane costs its header entry)
             planes["esc"] = _narrowest(esc)
-        if n:
-            for k, v in _stage({**p, "ctx": ctx_thr}).encode(sym, alphabet=2 * lv, layout="tokens",
-                                                             ctx_stats=stats).items():
-                planes[_STAGE_PREFIX + k] = v
-        return EncodedTensor(planes, params)
+        return EncodedTensor(planes, params), (tok if n else None), ((p, sym, lv, stats, ctx_thr) if n else None)
 
     # ------------------------------------------------------------------ decode
     def parse_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> SimpleNamespace:
@@ -814,7 +836,7 @@ class KVCCodec(Codec):
         Raises:
             FormatError: the profile is not here, has no predictor for the layer, or does not fit.
         """
-        from .xpred import as_float32, find_profile, to_dtype
+        from .xpred import find_profile
 
         sha = self.params["calibration_sha256"]
         if not sha:
@@ -823,19 +845,24 @@ class KVCCodec(Codec):
         pred = find_profile(sha, self.params["calibration"], profiles, where)
         if not pred.has(layer):
             raise FormatError(f"{where}: the profile {sha[:12]}... has no predictor for layer {layer}")
-        shapes = {r: (int(t.shape[1]), int(t.shape[2])) for r, t in decoded.items()}
-        p = pred.predict(layer, {r: as_float32(t) for r, t in previous.items()}, shapes,
-                         np.asarray(positions, dtype=np.int64), where)
-        out = {}
-        for r, t in decoded.items():
-            m = predicted[r]
-            if not m.any():
-                out[r] = t
-                continue
-            v = as_float32(t)
-            v[m] = v[m] + p[r][m]
-            out[r] = to_dtype(v, t.dtype).to(t.device)
-        return out
+        return pred.add(layer, decoded, previous, np.asarray(positions, dtype=np.int64),
+                        {r: np.asarray(m, dtype=bool) for r, m in predicted.items()}, where)
+
+    def reconstruct(self, enc: EncodedTensor, codes: np.ndarray | None, ctx: TensorContext) -> torch.Tensor:
+        """What :meth:`decode_tensor` gives for ``enc`` (planes as :meth:`encode_planes` writes
+        them), from the integer ``codes`` its encoder coded instead of from the entropy-coded
+        streams: the same arithmetic (:meth:`_values`), bit for bit, without the entropy
+        decoding. The closed loop of prediction across layers (xpred) runs on it."""
+        v = self.parse_tensor(enc, ctx)
+        t, h, d = ctx.shape
+        out = torch.empty(t, h, d, dtype=ctx.dtype)
+        keep = torch.from_numpy(v.mask)
+        out[keep] = torch.from_numpy(v.prot.copy()).view(ctx.dtype)
+        if v.n == 0:
+            return out
+        if codes is None or codes.shape != (v.n, v.rows):
+            raise ValueError(f"{v.where}: reconstruct needs the {v.n} x {v.rows} codes of the tensor")
+        return self._values(v, codes, ctx, out, keep, np.flatnonzero(~v.mask))
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
         p = self.params
@@ -864,6 +891,17 @@ class KVCCodec(Codec):
                     codes = running_sums(codes, v.use)
         except FormatError as e:
             raise FormatError(f"{where}: {e}") from None
+        return self._values(v, codes, ctx, out, keep, free)
+
+    def _values(self, v: SimpleNamespace, codes: np.ndarray, ctx: TensorContext, out: torch.Tensor,
+                keep: torch.Tensor, free: np.ndarray) -> torch.Tensor:
+        """The coded tokens' values from their integer ``codes`` (token-major ``[n, R]``, the
+        escape join and running sums done) and the parsed tensor ``v``, written into ``out``
+        (where ``keep`` marks the protected tokens, already there): the steps, the means and the
+        dequantization. The decoder's arithmetic, and the encoder's closed loop (xpred) from the
+        codes it wrote."""
+        where, n = v.where, v.n
+        _, h, d = ctx.shape
         main = codes[:, : h * d].reshape(n, h, d)
         if v.per_channel:
             if v.k_tok:  # per-token integer offsets added to the channel log-step codes

@@ -42,18 +42,19 @@ Example:
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from ...errors import ConfigError, FormatError, InputError
-from ...transforms.rope import _slices, cos_sin, layer_rotates, phase_steps
+from ...transforms.rope import _slices, cos_sin, layer_rotates, pairs, phase_steps
 from .calibration import Calibration, QueryStats
 
 #: the order in which a layer's tensors enter and leave a predictor
@@ -61,6 +62,9 @@ ROLE_ORDER = ("k", "v", "kv")
 #: environment variable: more places (files or directories, ``os.pathsep``-separated) where
 #: :func:`find_profile` looks for a profile by its SHA-256
 PROFILES_ENV = "KVCODEC_PROFILES"
+
+#: seconds a tensor waits at most for the layer before it to be coded on another thread
+XPRED_WAIT_S = 600.0
 
 #: ``(phase steps uint32 [r2], offset, style)`` of a layer whose K rotates, else None
 Rotation = "tuple[np.ndarray, int, str] | None"
@@ -118,14 +122,10 @@ def affine(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
         return affine_reference(x, w, b)
 
 
-@functools.lru_cache(maxsize=8)
 def _cos_sin(positions: bytes, steps: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`kvcodec.transforms.rope.cos_sin`, kept for the next layers (they turn at the same
-    positions by the same steps). Read-only arrays."""
-    c, s = cos_sin(np.frombuffer(positions, dtype=np.int64), np.frombuffer(steps, dtype=np.uint32))
-    c.setflags(write=False)
-    s.setflags(write=False)
-    return c, s
+    """:func:`kvcodec.transforms.rope.cos_sin` of int64 ``positions`` and uint32 ``steps`` given
+    as bytes (read-only arrays, kept for the next layers)."""
+    return cos_sin(np.frombuffer(positions, dtype=np.int64), np.frombuffer(steps, dtype=np.uint32))
 
 
 def _turn(a: np.ndarray, positions: np.ndarray, rot: Any, sign: int) -> np.ndarray:
@@ -171,12 +171,23 @@ class Predictors:
 
     @classmethod
     def from_calibration(cls, cal: Calibration) -> "Predictors":
+        """The predictors of profile ``cal`` (kept by its SHA-256 for the next calls: the
+        float32 weights of SmolLM2's took 10 ms to make)."""
+        with _lock:
+            kept = _found.get(cal.sha256)
+        if kept is not None:
+            return kept
         got = cal.stats.xpred
         if got is None:
             raise ConfigError(f"kvc xpred: {cal.path!r} holds no cross-layer predictors; run `kvcodec calibrate` "
                               f"again (this version fits them) or set xpred 0")
-        return cls(cal.sha256, cal.stats, tuple(None if p is None else (p[0].astype(np.float32), p[1])
-                                               for p in got))
+        pred = cls(cal.sha256, cal.stats, tuple(None if p is None else (p[0].astype(np.float32), p[1])
+                                                for p in got))
+        with _lock:
+            _found[cal.sha256] = pred
+            while len(_found) > 4:
+                _found.pop(next(iter(_found)))
+        return pred
 
     def has(self, layer: int) -> bool:
         return 0 < layer < len(self.layers) and self.layers[layer] is not None
@@ -213,6 +224,109 @@ class Predictors:
         return out
 
 
+    def _tables(self, layer: int, d: int, positions: np.ndarray) -> Any:
+        """``(cos, sin, channel a, channel b)`` of layer ``layer``'s K rotation at ``positions``
+        for :func:`kvcodec.native.xpred.xpred_pass`, or None where K does not turn."""
+        rot = layer_rotation(self.stats, layer, d)
+        if rot is None or not len(rot[0]):
+            return None
+        steps, offset, style = rot
+        c, s = _cos_sin(np.ascontiguousarray(positions, dtype=np.int64).tobytes(),
+                        np.ascontiguousarray(steps, dtype=np.uint32).tobytes())
+        ia, ib = pairs(len(steps), offset, style)
+        return c, s, ia.astype(np.int32), ib.astype(np.int32)
+
+    def _native_pass(self, layer: int, prev: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],
+                     positions: np.ndarray, masks: dict[str, np.ndarray] | None, where: str) -> None:
+        """The pass of :func:`kvcodec.native.xpred.xpred_pass` over all rows, split over two
+        threads for long inputs where the machine has two CPUs (rows are independent: the bits
+        do not change). Raises Unsupported where the native library is not built."""
+        from ...native.xpred import xpred_pass
+
+        w, b = self.layers[layer]
+        ins = [(prev[r].contiguous(), r == "k") for r in ROLE_ORDER if r in prev]
+        roles = [r for r in ROLE_ORDER if r in outs]
+        n_in = sum(t.shape[1] * t.shape[2] for t, _ in ins)
+        n_out = sum(outs[r].shape[1] * outs[r].shape[2] for r in roles)
+        if n_in != w.shape[0] or n_out != w.shape[1]:
+            raise FormatError(f"{where}: the profile's predictor maps {w.shape[0]} values to {w.shape[1]}, the file's "
+                              f"layers hold {n_in} and {n_out}: a profile of another model")
+        rot_in = self._tables(layer - 1, prev["k"].shape[2], positions) if "k" in prev else None
+        rot_out = self._tables(layer, outs["k"].shape[2], positions) if "k" in outs else None
+        ins = [(t, turned and rot_in is not None) for t, turned in ins]
+        ous = [(outs[r], r == "k" and rot_out is not None) for r in roles]
+        ms = None if masks is None else [masks[r] for r in roles]
+        t = positions.shape[0]
+        if t < AFFINE_SPLIT_ROWS or (os.cpu_count() or 1) < 2:
+            xpred_pass((0, t), ins, rot_in, w, b, ous, rot_out, ms)
+            return
+        half = t // 2
+        err: list[Any] = [None]
+
+        def second() -> None:
+            try:
+                xpred_pass((half, t), ins, rot_in, w, b, ous, rot_out, ms)
+            except BaseException as e:  # noqa: BLE001 - raised on the calling thread below
+                err[0] = e
+
+        th = threading.Thread(target=second, name="kvc-xpred")
+        th.start()
+        try:
+            xpred_pass((0, half), ins, rot_in, w, b, ous, rot_out, ms)
+        finally:
+            th.join()
+        if err[0] is not None:
+            raise err[0]
+
+    def add(self, layer: int, residuals: dict[str, torch.Tensor], prev: dict[str, torch.Tensor],
+            positions: np.ndarray, masks: dict[str, np.ndarray], where: str) -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s values: its decoded ``residuals`` (CPU, the cache dtype) plus the
+        prediction from ``prev`` (layer ``layer - 1`` as decoded) on the rows ``masks`` marks
+        (step 4 of the module docstring). In C where built (the residual tensors are
+        overwritten), else :meth:`predict` and :func:`add_reference`."""
+        from ... import native
+
+        if all(t.device.type == "cpu" for t in (*residuals.values(), *prev.values())):
+            outs = {r: t if t.is_contiguous() else t.contiguous() for r, t in residuals.items()}
+            try:
+                self._native_pass(layer, prev, outs, positions, masks, where)
+                return outs
+            except native.Unsupported:
+                pass
+        shapes = {r: (int(t.shape[1]), int(t.shape[2])) for r, t in residuals.items()}
+        p = self.predict(layer, {r: as_float32(t) for r, t in prev.items()}, shapes, positions, where)
+        return add_reference(residuals, p, masks)
+
+    def prediction(self, layer: int, prev: dict[str, np.ndarray], shapes: dict[str, tuple[int, int]],
+                   positions: np.ndarray, where: str) -> dict[str, np.ndarray]:
+        """:meth:`predict`, in C where built (the same bits)."""
+        from ... import native
+
+        outs = {r: torch.empty((positions.shape[0], h, d), dtype=torch.float32) for r, (h, d) in shapes.items()}
+        try:
+            self._native_pass(layer, {r: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
+                                      for r, v in prev.items()}, outs, positions, None, where)
+        except native.Unsupported:
+            return self.predict(layer, prev, shapes, positions, where)
+        return {r: t.numpy() for r, t in outs.items()}
+
+
+def add_reference(residuals: dict[str, torch.Tensor], pred: dict[str, np.ndarray],
+                  masks: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Each residual widened to float32, plus its prediction on the rows ``masks`` marks,
+    rounded to the residual's dtype (step 4 of the module docstring; the reference)."""
+    out = {}
+    for r, t in residuals.items():
+        m = masks[r]
+        if not m.any():
+            out[r] = t
+            continue
+        v = as_float32(t)
+        v[m] = v[m] + pred[r][m]
+        out[r] = to_dtype(v, t.dtype).to(t.device)
+    return out
+
+
 def to_dtype(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """float32 values rounded to ``dtype`` (to nearest, ties to even)."""
     t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
@@ -235,8 +349,10 @@ def absolute_positions(positions: Any, t: int) -> np.ndarray:
 class XPredEncoder:
     """One encode call's closed loop (the encoder's per-call state): every tensor of a layer
     with a predictor is coded as its residual after the prediction from the layer before *as
-    the decoder will have it*, then decoded to feed the next layer. The writer hands tensors
-    over in layer order, chunks in token order, on one thread."""
+    the decoder will have it* (reconstructed from the codes written), which then feeds the next
+    layer. Safe on the writer's threads: a tensor waits until the layer before is stored on its
+    rows (every role), each prediction is computed once, and the writer's order (layers in
+    order) means the tensors waited for have started."""
 
     def __init__(self, predictors: Predictors, positions: np.ndarray,
                  shapes: list[dict[str, tuple[int, int]]], decoder: Any) -> None:
@@ -244,39 +360,79 @@ class XPredEncoder:
         self.decoder = decoder  # the codec of the file's config, which decodes each tensor coded
         self.positions = positions
         self.shapes = shapes  # per layer: role -> (heads, channels)
-        self.offset: dict[tuple[int, str], int] = {}
         self.decoded: dict[int, dict[str, np.ndarray]] = {}  # per layer: role -> float32 [T, H, D] (filled by rows)
+        self.stored: dict[int, dict[str, set[tuple[int, int]]]] = {}  # per layer and role: the row ranges stored
         self.pending: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        self.lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.compute = threading.Lock()  # one prediction computed at a time (it uses both CPUs)
+        self.failed: BaseException | None = None
+        self.active = 0  # tensors being coded now (on the writer's threads)
 
-    def rows(self, layer: int, role: str, n: int) -> tuple[int, int]:
-        a = self.offset.get((layer, role), 0)
-        self.offset[(layer, role)] = a + n
-        return a, a + n
+    @contextlib.contextmanager
+    def coding(self) -> Iterator[None]:
+        """Around one tensor's coding: counts it as active; a failure wakes the tensors waiting."""
+        with self.cond:
+            self.active += 1
+        try:
+            yield
+        except BaseException as e:
+            with self.cond:
+                self.failed = e
+                self.cond.notify_all()
+            raise
+        finally:
+            with self.cond:
+                self.active -= 1
+                self.cond.notify_all()
+
+    def _stored(self, layer: int, rows: tuple[int, int]) -> bool:
+        got = self.stored.get(layer, {})
+        return all(rows in got.get(r, ()) for r in self.shapes[layer])
 
     def prediction(self, layer: int, role: str, rows: tuple[int, int], where: str) -> np.ndarray | None:
-        """Layer ``layer``'s prediction of ``role`` on token rows ``rows`` (None: not predicted)."""
+        """Layer ``layer``'s prediction of ``role`` on token rows ``rows`` (None: not predicted),
+        once layer ``layer - 1`` is stored on those rows."""
         if not self.predictors.has(layer):
             return None
         key = (layer, rows[0])
-        if key not in self.pending:
-            prev = self.decoded.get(layer - 1)
-            if prev is None:
-                raise ConfigError(f"{where}: kvc xpred codes layers in order; layer {layer - 1} was not coded first")
-            a, b = rows
-            self.pending[key] = self.predictors.predict(layer, {r: v[a:b] for r, v in prev.items()}, self.shapes[layer],
-                                                        self.positions[a:b], where)
-        got = self.pending[key].pop(role)
-        if not self.pending[key]:
-            del self.pending[key]
-        return got
+        with self.cond:
+            deadline = time.monotonic() + XPRED_WAIT_S
+            while not self._stored(layer - 1, rows):
+                if self.failed is not None:
+                    raise ConfigError(f"{where}: kvc xpred: a tensor of the layer before failed to code")
+                if self.active <= 1 or time.monotonic() > deadline:  # layer l - 1 will never come
+                    raise ConfigError(f"{where}: kvc xpred codes layers in order; layer {layer - 1} was not coded first")
+                self.cond.wait(timeout=1.0)
+        with self.compute:
+            with self.cond:
+                got = self.pending.get(key)
+            if got is None:
+                a, b = rows
+                prev = self.decoded[layer - 1]
+                got = self.predictors.prediction(layer, {r: v[a:b] for r, v in prev.items()}, self.shapes[layer],
+                                                 self.positions[a:b], where)
+                with self.cond:
+                    self.pending[key] = got
+        with self.cond:
+            out = got.pop(role)
+            if not got:
+                self.pending.pop(key, None)
+        return out
 
     def store(self, layer: int, role: str, rows: tuple[int, int], value: np.ndarray) -> None:
-        d = self.decoded.setdefault(layer, {})
-        if role not in d:
-            d[role] = np.empty((self.positions.shape[0],) + value.shape[1:], dtype=np.float32)
-        d[role][rows[0]:rows[1]] = value
-        self.decoded.pop(layer - 2, None)  # two layers back is never read again
+        with self.cond:
+            d = self.decoded.setdefault(layer, {})
+            if role not in d:
+                d[role] = np.empty((self.positions.shape[0],) + value.shape[1:], dtype=np.float32)
+            d[role][rows[0]:rows[1]] = value
+            st = self.stored.setdefault(layer, {})
+            st.setdefault(role, set()).add(rows)
+            t = self.positions.shape[0]
+            if all(sum(b - a for a, b in st.get(r, ())) >= t for r in self.shapes[layer]):
+                # layer complete: every prediction from the layer before it was made
+                self.decoded.pop(layer - 1, None)
+                self.stored.pop(layer - 1, None)
+            self.cond.notify_all()
 
 
 def residual(x: torch.Tensor, pred: np.ndarray, where: str) -> torch.Tensor:
@@ -355,14 +511,9 @@ def find_profile(sha256: str, hint: str = "", extra: Iterable[str] = (), where: 
             if cal.sha256 != sha256:  # changed since it was hashed
                 continue
             try:
-                pred = Predictors.from_calibration(cal)
+                return Predictors.from_calibration(cal)
             except ConfigError as e:
                 raise FormatError(f"{where}: {e}") from None
-            with _lock:
-                _found[sha256] = pred
-                while len(_found) > 4:
-                    _found.pop(next(iter(_found)))
-            return pred
     raise FormatError(
         f"{where}: coded with prediction across layers (xpred) from the profile with SHA-256 {sha256}, which "
         f"decoding needs and which is not here: give it (kvcodec decode --profile FILE, kvcodec.decode(..., "
@@ -370,5 +521,5 @@ def find_profile(sha256: str, hint: str = "", extra: Iterable[str] = (), where: 
 
 
 __all__ = ["PROFILES_ENV", "ROLE_ORDER", "Predictors", "XPredEncoder", "absolute_positions", "affine",
-           "affine_reference", "as_float32", "default_profile_dir", "find_profile", "layer_rotation", "residual",
+           "add_reference", "affine_reference", "as_float32", "default_profile_dir", "find_profile", "layer_rotation", "residual",
            "to_dtype"]

@@ -1,0 +1,101 @@
+/* rope.c -- kvc's rotating means (kvcodec/transforms/rope.py, formats/codecs/kvc.md §3.1):
+ * R(p) mu for every token (float32, each product and sum rounded on its own; the library is
+ * built with -ffp-contract=off) and the encoder's mean over tokens of R(p)^-1 k (float64, tokens
+ * summed in order then divided by their count: numpy's mean over axis 0), bit for bit what the
+ * numpy functions there compute. The phase of pair j at position p is (p mod 2^32) * steps[j]
+ * mod 2^32; its top sin_bits bits index the sine table, a quarter turn on for the cosine. */
+#include "kvn_common.h"
+
+static inline void pair_of(int64_t j, int64_t r2, int64_t roff, int style, int64_t *a, int64_t *b)
+{
+    *a = style == 0 ? roff + j : roff + 2 * j;
+    *b = style == 0 ? roff + r2 + j : roff + 2 * j + 1;
+}
+
+/* mu float32 [H, D] -> out float32 [n, H, D]: R(pos[t]) mu. */
+void kvn_rotated_means(const float *mu, int64_t n, int64_t H, int64_t D, const int64_t *pos, const uint32_t *steps,
+                       int64_t r2, int64_t roff, int style, const float *sintab, int64_t sin_bits, float *out)
+{
+    const int64_t nsin = (int64_t)1 << sin_bits, quarter = nsin >> 2, sh = 32 - sin_bits;
+    for (int64_t t = 0; t < n; t++) {
+        float *o = out + t * H * D;
+        memcpy(o, mu, sizeof(float) * (size_t)(H * D));
+        const uint64_t p = (uint64_t)(uint32_t)pos[t];
+        for (int64_t j = 0; j < r2; j++) {
+            const uint32_t i = (uint32_t)(p * (uint64_t)steps[j]) >> sh;
+            const float c = sintab[(i + quarter) & (nsin - 1)], s = sintab[i];
+            int64_t a, b;
+            pair_of(j, r2, roff, style, &a, &b);
+            for (int64_t h = 0; h < H; h++) {
+                const float ma = mu[h * D + a], mb = mu[h * D + b];
+                const float x = ma * c, y = mb * s, z = mb * c, w = ma * s;
+                o[h * D + a] = x - y;
+                o[h * D + b] = z + w;
+            }
+        }
+    }
+}
+
+/* k [n, H, D] (kind F_F32 / F_F16) -> out float64 [H, D]: the mean over tokens of R(pos[t])^-1 k[t]
+ * ((a c + b s, b c - a s) on each pair in float64; other channels as they are). acc is scratch
+ * float64 [H, D]. */
+void kvn_unrotated_mean(const void *k, int kind, int64_t n, int64_t H, int64_t D, const int64_t *pos,
+                        const uint32_t *steps, int64_t r2, int64_t roff, int style, const float *sintab,
+                        int64_t sin_bits, double *out)
+{
+    const int64_t nsin = (int64_t)1 << sin_bits, quarter = nsin >> 2, sh = 32 - sin_bits, hd = H * D;
+    float *row = (float *)malloc(sizeof(float) * (size_t)(hd > 0 ? hd : 1));
+    double *cs = (double *)malloc(sizeof(double) * (size_t)(2 * r2 + 1));
+    if (!row || !cs) {
+        free(row);
+        free(cs);
+        for (int64_t e = 0; e < hd; e++)
+            out[e] = NAN;
+        return;
+    }
+    for (int64_t t = 0; t < n; t++) {
+        load_row(row, k, kind, t * hd, hd);
+        const uint64_t p = (uint64_t)(uint32_t)pos[t];
+        for (int64_t j = 0; j < r2; j++) {
+            const uint32_t i = (uint32_t)(p * (uint64_t)steps[j]) >> sh;
+            cs[2 * j] = (double)sintab[(i + quarter) & (nsin - 1)];
+            cs[2 * j + 1] = (double)sintab[i];
+        }
+        double *acc = out;
+        if (t == 0) { /* numpy's reduction starts from the first token's values */
+            for (int64_t e = 0; e < hd; e++)
+                acc[e] = (double)row[e];
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t j = 0; j < r2; j++) {
+                    int64_t a, b;
+                    pair_of(j, r2, roff, style, &a, &b);
+                    const double xa = row[h * D + a], xb = row[h * D + b], c = cs[2 * j], s = cs[2 * j + 1];
+                    const double u = xa * c, v = xb * s, w = xb * c, z = xa * s;
+                    acc[h * D + a] = u + v;
+                    acc[h * D + b] = w - z;
+                }
+            continue;
+        }
+        for (int64_t h = 0; h < H; h++) {
+            const float *x = row + h * D;
+            double *o = acc + h * D;
+            int64_t j = 0;
+            for (int64_t e = 0; e < D; e++) /* channels outside the pairs: summed as they are */
+                if (r2 == 0 || e < roff || e >= roff + 2 * r2)
+                    o[e] = o[e] + (double)x[e];
+            for (j = 0; j < r2; j++) {
+                int64_t a, b;
+                pair_of(j, r2, roff, style, &a, &b);
+                const double xa = x[a], xb = x[b], c = cs[2 * j], s = cs[2 * j + 1];
+                const double u = xa * c, v = xb * s, w = xb * c, z = xa * s;
+                o[a] = o[a] + (u + v);
+                o[b] = o[b] + (w - z);
+            }
+        }
+    }
+    if (n > 0)
+        for (int64_t e = 0; e < hd; e++)
+            out[e] = out[e] / (double)n;
+    free(row);
+    free(cs);
+}

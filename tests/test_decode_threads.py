@@ -1,0 +1,86 @@
+"""The reader decodes a codec's tensors on threads (``Codec.decode_threads``) a few layers ahead:
+the same values as one thread, bit for bit, whole files and chunked ones, with and without
+prediction across layers; a bad tensor raises the error it raises on one thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import kvcodec
+import kvcodec.codecs.kvc.codec as kvc_codec
+from kvcodec.errors import FormatError
+from kvc_tools import rewrite, small_cache
+from test_kvc_xpred import cfg, drifting_cache, profile_file
+
+
+def _both(monkeypatch, blob):
+    """``blob`` decoded with kvc on one thread, then on two (and the threads that decoded)."""
+    seen: set[str] = set()
+    real = kvc_codec.KVCCodec.decode_tensor
+
+    def spy(self, enc, ctx):
+        seen.add(threading.current_thread().name)
+        return real(self, enc, ctx)
+
+    monkeypatch.setattr(kvc_codec.KVCCodec, "decode_tensor", spy)
+    monkeypatch.setattr(kvc_codec.KVCCodec, "decode_threads", 1)
+    one = kvcodec.decode(blob)
+    assert seen == {threading.current_thread().name}
+    seen.clear()
+    monkeypatch.setattr(kvc_codec.KVCCodec, "decode_threads", 2)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    two = kvcodec.decode(blob)
+    return one, two, seen
+
+
+def _same(a, b):
+    assert a.num_layers == b.num_layers
+    for la, lb in zip(a.layers, b.layers):
+        for r in la:
+            assert torch.equal(la[r].view(torch.int16), lb[r].view(torch.int16)), r
+
+
+@pytest.mark.parametrize("chunk", [0, 100])
+def test_two_threads_decode_the_same_values(monkeypatch, tmp_path, chunk):
+    cache = drifting_cache(layers=5, t=300, positions=torch.arange(40, 340))
+    prof = profile_file(tmp_path / "p.safetensors", cache, kind="random")
+    for config in ("kvc-near", cfg(prof), cfg(prof, xpred=0)):
+        blob = kvcodec.get_codec(config).encode(cache, tokens_per_chunk=chunk)
+        one, two, seen = _both(monkeypatch, blob)
+        _same(one, two)
+        assert len(seen) > 1 and all(n.startswith("kvcodec-decode") for n in seen)
+
+
+def test_other_codecs_stay_on_one_thread(monkeypatch):
+    cache = small_cache(layers=3, t=40)
+    seen: set[str] = set()
+    c = kvcodec.get_codec("cachegen")
+    real = type(c).decode_tensor
+
+    def spy(self, enc, ctx):
+        seen.add(threading.current_thread().name)
+        return real(self, enc, ctx)
+
+    monkeypatch.setattr(type(c), "decode_tensor", spy)
+    kvcodec.decode(c.encode(cache))
+    assert seen == {threading.current_thread().name}
+
+
+def test_a_corrupt_tensor_raises_as_on_one_thread(monkeypatch):
+    cache = small_cache(layers=4, t=64)
+    blob = kvcodec.get_codec("kvc-near").encode(cache)
+
+    def bad(m):  # a step base that no encoder writes, in the third layer's V
+        m["layers"][2]["tensors"]["v"]["chunks"][0]["params"]["step_base"] = [10**6] * 2
+    broken = rewrite(blob, bad)
+    errors = []
+    for threads in (1, 2):
+        monkeypatch.setattr(kvc_codec.KVCCodec, "decode_threads", threads)
+        monkeypatch.setattr("os.cpu_count", lambda: 2)
+        with pytest.raises(FormatError) as e:
+            kvcodec.decode(broken)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "layers.2.v" in errors[0]
