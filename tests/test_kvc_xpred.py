@@ -136,6 +136,9 @@ def test_native_layer_pass_equals_the_reference(tmp_path, dtype):
         only = pred.prediction(layer, {r: xpred.as_float32(v) for r, v in prev.items()}, shapes, positions, "t")
         for r in ("k", "v"):
             assert np.array_equal(only[r].view(np.uint32), ref_pred[r].view(np.uint32)), (layer, r)
+            one = pred.prediction(layer, {q: xpred.as_float32(v) for q, v in prev.items()}, shapes, positions, "t",
+                                  role=r)  # one role's columns: the encoder's threads
+            assert list(one) == [r] and np.array_equal(one[r].view(np.uint32), ref_pred[r].view(np.uint32))
 
 
 @pytest.mark.parametrize("style,offset,r2", [("half", 0, 8), ("interleaved", 0, 8), ("half", 4, 4),
@@ -432,12 +435,13 @@ def test_the_closed_loop_reconstructs_what_the_decoder_decodes(tmp_path, monkeyp
     (``KVCCodec.reconstruct``), not by decoding its streams: the same values as
     ``decode_tensor`` on those planes, bit for bit, on every tensor of several settings
     (per-token K steps, RoPE means, token-mode V, reconstruction offsets, chunks, sinks)."""
-    seen = []
+    seen, turned = [], []
     real = kvcodec.codecs.kvc.codec.KVCCodec.reconstruct
 
-    def check(self, enc, codes, ctx):  # decoded below, once the entropy stage's planes are in
-        got = real(self, enc, codes, ctx)
+    def check(self, enc, codes, ctx, means=None):  # decoded below, once the entropy stage's planes are in
+        got = real(self, enc, codes, ctx, means)
         seen.append((self, enc, ctx, got.clone()))
+        turned.append(means is not None)
         return got
 
     monkeypatch.setattr(kvcodec.codecs.kvc.codec.KVCCodec, "reconstruct", check)
@@ -452,6 +456,7 @@ def test_the_closed_loop_reconstructs_what_the_decoder_decodes(tmp_path, monkeyp
             want = codec.decode_tensor(enc, ctx)
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (ctx.layer, ctx.role)
         assert kvcodec.decode(blob).num_layers == 3
+    assert any(turned)  # the encoder's rotating means were used (k_rope_mean)
 
 
 @pytest.mark.parametrize("chunk", [0, 50])

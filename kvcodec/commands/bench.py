@@ -26,7 +26,8 @@ REF_COLUMNS = ["encode_x_ref", "decode_x_ref"]
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench", help="bits/element, error and CPU MB/s of codecs on one cache",
-        description="Encode and decode one KV cache with each codec on one CPU thread; print each "
+        description="Encode and decode one KV cache with each codec (torch on one thread; a codec that "
+        "codes tensors side by side, such as kvc, on up to its own thread count, at most the CPUs); print each "
         "codec's bits per element, size ratio to fp16, relative error of K and V, and encode and "
         "decode MB/s (of fp16-equivalent input). Without --input the cache is the built-in one "
         "(SmolLM2-135M on a text excerpt: loads the model, needs the [eval] extra).",
@@ -169,6 +170,16 @@ def run(args: argparse.Namespace) -> int:
     rows = bench_interleaved(settings, cache, args.repeat, args.reference,
                              progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     has_ref = any("encode_x_ref" in r for r in rows)
+    cpus = os.cpu_count() or 1
+    codec_threads = {}
+    for _, codec in settings:  # what each codec's calls may use (kvc's calibrated calls: see the note)
+        codec_threads[codec.codec_id] = {"encode": min(int(getattr(codec, "encode_threads", 1)), cpus),
+                                         "decode": min(int(getattr(codec, "decode_threads", 1)), cpus)}
+    threads_note = ("Torch threads: 1. Codec threads (tensors coded side by side, at most the "
+                    f"{cpus} CPUs): " + ", ".join(f"{k} encode {v['encode']} / decode {v['decode']}"
+                                                   for k, v in codec_threads.items())
+                    + (" (a kvc encode with a profile: 2 when the profile predicts across layers, else 1)"
+                       if "kvc" in codec_threads else "") + ".")
     from ..harness.results import SCHEMA, provenance, with_provenance_block
 
     command = "kvcodec " + shlex.join(getattr(args, "argv", ["bench"]))
@@ -180,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.system()}",
         "threads": 1,
+        "codec_threads": codec_threads,
         "source": source,
         "layers": cache.num_layers,
         "tokens": cache.num_tokens,
@@ -196,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=2)
         with open(os.path.join(args.out, "bench.md"), "w") as f:
             f.write(with_provenance_block(
-                f"# kvcodec bench\n\nTorch threads: 1  \nEntropy coding: {native_status}  \nCache: {source}, "
+                f"# kvcodec bench\n\n{threads_note}  \nEntropy coding: {native_status}  \nCache: {source}, "
                 f"{cache.num_layers} layers, {result['source_dtype']}, {result['fp16_MB']} MB as fp16\n\n"
                 "MB/s are of fp16-equivalent input (2 bytes per element), fastest of "
                 f"{args.repeat} interleaved rounds (each round runs every codec once); the decode "

@@ -522,14 +522,14 @@ class KVCCodec(Codec):
                 pred = pred.copy()
                 pred[self._mask(ctx, s, min(p["recent"], t - s), where)] = 0.0
             if pred is None:
-                planes, codes, stage = self._symbols(x, ctx)
+                planes, codes, stage, means = self._symbols(x, ctx)
             else:  # the residual, at the steps the tensor itself would get (its RMS, not the residual's)
-                planes, codes, stage = self._symbols(residual(x, pred, where),
-                                                     dataclasses.replace(ctx, state={**ctx.state, "scale_of": x}))
+                planes, codes, stage, means = self._symbols(residual(x, pred, where),
+                                                            dataclasses.replace(ctx, state={**ctx.state, "scale_of": x}))
             # the values the decoder will have, from the codes (what decoding the planes gives)
             dec = as_float32(xp.decoder.reconstruct(planes, codes, TensorContext(ctx.layer, ctx.role, ctx.shape,
                                                                                  ctx.dtype, ctx.layer_kind,
-                                                                                 ctx.globals)))
+                                                                                 ctx.globals), means))
             if pred is not None:
                 dec = as_float32(to_dtype(dec + pred, ctx.dtype))
             xp.store(ctx.layer, ctx.role, rows, dec)  # the next layer may start
@@ -551,7 +551,7 @@ class KVCCodec(Codec):
 
     def encode_planes(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
         """One tensor's planes and params, each plane on its own (see the module docstring)."""
-        enc, _, stage = self._symbols(x, ctx)
+        enc, _, stage, _ = self._symbols(x, ctx)
         return self._staged(enc, stage)
 
     def _staged(self, enc: EncodedTensor, stage: Any) -> EncodedTensor:
@@ -563,11 +563,12 @@ class KVCCodec(Codec):
                 enc.planes[_STAGE_PREFIX + k] = v
         return enc
 
-    def _symbols(self, x: torch.Tensor, ctx: TensorContext) -> tuple[EncodedTensor, np.ndarray | None, Any]:
+    def _symbols(self, x: torch.Tensor, ctx: TensorContext
+                 ) -> tuple[EncodedTensor, np.ndarray | None, Any, np.ndarray | None]:
         """:meth:`encode_planes` up to the entropy stage: the tensor's planes and params but the
         stage's, the integer codes the stage will code (token-major ``[n, R]``, what the
-        decoder's escape join gives back; None without coded tokens), and what
-        :meth:`_staged` needs to code them."""
+        decoder's escape join gives back; None without coded tokens), what :meth:`_staged`
+        needs to code them, and the rotating means subtracted (float32 ``[n, H, D]``, or None)."""
         p = (ctx.state or {}).get("params", self.params)  # a profile's settings, else the codec's
         t, h, d = x.shape
         where = f"layers.{ctx.layer}.{ctx.role}"
@@ -608,7 +609,7 @@ class KVCCodec(Codec):
             y = x[~keep].double().numpy()
         rope = _tensor_rope(ctx, n, use_h) if ctx.role == "k" else None
         centre = is_k or p["v_center"]
-        mean, z = _centre(y, mask, rope, centre, from_f16)
+        mean, z, rot = _centre(y, mask, rope, centre, from_f16)
         if rope is not None:
             params["rope"] = list(rope[0])
         # the signal whose RMS sets the steps: the coded one, or with prediction across layers the
@@ -709,7 +710,8 @@ class KVCCodec(Codec):
         params["L"] = lv
         if esc.size:  # no escapes: no plane (each plane costs its header entry)
             planes["esc"] = _narrowest(esc)
-        return EncodedTensor(planes, params), (tok if n else None), ((p, sym, lv, stats, ctx_thr) if n else None)
+        return (EncodedTensor(planes, params), (tok if n else None), ((p, sym, lv, stats, ctx_thr) if n else None),
+                rot)
 
     # ------------------------------------------------------------------ decode
     def parse_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> SimpleNamespace:
@@ -848,11 +850,14 @@ class KVCCodec(Codec):
         return pred.add(layer, decoded, previous, np.asarray(positions, dtype=np.int64),
                         {r: np.asarray(m, dtype=bool) for r, m in predicted.items()}, where)
 
-    def reconstruct(self, enc: EncodedTensor, codes: np.ndarray | None, ctx: TensorContext) -> torch.Tensor:
+    def reconstruct(self, enc: EncodedTensor, codes: np.ndarray | None, ctx: TensorContext,
+                    means: np.ndarray | None = None) -> torch.Tensor:
         """What :meth:`decode_tensor` gives for ``enc`` (planes as :meth:`encode_planes` writes
         them), from the integer ``codes`` its encoder coded instead of from the entropy-coded
         streams: the same arithmetic (:meth:`_values`), bit for bit, without the entropy
-        decoding. The closed loop of prediction across layers (xpred) runs on it."""
+        decoding. The closed loop of prediction across layers (xpred) runs on it. ``means``: the
+        rotating means the encoder subtracted (the values the decoder computes from the file), or
+        None to compute them."""
         v = self.parse_tensor(enc, ctx)
         t, h, d = ctx.shape
         out = torch.empty(t, h, d, dtype=ctx.dtype)
@@ -862,7 +867,7 @@ class KVCCodec(Codec):
             return out
         if codes is None or codes.shape != (v.n, v.rows):
             raise ValueError(f"{v.where}: reconstruct needs the {v.n} x {v.rows} codes of the tensor")
-        return self._values(v, codes, ctx, out, keep, np.flatnonzero(~v.mask))
+        return self._values(v, codes, ctx, out, keep, np.flatnonzero(~v.mask), means)
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
         p = self.params
@@ -894,7 +899,7 @@ class KVCCodec(Codec):
         return self._values(v, codes, ctx, out, keep, free)
 
     def _values(self, v: SimpleNamespace, codes: np.ndarray, ctx: TensorContext, out: torch.Tensor,
-                keep: torch.Tensor, free: np.ndarray) -> torch.Tensor:
+                keep: torch.Tensor, free: np.ndarray, means: np.ndarray | None = None) -> torch.Tensor:
         """The coded tokens' values from their integer ``codes`` (token-major ``[n, R]``, the
         escape join and running sums done) and the parsed tensor ``v``, written into ``out``
         (where ``keep`` marks the protected tokens, already there): the steps, the means and the
@@ -912,7 +917,9 @@ class KVCCodec(Codec):
             sc = codes[:, h * d:] + np.array(v.base, dtype=np.int64)[None]
             step = step_from_code(_checked_codes(sc, where))[:, :, None]
         rc = v.rc
-        if v.rope is not None:  # rotating means: one per coded token (kvcodec.transforms.rope)
+        if v.rope is not None and means is not None and means.shape == (n, h, d):
+            mean = means  # the encoder's, computed from the same mean, positions and steps
+        elif v.rope is not None:  # rotating means: one per coded token (kvcodec.transforms.rope)
             off, style, steps = v.rope
             mean = rotated_means(v.mean, free, steps, off, style)  # [n, H, D]
         else:
@@ -972,7 +979,8 @@ class KVCCodec(Codec):
 def _centre(y: np.ndarray, mask: np.ndarray, rope: Any, centre: bool, float32_diff: bool
             ) -> tuple[np.ndarray, np.ndarray]:
     """The coded tokens ``y`` (those ``mask`` leaves) centred as kvc codes them: ``(mean float64
-    [H, D] as side[0] holds it, z float32 [n, H, D])``. With ``rope`` (:func:`_tensor_rope`)
+    [H, D] as side[0] holds it, z float32 [n, H, D], the rotating means float32 [n, H, D] that
+    were subtracted, or None)``. With ``rope`` (:func:`_tensor_rope`)
     rotating means: the channel means before RoPE, turned to each coded token's position (the
     decoder's float32 values, kvcodec.transforms.rope), subtracted in float32; else the channel
     means (``centre``) or none, subtracted in float32 when ``float32_diff`` (float16 values and
@@ -984,11 +992,11 @@ def _centre(y: np.ndarray, mask: np.ndarray, rope: Any, centre: bool, float32_di
         mean = np.clip(unrotated_mean(y, pos, steps, off, STYLES[sty]), -65504.0, 65504.0)
         mean = mean.astype(np.float16).astype(np.float64)  # what side[0] holds
         rot = rotated_means(mean.astype(np.float32), pos, steps, off, STYLES[sty])
-        return mean, (y.astype(np.float32) - rot).astype(np.float32)
+        return mean, (y.astype(np.float32) - rot).astype(np.float32), rot
     mean = channel_means(y) if centre else np.zeros(y.shape[1:])
     if float32_diff:
-        return mean, y - mean.astype(np.float32)[None]
-    return mean, (y.astype(np.float64) - mean[None].astype(np.float32)).astype(np.float32)
+        return mean, y - mean.astype(np.float32)[None], None
+    return mean, (y.astype(np.float64) - mean[None].astype(np.float32)).astype(np.float32), None
 
 
 def _rope_plan(cache: KVCache, stats: QueryStats) -> dict[str, Any] | None:

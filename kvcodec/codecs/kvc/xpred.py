@@ -168,6 +168,8 @@ class Predictors:
     sha256: str
     stats: QueryStats = field(repr=False)
     layers: tuple[Any, ...] = field(repr=False)
+    #: per (layer, role, shapes): the columns of the map that give one role (:meth:`_columns`)
+    cols: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_calibration(cls, cal: Calibration) -> "Predictors":
@@ -236,28 +238,56 @@ class Predictors:
         ia, ib = pairs(len(steps), offset, style)
         return c, s, ia.astype(np.int32), ib.astype(np.int32)
 
+    def _columns(self, layer: int, shapes: dict[str, tuple[int, int]], role: str) -> tuple[np.ndarray, np.ndarray]:
+        """The columns of layer ``layer``'s map that give ``role`` (outputs in role order of
+        ``shapes``): ``(W float32 [I, O_role] contiguous, b [O_role])``, kept."""
+        key = (layer, role, tuple(sorted(shapes.items())))
+        got = self.cols.get(key)
+        if got is None:
+            w, b = self.layers[layer]
+            at = 0
+            for r in ROLE_ORDER:
+                if r in shapes:
+                    h, d = shapes[r]
+                    if r == role:
+                        got = (np.ascontiguousarray(w[:, at:at + h * d]), np.ascontiguousarray(b[at:at + h * d]))
+                    at += h * d
+            if got is None or at != w.shape[1]:
+                raise FormatError(f"layers.{layer}: the profile's predictor gives {w.shape[1]} values, the file's layer "
+                                  f"holds {at}: a profile of another model")
+            self.cols[key] = got
+        return got
+
     def _native_pass(self, layer: int, prev: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],
-                     positions: np.ndarray, masks: dict[str, np.ndarray] | None, where: str) -> None:
+                     positions: np.ndarray, masks: dict[str, np.ndarray] | None, where: str,
+                     shapes: dict[str, tuple[int, int]] | None = None) -> None:
         """The pass of :func:`kvcodec.native.xpred.xpred_pass` over all rows, split over two
         threads for long inputs where the machine has two CPUs (rows are independent: the bits
-        do not change). Raises Unsupported where the native library is not built."""
+        do not change). With ``shapes`` (every role of the layer), ``outs`` holds some of them
+        and only their columns of the map are computed, on this thread. Raises Unsupported
+        where the native library is not built."""
         from ...native.xpred import xpred_pass
 
         w, b = self.layers[layer]
         ins = [(prev[r].contiguous(), r == "k") for r in ROLE_ORDER if r in prev]
         roles = [r for r in ROLE_ORDER if r in outs]
         n_in = sum(t.shape[1] * t.shape[2] for t, _ in ins)
-        n_out = sum(outs[r].shape[1] * outs[r].shape[2] for r in roles)
+        n_out = sum(h * d for h, d in shapes.values()) if shapes else sum(outs[r].shape[1] * outs[r].shape[2]
+                                                                           for r in roles)
         if n_in != w.shape[0] or n_out != w.shape[1]:
             raise FormatError(f"{where}: the profile's predictor maps {w.shape[0]} values to {w.shape[1]}, the file's "
                               f"layers hold {n_in} and {n_out}: a profile of another model")
+        if shapes and len(roles) == 1:
+            w, b = self._columns(layer, shapes, roles[0])
+        elif shapes and len(roles) != len(shapes):
+            raise ValueError("_native_pass: one role or all")
         rot_in = self._tables(layer - 1, prev["k"].shape[2], positions) if "k" in prev else None
         rot_out = self._tables(layer, outs["k"].shape[2], positions) if "k" in outs else None
         ins = [(t, turned and rot_in is not None) for t, turned in ins]
         ous = [(outs[r], r == "k" and rot_out is not None) for r in roles]
         ms = None if masks is None else [masks[r] for r in roles]
         t = positions.shape[0]
-        if t < AFFINE_SPLIT_ROWS or (os.cpu_count() or 1) < 2:
+        if shapes or t < AFFINE_SPLIT_ROWS or (os.cpu_count() or 1) < 2:
             xpred_pass((0, t), ins, rot_in, w, b, ous, rot_out, ms)
             return
         half = t // 2
@@ -298,16 +328,20 @@ class Predictors:
         return add_reference(residuals, p, masks)
 
     def prediction(self, layer: int, prev: dict[str, np.ndarray], shapes: dict[str, tuple[int, int]],
-                   positions: np.ndarray, where: str) -> dict[str, np.ndarray]:
-        """:meth:`predict`, in C where built (the same bits)."""
+                   positions: np.ndarray, where: str, role: str | None = None) -> dict[str, np.ndarray]:
+        """:meth:`predict`, in C where built (the same bits); with ``role``, only that tensor's
+        prediction, computed on this thread (the encoder's threads compute K's and V's at once)."""
         from ... import native
 
-        outs = {r: torch.empty((positions.shape[0], h, d), dtype=torch.float32) for r, (h, d) in shapes.items()}
+        want = shapes if role is None else {role: shapes[role]}
+        outs = {r: torch.empty((positions.shape[0], h, d), dtype=torch.float32) for r, (h, d) in want.items()}
         try:
             self._native_pass(layer, {r: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
-                                      for r, v in prev.items()}, outs, positions, None, where)
+                                      for r, v in prev.items()}, outs, positions, None, where,
+                              None if role is None else shapes)
         except native.Unsupported:
-            return self.predict(layer, prev, shapes, positions, where)
+            got = self.predict(layer, prev, shapes, positions, where)
+            return got if role is None else {role: got[role]}
         return {r: t.numpy() for r, t in outs.items()}
 
 
@@ -362,9 +396,7 @@ class XPredEncoder:
         self.shapes = shapes  # per layer: role -> (heads, channels)
         self.decoded: dict[int, dict[str, np.ndarray]] = {}  # per layer: role -> float32 [T, H, D] (filled by rows)
         self.stored: dict[int, dict[str, set[tuple[int, int]]]] = {}  # per layer and role: the row ranges stored
-        self.pending: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         self.cond = threading.Condition()
-        self.compute = threading.Lock()  # one prediction computed at a time (it uses both CPUs)
         self.failed: BaseException | None = None
         self.active = 0  # tensors being coded now (on the writer's threads)
 
@@ -391,10 +423,10 @@ class XPredEncoder:
 
     def prediction(self, layer: int, role: str, rows: tuple[int, int], where: str) -> np.ndarray | None:
         """Layer ``layer``'s prediction of ``role`` on token rows ``rows`` (None: not predicted),
-        once layer ``layer - 1`` is stored on those rows."""
+        once layer ``layer - 1`` is stored on those rows; only that role's columns of the map,
+        on the calling thread."""
         if not self.predictors.has(layer):
             return None
-        key = (layer, rows[0])
         with self.cond:
             deadline = time.monotonic() + XPRED_WAIT_S
             while not self._stored(layer - 1, rows):
@@ -403,21 +435,10 @@ class XPredEncoder:
                 if self.active <= 1 or time.monotonic() > deadline:  # layer l - 1 will never come
                     raise ConfigError(f"{where}: kvc xpred codes layers in order; layer {layer - 1} was not coded first")
                 self.cond.wait(timeout=1.0)
-        with self.compute:
-            with self.cond:
-                got = self.pending.get(key)
-            if got is None:
-                a, b = rows
-                prev = self.decoded[layer - 1]
-                got = self.predictors.prediction(layer, {r: v[a:b] for r, v in prev.items()}, self.shapes[layer],
-                                                 self.positions[a:b], where)
-                with self.cond:
-                    self.pending[key] = got
-        with self.cond:
-            out = got.pop(role)
-            if not got:
-                self.pending.pop(key, None)
-        return out
+        a, b = rows
+        prev = self.decoded[layer - 1]  # kept until this layer is stored whole
+        return self.predictors.prediction(layer, {r: v[a:b] for r, v in prev.items()}, self.shapes[layer],
+                                          self.positions[a:b], where, role=role)[role]
 
     def store(self, layer: int, role: str, rows: tuple[int, int], value: np.ndarray) -> None:
         with self.cond:
