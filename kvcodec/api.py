@@ -43,18 +43,19 @@ def open(src: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO
 
 
 def decode(data: Any, device: str = "cpu", max_elements_per_byte: int = MAX_ELEMENTS_PER_BYTE,
-           profiles: Sequence[str | os.PathLike[str]] = ()) -> KVCache:
+           profiles: Sequence[str | os.PathLike[str]] = (), threads: int | None = None) -> KVCache:
     """Decode KVC bytes, a path or a binary file with whatever codec the file names.
 
     ``device="cuda"`` (or ``"cuda:N"``) decodes with the GPU kernels where the codec has them.
-    ``profiles``: as for :func:`open`.
+    ``profiles``: as for :func:`open`. ``threads``: at most this many CPU threads (default: the
+    codec's own, at most the CPUs; 1 where the caller decodes several files side by side).
 
     Raises:
         FormatError: the file is damaged or foreign; the subclass (TruncatedError, VersionError,
             ChecksumError) names the problem. UnknownCodecError: the codec is not installed.
     """
     with open(data, max_elements_per_byte=max_elements_per_byte, profiles=profiles) as r:
-        return r.read_cache(device=device)
+        return r.read_cache(device=device, threads=threads)
 
 
 __all__ = ["KVCReader", "decode", "open"]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .cache import KVCache, ModelIdentity
-from .errors import FormatError, KVCodecError
+from .errors import FormatError, InputError, KVCodecError
 from .format import safetensors_io as sio
 from .format.container import ContainerReader
 from .format.manifest import MAX_ELEMENTS_PER_BYTE
@@ -56,6 +56,7 @@ class KVCReader(ContainerReader):
         #: profile files or directories to look in for a file coded with prediction across layers
         self.profiles = [str(p) for p in profiles]
         self._last: tuple[Any, dict[str, torch.Tensor]] | None = None  # the last layer decoded
+        self._one_thread = False  # read_layers(threads=1) in progress
         self.codec: Any = None
         self.codec_error: KVCodecError | None = None
         try:
@@ -208,30 +209,43 @@ class KVCReader(ContainerReader):
                                        for j, flag in zip(sel, flags)])
                  if flags else np.zeros(0, bool) for role, flags in predicted.items()}
         try:
+            if self._one_thread:
+                return add(i, out, prev, positions, masks, self.profiles, where, threads=1)
             return add(i, out, prev, positions, masks, self.profiles, where)
         except KVCodecError:
             raise
         except Exception as e:  # noqa: BLE001 - hostile input must only ever raise our errors
             raise FormatError(f"{where}: prediction across layers failed: {type(e).__name__}: {str(e)[:200]}") from None
 
-    def read_layers(self, layers: Iterable[int] | None = None, device: str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
+    def read_layers(self, layers: Iterable[int] | None = None, device: str = "cpu",
+                    threads: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Decode layers in order (default: all), yielding each layer's tensor dict. On the CPU,
         a codec whose ``decode_threads`` is over 1 decodes the tensors of the next layers on
-        that many threads (at most the CPUs) while this one finishes each layer."""
+        that many threads (at most the CPUs) while this one finishes each layer; ``threads``
+        caps that (1: everything on this thread, for callers that decode files side by side)."""
         todo = list(range(self.num_layers) if layers is None else layers)
-        threads = min(int(getattr(self.codec, "decode_threads", 1)), os.cpu_count() or 1)
-        if device == "cpu" and threads > 1 and len(todo) > 1:
-            yield from self._read_layers_threaded(todo, threads)
-            return
-        for i in todo:
-            yield self.read_layer(i, device=device)
+        n = min(int(getattr(self.codec, "decode_threads", 1)), os.cpu_count() or 1)
+        if threads is not None:
+            if type(threads) is not int or threads < 1:
+                raise InputError(f"threads must be an integer >= 1, got {threads!r}")
+            n = min(n, threads)
+        self._one_thread = threads == 1  # the prediction pass too (kvc xpred)
+        try:
+            if device == "cpu" and n > 1 and len(todo) > 1:
+                yield from self._read_layers_threaded(todo, n)
+                return
+            for i in todo:
+                yield self.read_layer(i, device=device)
+        finally:
+            self._one_thread = False
 
-    def read_cache(self, device: str = "cpu") -> KVCache:
-        """Decode the whole file into a :class:`KVCache`, one layer at a time."""
+    def read_cache(self, device: str = "cpu", threads: int | None = None) -> KVCache:
+        """Decode the whole file into a :class:`KVCache`, one layer at a time (``threads``: as
+        for :meth:`read_layers`)."""
         m = self.manifest
         self.check_padding()
         if device == "cpu":
-            layers = list(self.read_layers(device=device))
+            layers = list(self.read_layers(device=device, threads=threads))
         else:  # every tensor's kernels launched without waiting, on several CUDA streams; checked at the end
             from .gpu import batched_decode
 

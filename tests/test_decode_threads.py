@@ -84,3 +84,30 @@ def test_a_corrupt_tensor_raises_as_on_one_thread(monkeypatch):
             kvcodec.decode(broken)
         errors.append(str(e.value))
     assert errors[0] == errors[1] and "layers.2.v" in errors[0]
+
+
+def test_threads_one_keeps_everything_on_the_callers_thread(monkeypatch, tmp_path):
+    """``kvcodec.decode(..., threads=1)`` (what the vLLM connector asks when it decodes chunks side
+    by side): no pool, no split of the prediction pass, the same values; bad values refused."""
+    from kvcodec.errors import InputError
+
+    cache = drifting_cache(layers=3, t=300, positions=torch.arange(300))
+    prof = profile_file(tmp_path / "p.safetensors", cache, kind="random")
+    blob = kvcodec.get_codec(cfg(prof)).encode(cache)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    started = []
+    real_start = threading.Thread.start
+
+    def start(self):
+        started.append(self.name)
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    one = kvcodec.decode(blob, threads=1)
+    assert started == []
+    two = kvcodec.decode(blob)
+    assert any(n.startswith("kvc-xpred") for n in started) and any(n.startswith("kvcodec-decode") for n in started)
+    _same(one, two)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InputError, match="threads"):
+            kvcodec.decode(blob, threads=bad)

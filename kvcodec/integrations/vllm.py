@@ -530,12 +530,13 @@ class KVCodecConnector(KVConnectorBase_V1):
             raise FormatError(f"chunk {i} ({keys[i]}) is not in the store")
         return blob
 
-    def _chunk(self, job: LoadJob, i: int, blob: bytes) -> Any:
-        """Chunk ``i`` of ``job`` decoded from ``blob`` and checked (raises FormatError saying why not)."""
+    def _chunk(self, job: LoadJob, i: int, blob: bytes, threads: int | None = None) -> Any:
+        """Chunk ``i`` of ``job`` decoded from ``blob`` (on at most ``threads`` threads) and
+        checked (raises FormatError saying why not)."""
         from ..api import decode
         from ..errors import FormatError
 
-        part = decode(blob)
+        part = decode(blob, threads=threads)
         if part.model.model_id != self.model_key:
             raise FormatError(f"chunk {i} was written for model {part.model.model_id!r}, this is {self.model_key!r}")
         want = torch.tensor(job.token_ids[i * self.chunk:(i + 1) * self.chunk], dtype=torch.int64)
@@ -564,14 +565,16 @@ class KVCodecConnector(KVConnectorBase_V1):
                 err = e
                 break
 
+        pooled = len(blobs) > 1 and self.decode_threads > 1
+
         def work(item: tuple[int, bytes]) -> tuple[Any, Exception | None]:
-            try:
-                return self._chunk(job, *item), None
+            try:  # chunks side by side each decode on their own thread
+                return self._chunk(job, *item, threads=1 if pooled else None), None
             except Exception as e:  # noqa: BLE001 - a damaged or foreign chunk: a miss from here
                 return None, e
 
         t0 = time.perf_counter()
-        if len(blobs) > 1 and self.decode_threads > 1:
+        if pooled:
             # a pool per load: no thread of ours outlives it (vLLM ends its worker processes
             # without calling shutdown)
             from concurrent.futures import ThreadPoolExecutor

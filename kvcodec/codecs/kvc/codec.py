@@ -829,11 +829,11 @@ class KVCCodec(Codec):
 
     def add_predictions(self, layer: int, decoded: dict[str, torch.Tensor], previous: dict[str, torch.Tensor],
                         positions: np.ndarray, predicted: dict[str, np.ndarray], profiles: Any = (),
-                        where: str = "") -> dict[str, torch.Tensor]:
+                        where: str = "", threads: int = 2) -> dict[str, torch.Tensor]:
         """Layer ``layer``'s tensors from their decoded residuals (``decoded``; the rows that
         ``predicted`` marks, per role: :meth:`predicted_rows`) and layer ``layer - 1`` as decoded (``previous``), at
-        absolute ``positions``: formats/codecs/kvc.md §13. The predictors come from the profile
-        the file names (``calibration_sha256``; :func:`kvcodec.codecs.kvc.xpred.find_profile`).
+        absolute ``positions``: formats/codecs/kvc.md §13 (on two threads for long inputs unless
+        ``threads`` is 1). The predictors come from the profile the file names (``calibration_sha256``; :func:`kvcodec.codecs.kvc.xpred.find_profile`).
 
         Raises:
             FormatError: the profile is not here, has no predictor for the layer, or does not fit.
@@ -848,7 +848,7 @@ class KVCCodec(Codec):
         if not pred.has(layer):
             raise FormatError(f"{where}: the profile {sha[:12]}... has no predictor for layer {layer}")
         return pred.add(layer, decoded, previous, np.asarray(positions, dtype=np.int64),
-                        {r: np.asarray(m, dtype=bool) for r, m in predicted.items()}, where)
+                        {r: np.asarray(m, dtype=bool) for r, m in predicted.items()}, where, split=threads > 1)
 
     def reconstruct(self, enc: EncodedTensor, codes: np.ndarray | None, ctx: TensorContext,
                     means: np.ndarray | None = None) -> torch.Tensor:

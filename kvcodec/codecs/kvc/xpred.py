@@ -260,7 +260,7 @@ class Predictors:
 
     def _native_pass(self, layer: int, prev: dict[str, torch.Tensor], outs: dict[str, torch.Tensor],
                      positions: np.ndarray, masks: dict[str, np.ndarray] | None, where: str,
-                     shapes: dict[str, tuple[int, int]] | None = None) -> None:
+                     shapes: dict[str, tuple[int, int]] | None = None, split: bool = True) -> None:
         """The pass of :func:`kvcodec.native.xpred.xpred_pass` over all rows, split over two
         threads for long inputs where the machine has two CPUs (rows are independent: the bits
         do not change). With ``shapes`` (every role of the layer), ``outs`` holds some of them
@@ -287,7 +287,7 @@ class Predictors:
         ous = [(outs[r], r == "k" and rot_out is not None) for r in roles]
         ms = None if masks is None else [masks[r] for r in roles]
         t = positions.shape[0]
-        if shapes or t < AFFINE_SPLIT_ROWS or (os.cpu_count() or 1) < 2:
+        if shapes or not split or t < AFFINE_SPLIT_ROWS or (os.cpu_count() or 1) < 2:
             xpred_pass((0, t), ins, rot_in, w, b, ous, rot_out, ms)
             return
         half = t // 2
@@ -309,17 +309,19 @@ class Predictors:
             raise err[0]
 
     def add(self, layer: int, residuals: dict[str, torch.Tensor], prev: dict[str, torch.Tensor],
-            positions: np.ndarray, masks: dict[str, np.ndarray], where: str) -> dict[str, torch.Tensor]:
+            positions: np.ndarray, masks: dict[str, np.ndarray], where: str, split: bool = True
+            ) -> dict[str, torch.Tensor]:
         """Layer ``layer``'s values: its decoded ``residuals`` (CPU, the cache dtype) plus the
         prediction from ``prev`` (layer ``layer - 1`` as decoded) on the rows ``masks`` marks
         (step 4 of the module docstring). In C where built (the residual tensors are
-        overwritten), else :meth:`predict` and :func:`add_reference`."""
+        overwritten; ``split``: long inputs on two threads), else :meth:`predict` and
+        :func:`add_reference`."""
         from ... import native
 
         if all(t.device.type == "cpu" for t in (*residuals.values(), *prev.values())):
             outs = {r: t if t.is_contiguous() else t.contiguous() for r, t in residuals.items()}
             try:
-                self._native_pass(layer, prev, outs, positions, masks, where)
+                self._native_pass(layer, prev, outs, positions, masks, where, split=split)
                 return outs
             except native.Unsupported:
                 pass
@@ -385,8 +387,9 @@ class XPredEncoder:
     with a predictor is coded as its residual after the prediction from the layer before *as
     the decoder will have it* (reconstructed from the codes written), which then feeds the next
     layer. Safe on the writer's threads: a tensor waits until the layer before is stored on its
-    rows (every role), each prediction is computed once, and the writer's order (layers in
-    order) means the tensors waited for have started."""
+    rows (every role; stored before its entropy coding, so that overlaps the next layer), then
+    computes its own role's prediction; the writer hands tensors over in layer order, so the
+    tensors waited for have started, and a failure in one wakes the others."""
 
     def __init__(self, predictors: Predictors, positions: np.ndarray,
                  shapes: list[dict[str, tuple[int, int]]], decoder: Any) -> None:
