@@ -107,16 +107,22 @@ def rotated_means(mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offs
                   style: str) -> np.ndarray:
     """``R(p) mu`` for every position: float32 ``[n, H, D]`` from ``mu`` float32 ``[H, D]``:
     :func:`rotated_means_reference`, in C where the native library is built (the same bits)."""
+    if len(steps) and len(positions) and np.ndim(mu) == 2:
+        return _native_else("rotated_means", rotated_means_reference, mu, positions, steps, offset, style)
+    return rotated_means_reference(mu, positions, steps, offset, style)
+
+
+def _native_else(name: str, reference: Any, *args: Any) -> np.ndarray:
+    """:mod:`kvcodec.native.rope`'s ``name`` of ``args`` and the sine table, or ``reference``
+    of ``args`` where the native library is not built."""
     from .. import native
 
-    if len(steps) and len(positions) and np.ndim(mu) == 2:
-        try:
-            from ..native.rope import rotated_means as fast
+    try:
+        from ..native import rope as fast
 
-            return fast(mu, positions, steps, offset, style, sin_table())
-        except native.Unsupported:
-            pass
-    return rotated_means_reference(mu, positions, steps, offset, style)
+        return getattr(fast, name)(*args, sin_table())
+    except native.Unsupported:
+        return reference(*args)
 
 
 def rotated_means_reference(mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offset: int,
@@ -152,15 +158,8 @@ def unrotated_mean(k: np.ndarray, positions: np.ndarray, steps: np.ndarray, offs
     """The mean over tokens of ``R(p)^-1 k`` (float64 ``[H, D]``; encoder side) for ``k``
     ``[n, H, D]``: :func:`unrotated_mean_reference`, in C for float32 and float16 ``k`` where
     the native library is built (the same bits)."""
-    from .. import native
-
     if len(steps) and len(k) and isinstance(k, np.ndarray) and k.dtype in (np.float32, np.float16) and k.ndim == 3:
-        try:
-            from ..native.rope import unrotated_mean as fast
-
-            return fast(k, positions, steps, offset, style, sin_table())
-        except native.Unsupported:
-            pass
+        return _native_else("unrotated_mean", unrotated_mean_reference, k, positions, steps, offset, style)
     return unrotated_mean_reference(k, positions, steps, offset, style)
 
 
