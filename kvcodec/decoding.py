@@ -36,6 +36,17 @@ DECODE_AHEAD_LAYERS = 2
 Resolver = Callable[[dict[str, Any]], Any]
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``; on the CPU through numpy (a torch copy called from several decode threads
+    starts an OpenMP team in each, whose spinning doubled a vLLM worker's chunk decoding)."""
+    if t.device.type != "cpu":
+        return t.clone()
+    view = {torch.bfloat16: torch.int16}.get(t.dtype)
+    a = (t.view(view) if view is not None else t).numpy().copy()
+    out = torch.from_numpy(a)
+    return out.view(t.dtype) if view is not None else out
+
+
 class KVCReader(ContainerReader):
     """A validated KVC file opened for lazy decoding. Create it with :func:`kvcodec.open`.
 
@@ -137,7 +148,7 @@ class KVCReader(ContainerReader):
         if any(any(bool(np.any(f)) for f in v) for v in predicted.values()):
             out = self._add_predictions(i, chunks, out, predicted, device)
         if self._predicts:  # what layer i + 1 predicts from
-            self._last = (key, {r: t.clone() for r, t in out.items()})
+            self._last = (key, {r: _copy(t) for r, t in out.items()})
         return out
 
     def _read_layers_threaded(self, layers: Sequence[int], threads: int) -> Iterator[dict[str, torch.Tensor]]:
