@@ -67,7 +67,6 @@ class KVCReader(ContainerReader):
         #: profile files or directories to look in for a file coded with prediction across layers
         self.profiles = [str(p) for p in profiles]
         self._last: tuple[Any, dict[str, torch.Tensor]] | None = None  # the last layer decoded
-        self._one_thread = False  # read_layers(threads=1) in progress
         self.codec: Any = None
         self.codec_error: KVCodecError | None = None
         try:
@@ -116,16 +115,21 @@ class KVCReader(ContainerReader):
         Reads only that layer's bytes (plus the file-level planes once), verifying every CRC-32
         before decoding.
         """
+        return self._read_layer(i, chunks, device, split=True)
+
+    def _read_layer(self, i: int, chunks: Sequence[int] | range | None, device: str,
+                    split: bool) -> dict[str, torch.Tensor]:
+        """:meth:`read_layer`; ``split``: the prediction pass may use a second thread."""
         planes = self.read_layer_planes(i, chunks)
         parts = {role: [self._decode_chunk(i, role, j, enc, device) for j, enc in encs] for role, encs in planes.items()}
-        return self._finish_layer(i, chunks, planes, parts, device)
+        return self._finish_layer(i, chunks, planes, parts, device, split)
 
     def _finish_layer(self, i: int, chunks: Sequence[int] | range | None,
                       planes: dict[str, list[tuple[int, EncodedTensor]]], parts: dict[str, list[torch.Tensor]],
-                      device: str) -> dict[str, torch.Tensor]:
+                      device: str, split: bool) -> dict[str, torch.Tensor]:
         """Layer ``i`` from its decoded chunks ``parts`` (per role, in the order of ``planes``):
         the chunks concatenated, then the prediction from the layer before added where the file
-        has one."""
+        has one (``split``: as for :meth:`_read_layer`)."""
         key = (i, None if chunks is None else tuple(chunks), device)
         out: dict[str, torch.Tensor] = {}
         predicted = {role: [bool(enc.params.get("xp")) for _, enc in encs] for role, encs in planes.items()}
@@ -146,7 +150,7 @@ class KVCReader(ContainerReader):
                 _, h, d = self.tensor_shape(i, role)
                 out[role] = torch.empty((0, h, d), dtype=self.dtype, device=device if device != "cpu" else None)
         if any(any(bool(np.any(f)) for f in v) for v in predicted.values()):
-            out = self._add_predictions(i, chunks, out, predicted, device)
+            out = self._add_predictions(i, chunks, out, predicted, device, split)
         if self._predicts:  # what layer i + 1 predicts from
             self._last = (key, {r: _copy(t) for r, t in out.items()})
         return out
@@ -181,7 +185,7 @@ class KVCReader(ContainerReader):
                     i, planes, futs = ahead.popleft()
                     start()
                     parts = {role: [f.result() for f in fs] for role, fs in futs.items()}
-                    yield self._finish_layer(i, None, planes, parts, "cpu")
+                    yield self._finish_layer(i, None, planes, parts, "cpu", True)
             finally:  # an error (or a consumer that stops): nothing more starts, what runs ends
                 for _, _, futs in ahead:
                     for fs in futs.values():
@@ -198,7 +202,7 @@ class KVCReader(ContainerReader):
         return self._predicts_cache
 
     def _add_predictions(self, i: int, chunks: Sequence[int] | range | None, out: dict[str, torch.Tensor],
-                         predicted: dict[str, list[bool]], device: str) -> dict[str, torch.Tensor]:
+                         predicted: dict[str, list[bool]], device: str, split: bool) -> dict[str, torch.Tensor]:
         """Layer ``i``'s residuals plus the codec's prediction from layer ``i - 1`` (decoded first,
         the same chunks): prediction across layers (kvc ``xpred``, formats/codecs/kvc.md §13)."""
         where = f"layers.{i}"
@@ -207,7 +211,7 @@ class KVCReader(ContainerReader):
             raise FormatError(f"{where}: tensors marked as predicted from the layer before (xp), which "
                               f"{'layer 0 has not' if i == 0 else 'codec ' + repr(self.codec.codec_id) + ' does not do'}")
         key = (i - 1, None if chunks is None else tuple(chunks), device)
-        prev = self._last[1] if self._last is not None and self._last[0] == key else self.read_layer(i - 1, chunks, device)
+        prev = self._last[1] if self._last is not None and self._last[0] == key else self._read_layer(i - 1, chunks, device, split)
         lm = self._layer(i)
         n_chunks = len(next(iter(lm.tensors.values())).chunks)
         sel = list(range(n_chunks)) if chunks is None else list(chunks)
@@ -220,9 +224,7 @@ class KVCReader(ContainerReader):
                                        for j, flag in zip(sel, flags)])
                  if flags else np.zeros(0, bool) for role, flags in predicted.items()}
         try:
-            if self._one_thread:
-                return add(i, out, prev, positions, masks, self.profiles, where, threads=1)
-            return add(i, out, prev, positions, masks, self.profiles, where)
+            return add(i, out, prev, positions, masks, self.profiles, where, threads=2 if split else 1)
         except KVCodecError:
             raise
         except Exception as e:  # noqa: BLE001 - hostile input must only ever raise our errors
@@ -240,15 +242,11 @@ class KVCReader(ContainerReader):
             if type(threads) is not int or threads < 1:
                 raise InputError(f"threads must be an integer >= 1, got {threads!r}")
             n = min(n, threads)
-        self._one_thread = threads == 1  # the prediction pass too (kvc xpred)
-        try:
-            if device == "cpu" and n > 1 and len(todo) > 1:
-                yield from self._read_layers_threaded(todo, n)
-                return
-            for i in todo:
-                yield self.read_layer(i, device=device)
-        finally:
-            self._one_thread = False
+        if device == "cpu" and n > 1 and len(todo) > 1:
+            yield from self._read_layers_threaded(todo, n)
+            return
+        for i in todo:  # threads=1: the prediction pass (kvc xpred) too stays on this thread
+            yield self._read_layer(i, None, device, split=threads != 1)
 
     def read_cache(self, device: str = "cpu", threads: int | None = None) -> KVCache:
         """Decode the whole file into a :class:`KVCache`, one layer at a time (``threads``: as
