@@ -858,25 +858,26 @@ class KVCCodec(Codec):
         decoding. The closed loop of prediction across layers (xpred) runs on it. ``means``: the
         rotating means the encoder subtracted (the values the decoder computes from the file), or
         None to compute them."""
-        v = self.parse_tensor(enc, ctx)
-        t, h, d = ctx.shape
-        out = torch.empty(t, h, d, dtype=ctx.dtype)
-        keep = torch.from_numpy(v.mask)
-        out[keep] = torch.from_numpy(v.prot.copy()).view(ctx.dtype)
+        v, out, keep = self._protected(enc, ctx)
         if v.n == 0:
             return out
         if codes is None or codes.shape != (v.n, v.rows):
             raise ValueError(f"{v.where}: reconstruct needs the {v.n} x {v.rows} codes of the tensor")
         return self._values(v, codes, ctx, out, keep, np.flatnonzero(~v.mask), means)
 
+    def _protected(self, enc: EncodedTensor, ctx: TensorContext) -> tuple[SimpleNamespace, torch.Tensor, torch.Tensor]:
+        """``enc`` parsed (:meth:`parse_tensor`), the output tensor with its protected tokens
+        written (stored as they are), and the bool mask of those tokens."""
+        v = self.parse_tensor(enc, ctx)
+        out = torch.empty(ctx.shape, dtype=ctx.dtype)
+        keep = torch.from_numpy(v.mask)
+        out[keep] = torch.from_numpy(v.prot.copy()).view(ctx.dtype)
+        return v, out, keep
+
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
         p = self.params
-        v = self.parse_tensor(enc, ctx)
+        v, out, keep = self._protected(enc, ctx)
         where, n, mask = v.where, v.n, v.mask
-        t, h, d = ctx.shape
-        out = torch.empty(t, h, d, dtype=ctx.dtype)
-        keep = torch.from_numpy(mask)
-        out[keep] = torch.from_numpy(v.prot.copy()).view(ctx.dtype)
         if n == 0:
             return out
         lv = v.lv
