@@ -57,7 +57,6 @@ def xpred_pass(rows: tuple[int, int], inputs: list, rot_in: tuple | None, w: np.
     lb = required()
     w = np.ascontiguousarray(w, dtype=np.float32)
     b = np.ascontiguousarray(b, dtype=np.float32)
-    keep: list = [w, b]
 
     def side(parts: list, rot: tuple | None) -> tuple:
         ptrs = np.zeros(max(1, len(parts)), dtype=np.int64)
@@ -75,7 +74,6 @@ def xpred_pass(rows: tuple[int, int], inputs: list, rot_in: tuple | None, w: np.
             rot = (z, z, zi, zi)
         c, s, ia, ib = (np.ascontiguousarray(rot[0], np.float32), np.ascontiguousarray(rot[1], np.float32),
                         np.ascontiguousarray(rot[2], np.int32), np.ascontiguousarray(rot[3], np.int32))
-        keep.extend((ptrs, geo, c, s, ia, ib))
         return ptrs, geo, c, s, ia, ib
 
     t_all = inputs[0][0].shape[0] if inputs else 0
@@ -94,7 +92,6 @@ def xpred_pass(rows: tuple[int, int], inputs: list, rot_in: tuple | None, w: np.
         ms = [np.ascontiguousarray(m, dtype=np.uint8) for m in masks]
         if len(ms) != len(outputs) or any(m.shape != (t_all,) for m in ms):
             raise ValueError("xpred_pass: one uint8 [T] mask per output")
-        keep.append(ms)
         mptr = np.array([m.ctypes.data for m in ms] or [0], dtype=np.int64)
     pi, gi, ci, si, ai, bi = side(inputs, rot_in)
     po, go, co, so, ao, bo = side(outputs, rot_out)
@@ -113,5 +110,4 @@ def xpred_pass(rows: tuple[int, int], inputs: list, rot_in: tuple | None, w: np.
         raise ValueError(f"xpred_pass: the parts do not add up to the predictor's {w.shape[0]} -> {w.shape[1]}")
     if rc == 0 and r1 > r0:
         raise Unsupported(f"this CPU has no {lanes}-lane kernel")
-    del keep
     return rc
