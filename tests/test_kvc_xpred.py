@@ -150,7 +150,7 @@ def test_native_pass_turns_every_rope_layout(style, offset, r2):
     affine and add."""
     assert native.available(), native.status()  # with a compiler the library builds
     from kvcodec.native.xpred import xpred_pass
-    from kvcodec.transforms.rope import pairs
+    from kvcodec.transforms.rope import cos_sin, pairs
 
     rng = np.random.default_rng(7)
     t, h, d = 40, 3, 16
@@ -163,7 +163,7 @@ def test_native_pass_turns_every_rope_layout(style, offset, r2):
     b = rng.normal(size=2 * h * d).astype(np.float32)
     tables = []
     for steps in (steps_in, steps_out):
-        c, s = xpred._cos_sin(positions.tobytes(), steps.tobytes())
+        c, s = cos_sin(positions, steps)
         ia, ib = pairs(r2, offset, style)
         tables.append((c, s, ia.astype(np.int32), ib.astype(np.int32)))
     ka = xpred._turn(k0.float().numpy(), positions, (steps_in, offset, style), -1)

@@ -90,6 +90,34 @@ def affine_reference(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
 AFFINE_SPLIT_ROWS = 256
 
 
+def _by_halves(t: int, run: Any, split: bool = True) -> tuple[Any, Any]:
+    """``run(0, t)`` on this thread, or, for ``t`` rows past :data:`AFFINE_SPLIT_ROWS` where the
+    machine has two CPUs (and ``split``), ``run(0, t // 2)`` here and ``run(t // 2, t)`` on a
+    second thread (the C calls release the GIL; rows are independent, so the bits do not
+    change): the two results (the second None when not split); the second thread's error is
+    raised here."""
+    if not split or t < AFFINE_SPLIT_ROWS or (os.cpu_count() or 1) < 2:
+        return run(0, t), None
+    half = t // 2
+    got: list[Any] = [None, None]
+
+    def second() -> None:
+        try:
+            got[0] = run(half, t)
+        except BaseException as e:  # noqa: BLE001 - raised on the calling thread below
+            got[1] = e
+
+    th = threading.Thread(target=second, name="kvc-xpred")
+    th.start()
+    try:
+        first = run(0, half)
+    finally:
+        th.join()
+    if got[1] is not None:
+        raise got[1]
+    return first, got[0]
+
+
 def affine(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
     """:func:`affine_reference`, in C where the native library is built (bit for bit the same),
     on two threads for long inputs where the machine has two CPUs."""
@@ -97,35 +125,10 @@ def affine(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
     from ...native.xpred import affine as native_affine
 
     try:
-        t = x.shape[0]
-        if t < AFFINE_SPLIT_ROWS or (os.cpu_count() or 1) < 2:
-            return native_affine(x, w, b)
-        half = t // 2
-        got: list[Any] = [None]
-
-        def second() -> None:
-            try:
-                got[0] = native_affine(x[half:], w, b)
-            except BaseException as e:  # noqa: BLE001 - raised on the calling thread below
-                got[0] = e
-
-        th = threading.Thread(target=second, name="kvc-xpred")
-        th.start()
-        try:
-            first = native_affine(x[:half], w, b)
-        finally:
-            th.join()
-        if isinstance(got[0], BaseException):
-            raise got[0]
-        return np.concatenate([first, got[0]])
+        first, second = _by_halves(x.shape[0], lambda r0, r1: native_affine(x[r0:r1], w, b))
     except native.Unsupported:
         return affine_reference(x, w, b)
-
-
-def _cos_sin(positions: bytes, steps: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`kvcodec.transforms.rope.cos_sin` of int64 ``positions`` and uint32 ``steps`` given
-    as bytes (read-only arrays, kept for the next layers)."""
-    return cos_sin(np.frombuffer(positions, dtype=np.int64), np.frombuffer(steps, dtype=np.uint32))
+    return first if second is None else np.concatenate([first, second])
 
 
 def _turn(a: np.ndarray, positions: np.ndarray, rot: Any, sign: int) -> np.ndarray:
@@ -138,8 +141,7 @@ def _turn(a: np.ndarray, positions: np.ndarray, rot: Any, sign: int) -> np.ndarr
     if not len(steps) or not a.shape[0]:
         return out
     sa, sb = _slices(len(steps), offset, style)
-    c, s = _cos_sin(np.ascontiguousarray(positions, dtype=np.int64).tobytes(),
-                    np.ascontiguousarray(steps, dtype=np.uint32).tobytes())
+    c, s = cos_sin(positions, steps)
     c, s = c[:, None, :], s[:, None, :]
     xa, xb = a[:, :, sa], a[:, :, sb]
     if sign > 0:
@@ -233,8 +235,7 @@ class Predictors:
         if rot is None or not len(rot[0]):
             return None
         steps, offset, style = rot
-        c, s = _cos_sin(np.ascontiguousarray(positions, dtype=np.int64).tobytes(),
-                        np.ascontiguousarray(steps, dtype=np.uint32).tobytes())
+        c, s = cos_sin(positions, steps)
         ia, ib = pairs(len(steps), offset, style)
         return c, s, ia.astype(np.int32), ib.astype(np.int32)
 
@@ -286,27 +287,8 @@ class Predictors:
         ins = [(t, turned and rot_in is not None) for t, turned in ins]
         ous = [(outs[r], r == "k" and rot_out is not None) for r in roles]
         ms = None if masks is None else [masks[r] for r in roles]
-        t = positions.shape[0]
-        if shapes or not split or t < AFFINE_SPLIT_ROWS or (os.cpu_count() or 1) < 2:
-            xpred_pass((0, t), ins, rot_in, w, b, ous, rot_out, ms)
-            return
-        half = t // 2
-        err: list[Any] = [None]
-
-        def second() -> None:
-            try:
-                xpred_pass((half, t), ins, rot_in, w, b, ous, rot_out, ms)
-            except BaseException as e:  # noqa: BLE001 - raised on the calling thread below
-                err[0] = e
-
-        th = threading.Thread(target=second, name="kvc-xpred")
-        th.start()
-        try:
-            xpred_pass((0, half), ins, rot_in, w, b, ous, rot_out, ms)
-        finally:
-            th.join()
-        if err[0] is not None:
-            raise err[0]
+        _by_halves(positions.shape[0], lambda r0, r1: xpred_pass((r0, r1), ins, rot_in, w, b, ous, rot_out, ms),
+                   split=split and not shapes)
 
     def add(self, layer: int, residuals: dict[str, torch.Tensor], prev: dict[str, torch.Tensor],
             positions: np.ndarray, masks: dict[str, np.ndarray], where: str, split: bool = True
