@@ -78,7 +78,6 @@ int kvn_kvc_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
     }
   memcpy(mu, mean, sizeof(float) * (size_t)hd);
   const float m = fmax > 0.0f ? fmax : bits_f32(0x7f800000u);
-  const uint32_t nsin = 1u << sin_bits, quarter = 1u << (sin_bits - 2), sh = (uint32_t)(32 - sin_bits);
   for (int64_t t = 0; t < n; ++t) {
     const int32_t* ct = codes + t * R;
     /* the token's steps (kvcodec.quant.deadzone.step_from_code of its codes) */
@@ -101,23 +100,8 @@ int kvn_kvc_decode(const int64_t* geom, const uint32_t* words, const uint32_t* o
         for (int64_t d = 0; d < D; ++d) st[h * D + d] = v;
       }
     }
-    /* rotating means (kvcodec.transforms.rope.rotated_means): R(p) mu, float32 products rounded
-     * one by one (-ffp-contract=off) */
-    if (r2 > 0) {
-      const uint64_t p = (uint64_t)(uint32_t)pos[t];
-      for (int64_t j = 0; j < r2; ++j) {
-        const uint32_t ph = (uint32_t)(p * (uint64_t)rsteps[j]);
-        const uint32_t i = ph >> sh;
-        const float c = sintab[(i + quarter) & (nsin - 1)], s = sintab[i];
-        const int64_t a = rstyle == 0 ? roff + j : roff + 2 * j, b = rstyle == 0 ? roff + r2 + j : roff + 2 * j + 1;
-        for (int64_t h = 0; h < H; ++h) {
-          const float ma = mean[h * D + a], mb = mean[h * D + b];
-          const float x = ma * c, y = mb * s, z = mb * c, w = ma * s;
-          mu[h * D + a] = x - y;
-          mu[h * D + b] = z + w;
-        }
-      }
-    }
+    /* rotating means (kvcodec.transforms.rope.rotated_means): R(p) mu */
+    if (r2 > 0) rotate_mean_row(mean, H, D, pos[t], rsteps, r2, roff, rstyle, sintab, sin_bits, mu);
     /* kvn_kvc_dequant's row arithmetic (kvc.c), over the token's H * D values at once */
     dq_row_i32(ct, st, 1, mu, hd, m, rtab, rm, row);
     store_row(out, out_kind, t * hd, row, hd);

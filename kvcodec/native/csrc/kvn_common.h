@@ -164,6 +164,29 @@ static inline float rne_f32(float v) {
 
 static inline float clampf(float v, float m) { return v > m ? m : (v < -m ? -m : v); }
 
+/* Rotating means (kvcodec.transforms.rope.rotated_means): the r2 pairs of R(p) mean, each head of
+ * D channels, written into out (channels outside the pairs are left as they are). The phase of
+ * pair j is (p mod 2^32) * steps[j] mod 2^32, its top sin_bits bits index sintab (a quarter turn
+ * on for the cosine); style 0 pairs (roff + j, roff + r2 + j), 1 pairs (roff + 2j, roff + 2j + 1);
+ * float32 products rounded one by one (-ffp-contract=off). Shared by kvc_decode.c and rope.c. */
+static inline void rotate_mean_row(const float* mean, int64_t H, int64_t D, int64_t pos, const uint32_t* steps,
+                                   int64_t r2, int64_t roff, int style, const float* sintab, int64_t sin_bits,
+                                   float* out) {
+  const uint32_t nsin = 1u << sin_bits, quarter = 1u << (sin_bits - 2), sh = (uint32_t)(32 - sin_bits);
+  const uint64_t p = (uint64_t)(uint32_t)pos;
+  for (int64_t j = 0; j < r2; ++j) {
+    const uint32_t i = (uint32_t)(p * (uint64_t)steps[j]) >> sh;
+    const float c = sintab[(i + quarter) & (nsin - 1)], s = sintab[i];
+    const int64_t a = style == 0 ? roff + j : roff + 2 * j, b = style == 0 ? roff + r2 + j : roff + 2 * j + 1;
+    for (int64_t h = 0; h < H; ++h) {
+      const float ma = mean[h * D + a], mb = mean[h * D + b];
+      const float x = ma * c, y = mb * s, z = mb * c, w = ma * s;
+      out[h * D + a] = x - y;
+      out[h * D + b] = z + w;
+    }
+  }
+}
+
 /* convert.c: rows of float16 / bfloat16 / float32 from and to float32, with the F16C instructions
  * where the CPU has them (the same bits as the portable code; kvn_set_hw_f16 switches). */
 KVN_INTERNAL void store_row(void* out, int kind, int64_t o, const float* src, int64_t n);

@@ -12,27 +12,15 @@ static inline void pair_of(int64_t j, int64_t r2, int64_t roff, int style, int64
     *b = style == 0 ? roff + r2 + j : roff + 2 * j + 1;
 }
 
-/* mu float32 [H, D] -> out float32 [n, H, D]: R(pos[t]) mu. */
+/* mu float32 [H, D] -> out float32 [n, H, D]: R(pos[t]) mu (kvn_common.h's rotate_mean_row, which
+ * the one-call kvc decoder uses too). */
 void kvn_rotated_means(const float *mu, int64_t n, int64_t H, int64_t D, const int64_t *pos, const uint32_t *steps,
                        int64_t r2, int64_t roff, int style, const float *sintab, int64_t sin_bits, float *out)
 {
-    const int64_t nsin = (int64_t)1 << sin_bits, quarter = nsin >> 2, sh = 32 - sin_bits;
     for (int64_t t = 0; t < n; t++) {
         float *o = out + t * H * D;
         memcpy(o, mu, sizeof(float) * (size_t)(H * D));
-        const uint64_t p = (uint64_t)(uint32_t)pos[t];
-        for (int64_t j = 0; j < r2; j++) {
-            const uint32_t i = (uint32_t)(p * (uint64_t)steps[j]) >> sh;
-            const float c = sintab[(i + quarter) & (nsin - 1)], s = sintab[i];
-            int64_t a, b;
-            pair_of(j, r2, roff, style, &a, &b);
-            for (int64_t h = 0; h < H; h++) {
-                const float ma = mu[h * D + a], mb = mu[h * D + b];
-                const float x = ma * c, y = mb * s, z = mb * c, w = ma * s;
-                o[h * D + a] = x - y;
-                o[h * D + b] = z + w;
-            }
-        }
+        rotate_mean_row(mu, H, D, pos[t], steps, r2, roff, style, sintab, sin_bits, o);
     }
 }
 
