@@ -984,3 +984,58 @@ def test_the_budget_of_window_scores_bounds_a_calibration_whose_probes_all_win(m
     # the coarsest level is balanced first: the budget goes where the high-rate ratio holds least
     first = next(m for m in runs[4][2] if m.startswith("balance"))
     assert first.startswith("balance (KL <= 0.2)")
+
+
+class _Clock:
+    """``time`` for kvcodec.harness.profile: seconds advance only by what the evaluator spends."""
+
+    now = 0.0
+
+    @staticmethod
+    def perf_counter():
+        return _Clock.now
+
+
+class _TimedEvaluator(_BalanceEvaluator):
+    """:class:`_BalanceEvaluator` whose every window score takes 10 s of :class:`_Clock`."""
+
+    def score_next_token(self, codec, kl_only=False):
+        _Clock.now += 10.0
+        return super().score_next_token(codec, kl_only)
+
+
+def test_the_time_budget_stops_the_balance_and_keeps_every_level(monkeypatch):
+    from kvcodec.harness import evaluate
+    from kvcodec.harness import profile as hp
+
+    model, tok, text = _tiny_llama()
+    monkeypatch.setattr(evaluate, "Evaluator", _TimedEvaluator)
+    monkeypatch.setattr(hp, "time", _Clock)
+
+    def run(budget):
+        _Clock.now, _FakeEvaluator.calls = 0.0, []
+        msgs: list[str] = []
+        st = hp.build_profile(model, tok, text, context=32, continuation=8, samples=8, sensitivity_samples=1,
+                              levels={"a": 0.05, "b": 0.2}, max_windows=2, max_held=1, max_total_scores=None,
+                              time_budget=budget, progress=msgs.append)
+        return st.profile, len(_FakeEvaluator.calls), _Clock.now, msgs
+
+    free = run(None)
+    none = run(1.0)  # spent before the balance starts: the search alone, then the held-out check
+    search_end = 10.0 * (none[1] - 2)  # two held-out scores (one window, two levels)
+    assert free[0]["stopped_by_time"] is None and not any("time budget" in m for m in free[3])
+    assert "past the time budget of 1 s" in none[0]["stopped_by_time"]
+    assert any("time budget" in m for m in none[3])
+    assert free[1] > none[1] and none[0]["balance"] == [] and free[0]["balance"]
+    far = run(1e9)  # a budget never reached changes nothing but its own record
+    assert far[1:3] == free[1:3] and far[0]["time_budget"] == 1e9
+    assert {**far[0], "time_budget": None} == free[0]
+    # room for about two probes past the search: a probe starts only when it and the held-out
+    # check (2 windows x 10 s, then 2 levels x 10 s) still end within the budget, so it does
+    budget = search_end + 2 * 20.0 + 20.0 + 5.0
+    mid = run(budget)
+    assert none[1] < mid[1] < free[1] and mid[2] <= budget
+    for got in (none, mid):
+        assert {lv["name"] for lv in got[0]["levels"]} == {"a", "b"}
+        for lv in got[0]["levels"]:  # every level still met on the search windows
+            assert lv["kl_search"] <= got[0]["search_margin"] * lv["target_kl"]

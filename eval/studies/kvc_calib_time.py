@@ -121,11 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         st = P.build_profile(model, tok, texts, progress=say)
         total = time.perf_counter() - t
         scored = sum(1 for m in msgs if " -> " in m)
-        doc.update(full_s=total, scores=scored, levels=st.profile["levels"], progress=msgs)
+        stop = st.profile.get("stopped_by_time")
+        doc.update(full_s=total, scores=scored, levels=st.profile["levels"], progress=msgs,
+                   time_budget=st.profile.get("time_budget"), stopped_by_time=stop)
         lines += ["", f"## The whole calibration: {total:.0f} s ({total / 60:.1f} min) on this machine", "",
                   f"`build_profile` with the built-in calibration texts (what `kvcodec calibrate` runs): {scored} "
                   "steps scored (search, balance probes; some stopped early), then the held-out window. Its "
-                  "progress lines, in order:", "", "```", *msgs, "```"]
+                  f"progress lines, in order (time budget {st.profile.get('time_budget')} s: "
+                  + (f"the balance stopped early, {stop})" if stop else "not reached)") + ":",
+                  "", "```", *msgs, "```"]
     write_result(args.out, doc, "\n".join(lines), prov=prov, echo=True)
     return 0
 

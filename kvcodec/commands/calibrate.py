@@ -41,7 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "layer from the one before and decode only where the profile is (kvcodec decode --profile FILE, or "
         "~/.cache/kvcodec/profiles); --no-xpred for files that decode anywhere. "
         "About 2.5 minutes for SmolLM2-135M and 4.5 for Qwen2.5-Coder-0.5B on 2 cores, with progress; a "
-        "model with more KV values a token takes longer (11 minutes for Qwen3-0.6B's shape). "
+        "model with more KV values a token takes longer, up to --time-budget (then it stops refining the K/V "
+        "balance: the levels are met, at a few more bits). "
         "Needs the [eval] extra.",
     )
     p.add_argument("--model", default=None,
@@ -69,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--margin", type=_fraction, default=None,
                    help="a step meets a target when the mean KL over the search windows is at most this "
                    "fraction of it (and the worst window at most 1.2x the target; default 0.8)")
+    p.add_argument("--time-budget", type=non_negative_int, default=None, metavar="SECONDS",
+                   help="seconds the closed loop may take before it stops refining the K/V balance (the "
+                   "levels are always met; the budget can only cost bits; default 540, 0 = no bound)")
     p.add_argument("--out", required=True, help="safetensors file to write (atomically)")
     p.add_argument("--json", action="store_true", help="print a JSON summary to stdout")
     p.set_defaults(func=run)
@@ -121,12 +125,13 @@ def run(args: argparse.Namespace) -> int:
                                  samples=args.samples, sensitivity_samples=args.sensitivity,
                                  continuation=args.continuation, progress=progress)
     else:
-        from ..harness.profile import DEFAULT_MARGIN, build_profile
+        from ..harness.profile import DEFAULT_MARGIN, TIME_BUDGET, build_profile
 
+        budget = TIME_BUDGET if args.time_budget is None else (args.time_budget or None)
         stats = build_profile(model, tok, text, context=args.context, continuation=args.continuation,
                               samples=args.samples, sensitivity_samples=args.sensitivity,
                               margin=args.margin or DEFAULT_MARGIN, text_name=text_name, progress=say,
-                              xpred=not args.no_xpred)
+                              xpred=not args.no_xpred, time_budget=budget)
     save_query_statistics(stats, args.out)
     summary = {"output": os.fspath(args.out), "layers": stats.num_layers, "context": args.context,
                "skip_tokens": args.skip_tokens, "samples": args.samples,

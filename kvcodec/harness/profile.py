@@ -123,6 +123,16 @@ MAX_SCORES = 8
 #: (KV 9x Qwen2.5-Coder's) took 907 s without it (a scratch run of eval/studies/kvc_calib_time.py)
 #: and 680 s with it (eval/results/kvc_calib_time.md): still over 10 minutes on 2 cores.
 MAX_TOTAL_SCORES = 16
+#: Seconds the closed loop may take before it stops probing the K/V balance (``build_profile``'s
+#: ``time_budget``; None: no bound). A probe starts only when, at the seconds a window score has
+#: taken so far, it and the held-out check would still end within the budget; the search for the
+#: levels themselves always runs, so every level is met, and what the budget can cut is bits the
+#: balance would have saved. Unlike the counts above it makes a profile depend on the machine's
+#: speed, but only for models whose steps cost more than the two real ones here (SmolLM2 and
+#: Qwen2.5-Coder-0.5B end in 240-400 s, eval/results/kvc_profile.md): a model of Qwen3-0.6B's
+#: shape took 691 s without it (commit 4c8041f's eval/results/kvc_calib_time.md). 540 s leaves
+#: a 0.5-0.6B model's load inside 10 minutes on 2 cores.
+TIME_BUDGET = 540.0
 #: How the search proposes steps (recorded in profiles; studies remake profiles made otherwise):
 #: finest level first, from the step the Fisher information predicts for it, then secant steps
 #: with the slope of every measured point, a step stopped as soon as one window proves it over
@@ -456,8 +466,9 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
     from the points and bounds this ratio measured (``landings`` in all); the coarsest that
     meets the target is kept.
 
-    ``room()`` is asked before every score: False (the calibration's budget of window scores,
-    :data:`MAX_TOTAL_SCORES`, is spent) ends the balance with the best point scored so far.
+    ``room()`` is asked before every score: False (the calibration's budget, window scores
+    :data:`MAX_TOTAL_SCORES` or seconds :data:`TIME_BUDGET`, is spent) ends the balance with the
+    best point scored so far.
 
     Returns ``(chosen, tried)``: the level's point ``{"k_step", "v_step", "crit", "kls",
     "bits"}`` (the original one when no probe beat it) and every probe scored as ``[k_step,
@@ -469,7 +480,7 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
     want = None  # the level's bits as ``bits`` measures them (a window may stand for all)
     for i in range(probes):
         if not room():
-            say(f"balance (KL <= {target:g}): the budget of window scores is spent; no more probes")
+            say(f"balance (KL <= {target:g}): the calibration's budget is spent; no more probes")
             break
         if want is None:  # an encode: only when a probe runs
             want = bits(k0, ratio0 * k0)
@@ -496,7 +507,7 @@ def balance_level(score: Callable[..., Any], bits: Callable[[float, float], floa
         rough: list[tuple[float, float, float]] = []
         for j in range(landings):
             if not room():
-                say(f"balance (KL <= {target:g}): the budget of window scores is spent; no more landings")
+                say(f"balance (KL <= {target:g}): the calibration's budget is spent; no more landings")
                 break
             if j == 0:
                 k = best["k_step"] * math.exp(math.log(0.96 * target / best["crit"]) / float(np.clip(slope, 1.0, 4.0)))
@@ -565,6 +576,7 @@ def build_profile(
     max_scores: int | None = MAX_SCORES,
     max_total_scores: int | None = MAX_TOTAL_SCORES,
     balance_probes: int = BALANCE_PROBES,
+    time_budget: float | None = TIME_BUDGET,
     text_name: str = "custom",
     progress: Callable[[str], None] | None = None,
     xpred: bool = True,
@@ -576,7 +588,8 @@ def build_profile(
 
     A step meets a target when, over the search windows, the mean KL is at most ``margin *
     target`` and the worst window's at most ``worst * target``. ``max_scores``: see
-    :func:`search_levels`; ``max_total_scores``: :data:`MAX_TOTAL_SCORES` (None: no bound).
+    :func:`search_levels`; ``max_total_scores``: :data:`MAX_TOTAL_SCORES` (None: no bound);
+    ``time_budget``: :data:`TIME_BUDGET`, seconds (None: no bound).
     ``xpred``: fit cross-layer predictors first (:mod:`kvcodec.harness.xpred`) and search with
     them on, so every level codes layers as residuals; files coded with such a profile decode
     only where the profile is (formats/codecs/kvc.md §13). False: self-contained files.
@@ -590,9 +603,9 @@ def build_profile(
 
     levels = dict(LEVELS if levels is None else levels)
     if (not 0 < margin <= 1 or not margin <= worst <= 4 or max_evals < 1 or max_windows < 1 or not levels
-            or min(levels.values()) <= 0):
-        raise InputError("margin must be in (0, 1], worst in [margin, 4], max_evals and max_windows >= 1 "
-                         "and every level > 0")
+            or min(levels.values()) <= 0 or (time_budget is not None and not time_budget > 0)):
+        raise InputError("margin must be in (0, 1], worst in [margin, 4], max_evals and max_windows >= 1, "
+                         "every level > 0 and a time budget > 0 (or None)")
     if isinstance(texts, str):
         texts = {text_name: texts}
     say = progress or (lambda msg: None)
@@ -606,6 +619,7 @@ def build_profile(
     for name, w in search:  # the fp16 cache and reference logits of each search window
         evs.append(Evaluator(model, tokenizer, "", context, continuation, attn_queries=1, token_ids=w))
         say(f"search window {len(evs)}/{len(search)} ({name}) ready ({time.perf_counter() - t0:.0f} s)")
+    setup_s = (time.perf_counter() - t0) / max(1, len(search))  # seconds to set a window up
     say(f"query statistics and sensitivities on {context} + {continuation} tokens of {search[0][0]}")
     stats = query_statistics(model, tokenizer, "", context=context, samples=samples, token_ids=search[0][1])
     fisher: list[dict[str, torch.Tensor]] | None = None
@@ -690,17 +704,33 @@ def build_profile(
             say(f"first step {first:.4f}: predicted KL {first_kl:.5f} on {search[0][0]}")
         order = list(range(len(evs)))  # windows by their last KL, highest first: the first proves a step over
         spent = [0]  # window scores so far (search and balance)
+        score_s = [0.0]  # the seconds they took
+        timed_out: list[str] = []  # why the time budget stopped the balance (once)
 
         def score_kv(k_step: float, v_step: float | None, stop: float | None,
                      ) -> tuple[float, list[float | None], float, bool]:
+            t = time.perf_counter()
             res = score_windows_until(evs, windows_config(k_step, v_step), margin, worst, stop, order)
+            score_s[0] += time.perf_counter() - t
             spent[0] += sum(x is not None for x in res[1])
             if res[3]:
                 order.sort(key=lambda i: -float(res[1][i] or 0.0))
             return res
 
         def room() -> bool:
-            return max_total_scores is None or spent[0] < max_total_scores * len(evs)
+            if max_total_scores is not None and spent[0] >= max_total_scores * len(evs):
+                return False
+            if time_budget is None or timed_out:
+                return not timed_out
+            # one more step on every window, then the held-out check (set-up and a score a level)
+            per = score_s[0] / max(1, spent[0])
+            end = time.perf_counter() - t0 + len(evs) * per + len(held) * (setup_s + len(levels) * per)
+            if end <= time_budget:
+                return True
+            timed_out.append(f"a probe and the held-out check would end at ~{end:.0f} s, past the time "
+                             f"budget of {time_budget:.0f} s")
+            say(f"balance: {timed_out[0]}")
+            return False
 
         def score(k_step: float, stop: float | None) -> tuple[float, list[float | None], float, bool]:
             return score_kv(k_step, None, stop)
@@ -745,6 +775,8 @@ def build_profile(
         "search_worst": worst,
         "search_max_scores": max_scores,
         "search_max_total_scores": max_total_scores,
+        "time_budget": time_budget,
+        "stopped_by_time": timed_out[0] if timed_out else None,
         "window_scores": spent[0],
         "search_method": SEARCH_METHOD,
         "first_step": float(first),
