@@ -99,6 +99,7 @@ def test_the_registry_loads_the_builtin_codecs_whatever_module_comes_first():
     ["eval", "--context", "0", "--codecs", "raw"],
     ["eval", "--continuation", "-1", "--codecs", "raw"],
     ["calibrate", "--samples", "0", "--out", "x.safetensors"],
+    ["calibrate", "--time-budget", "-60", "--out", "x.safetensors"],
     ["encode", "in.safetensors", "out.kvc", "--tokens-per-chunk", "-1"],
 ], ids=lambda a: " ".join(a[:3]))
 def test_bad_counts_are_usage_errors_before_any_model_loads(argv, monkeypatch, capsys, tmp_path):
