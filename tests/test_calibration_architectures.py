@@ -4,7 +4,12 @@ Tiny randomly initialised models (eager attention, fixed seeds) of Llama, Qwen2,
 Gemma 2 (logit softcap, query_pre_attn_scalar, alternating sliding windows), Gemma 3 (QK-norm,
 head_dim 256, MQA, a different RoPE base on local and global layers), Mistral and Starcoder2
 (a sliding window smaller than the context), Phi-3 and GPT-NeoX (partial rotary), Cohere
-(interleaved rotary), OLMo 2, GPT-2 (no RoPE) and DeepSeek-V3 (MLA: rotary part last).
+(interleaved rotary), OLMo 2, GPT-2 (no RoPE) and DeepSeek-V3 (MLA: rotary part last); SmolLM3
+(NoPE every fourth layer), EXAONE 4 (QK-norm, sliding layers with RoPE and a global one without),
+OLMo 3 (sliding and full layers), Granite (attention scaled by a multiplier), GPT-J (interleaved
+partial rotary from a sine table, no ``inv_freq`` buffer), GLM-4 (interleaved partial rotary),
+Falcon (parallel attention), StableLM (per-head QK layer norm, a quarter rotated) and OPT
+(learned positions).
 
 What each test holds the library to:
 
@@ -49,10 +54,11 @@ _COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_la
                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=0, pad_token_id=0)
 
 
-def _spec(rot="half", frac=1.0, offset="first", theta=(10000.0,), window=(), softcap=0.0):
+def _spec(rot="half", frac=1.0, offset="first", theta=(10000.0,), window=(), softcap=0.0, nope=()):
     """What the family does, written out by hand: rotary style, rotary fraction of the head,
-    first/last channels, RoPE base per layer (cycled), sliding layers, softcap."""
-    return dict(rot=rot, frac=frac, offset=offset, theta=theta, window=window, softcap=softcap)
+    first/last channels, RoPE base per layer (cycled), sliding layers, softcap, layers without
+    RoPE (NoPE) in a rotary model."""
+    return dict(rot=rot, frac=frac, offset=offset, theta=theta, window=window, softcap=softcap, nope=nope)
 
 
 FAMILIES = {
@@ -81,6 +87,38 @@ FAMILIES = {
     "olmo2": (lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**_COMMON)), _spec()),
     "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=0)),
+        _spec(rot=None)),
+    # NoPE every fourth layer
+    "smollm3": (lambda: transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(
+        **{**_COMMON, "num_hidden_layers": 4}, head_dim=16, no_rope_layers=[1, 1, 1, 0],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})), _spec(nope=(3,))),
+    # QK-norm, three sliding layers with RoPE, then a global one without
+    "exaone4": (lambda: transformers.Exaone4ForCausalLM(transformers.Exaone4Config(
+        **{**_COMMON, "num_hidden_layers": 4}, head_dim=16, sliding_window=W, sliding_window_pattern=4)),
+        _spec(window=(0, 1, 2), nope=(3,))),
+    "olmo3": (lambda: transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
+        **_COMMON, sliding_window=W, layer_types=["sliding_attention", "full_attention"])),
+        _spec(theta=(500000.0,), window=(0,))),
+    # attention scaled by a multiplier, not 1/sqrt(d)
+    "granite": (lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(**_COMMON, attention_multiplier=0.05)),
+                _spec()),
+    # interleaved partial rotary from a sine table (no inv_freq buffer: the config's, tested)
+    "gptj": (lambda: transformers.GPTJForCausalLM(transformers.GPTJConfig(
+        vocab_size=V, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=512, bos_token_id=1, eos_token_id=0)),
+        _spec(rot="interleaved", frac=0.5)),
+    "glm4": (lambda: transformers.Glm4ForCausalLM(transformers.Glm4Config(**_COMMON, head_dim=16)),
+             _spec(rot="interleaved", frac=0.5)),
+    # parallel attention and MLP, GQA
+    "falcon": (lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=True, bos_token_id=1, eos_token_id=0)), _spec()),
+    # per-head QK layer norm, a quarter of the head rotated
+    "stablelm": (lambda: transformers.StableLmForCausalLM(transformers.StableLmConfig(
+        **_COMMON, partial_rotary_factor=0.25, qk_layernorm=True)), _spec(frac=0.25)),
+    # learned absolute positions
+    "opt": (lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=V, hidden_size=64, num_hidden_layers=2, ffn_dim=96, num_attention_heads=4,
+        max_position_embeddings=512, word_embed_proj_dim=64, bos_token_id=1, eos_token_id=0, pad_token_id=0)),
         _spec(rot=None)),
     # MLA: q = [q_nope (16), q_pe (8)], the rotary part last (de-interleaved: rotate-half there)
     "deepseek_v3": (lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
@@ -132,7 +170,7 @@ def _is_sliding(spec, i):
 
 def _expected_rotation(spec, i, d):
     """(first channel, R, style, base) the family really uses on layer ``i`` (None: no RoPE)."""
-    if spec["rot"] is None:
+    if spec["rot"] is None or i in spec["nope"]:
         return None
     r = int(round(d * spec["frac"]))
     off = 0 if spec["offset"] == "first" else d - r
@@ -447,3 +485,43 @@ def test_calibration_leaves_out_predictors_too_wide_to_decode(tmp_path, monkeypa
         capture(model, tok, texts["prose"], context=48, dtype=torch.float16))
     f.unlink()  # no profile needed to decode
     assert kvcodec.decode(blob).num_layers == model.config.num_hidden_layers
+
+
+# --------------------------------------------------------------- hybrid models: a clear refusal
+def _tiny_lfm2():
+    torch.manual_seed(0)
+    return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+        **{**_COMMON, "num_hidden_layers": 3}, layer_types=["conv", "full_attention", "full_attention"])).eval()
+
+
+def test_hybrid_models_are_refused_with_a_clear_error_before_they_run(tmp_path, monkeypatch):
+    import kvcodec
+    from kvcodec.errors import InputError
+    from kvcodec.harness.capture import capture
+    from kvcodec.integrations.transformers import require_kv_layers
+
+    model = _tiny_lfm2()
+    calls = []
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(InputError, match=r"lfm2: layers of type conv; .*\(hybrid"):
+        capture(model, None, token_ids=_ids(24, 5))
+    assert calls == []  # refused before the model ran
+    # configs alone: linear attention (Qwen3-Next, Qwen3.5), Mamba state without layer types
+    for cfg in (transformers.Qwen3NextConfig(**_COMMON, layer_types=["linear_attention", "full_attention"]),
+                transformers.FalconH1Config(**_COMMON)):
+        with pytest.raises(InputError, match="hybrid"):
+            require_kv_layers(cfg)
+    for name in ("llama", "gemma3", "exaone4", "deepseek_v3"):  # every attention family passes
+        require_kv_layers(_model(name))
+
+
+def test_a_hybrid_models_own_cache_is_refused_by_save(tmp_path):
+    import kvcodec.integrations.transformers as kt
+    from kvcodec.errors import InputError
+
+    model = _tiny_lfm2()
+    with torch.no_grad():
+        out = model(_ids(12, 6)[None], use_cache=True)
+    with pytest.raises(InputError, match="cache layer 0 is a .*LinearAttention.*hybrid"):
+        kt.save(out.past_key_values, tmp_path / "x.kvc", "fp8-e4m3")
+    assert not (tmp_path / "x.kvc").exists()

@@ -37,7 +37,11 @@ is tested against the model's own eager attention in ``tests/test_calibration_ar
   sequence length (``dynamic``, ``longrope``) are those of the calibration prefill; when a
   layer's queries move in a way no candidate reproduces (e.g. Llama 4's position-scaled NoPE
   queries) the layer is ``"unknown"`` and gets no attention estimate.
-* No RoPE (GPT-2's learned positions, NoPE layers): ``"none"``, queries used as recorded.
+* RoPE computed without an ``inv_freq`` buffer (GPT-J and CodeGen build a sine table from
+  ``rotary_dim``): the frequencies the config describes (:func:`config_frequencies`), kept
+  only where they reproduce the model's shifted queries like any other candidate.
+* No RoPE (GPT-2's and OPT's learned positions, NoPE layers such as SmolLM3's every fourth
+  and EXAONE 4's global ones): ``"none"``, queries used as recorded.
 * Sliding windows (Mistral, Starcoder2, Gemma 2/3 local layers): the window the attention was
   called with; the estimate gives tokens outside every future query's window exactly 0.
 * Logit soft-capping (Gemma 2): recorded and applied to the estimate's logits. The attention
@@ -45,6 +49,13 @@ is tested against the model's own eager attention in ``tests/test_calibration_ar
   and GQA/MQA need nothing (the recorded query is the one the model uses).
 * MLA (``kv_lora_rank``: the cache holds latents, not per-head K): no ``q_energy`` /
   ``q_sample`` (no estimate); sensitivities are taken with respect to the latents.
+* Not modelled by the estimate, which then steers steps less well (bits, never quality: the
+  closed loop scores the model's real KL): Llama 4's chunked attention (taken as full) and
+  GPT-OSS's learned attention sinks (the softmax's extra term left out). Models whose
+  attention transformers' attention interface does not run (GPT-Neo, BLOOM's ALiBi) record no
+  queries: calibration stops with an error saying so. Hybrid models (linear attention, Mamba,
+  convolution layers) are refused before they run
+  (:func:`~kvcodec.integrations.transformers.require_kv_layers`).
 
 File metadata (``__metadata__``): ``format = "kvcodec.qstats/4"`` (``/1``-``/3`` still read),
 ``num_layers``, ``q_position``, ``rope_theta`` (the default RoPE base when the model has one, else
@@ -161,6 +172,25 @@ def rotary_frequencies(model: Any, num_layers: int) -> list[np.ndarray | None]:
     return out
 
 
+def config_frequencies(config: Any, rope: dict[str, Any], head_dim: int) -> np.ndarray | None:
+    """The inverse RoPE frequencies ``[R/2]`` (float32) a model's config describes, for models
+    that compute their rotation without an ``inv_freq`` buffer (GPT-J and CodeGen build a
+    sine table from ``rotary_dim`` and base 10000): ``R`` from ``rotary_dim``, else
+    ``partial_rotary_factor`` / ``rotary_pct`` of ``head_dim``; the base from ``rope``
+    (:func:`~kvcodec.integrations.transformers.rope_info`), else 10000. A candidate only:
+    :func:`_fit_rotation` keeps it where it reproduces the model's own queries."""
+    cfg = getattr(config, "text_config", None) or config
+    r = getattr(cfg, "rotary_dim", None) or rope.get("rotary_dim")
+    if not r:
+        frac = getattr(cfg, "partial_rotary_factor", None) or getattr(cfg, "rotary_pct", None) or 1.0
+        r = int(round(head_dim * float(frac)))
+    r = int(r) // 2 * 2
+    base = float(rope.get("rope_theta") or 10000.0)
+    if not 0 < r <= head_dim or not base > 1.0:
+        return None
+    return (1.0 / base ** (np.arange(0, r, 2, dtype=np.float64) / r)).astype(np.float32)
+
+
 def _fit_rotation(q0: np.ndarray, q1: np.ndarray, delta: int, inv_freq: np.ndarray | None) -> LayerAttention:
     """Which rotation turns the queries ``q0 [.., D]`` (positions ``p``) into ``q1`` (the same
     hidden states at ``p + delta``): none, or ``inv_freq`` on the first or the last ``R``
@@ -191,7 +221,7 @@ def layer_attention(model: Any, ids: torch.Tensor, store: dict[int, dict[str, An
     from .evaluate import record_queries
 
     freqs = rotary_frequencies(model, num_layers)
-    applied, _ = rope_info(model.config)
+    applied, rope = rope_info(model.config)
     rot: dict[int, LayerAttention] = {}
     if applied or any(f is not None for f in freqs):
         device = next(model.parameters()).device
@@ -202,8 +232,14 @@ def layer_attention(model: Any, ids: torch.Tensor, store: dict[int, dict[str, An
             q0 = {i: st[i]["q"].double().numpy() for i in st}
             model(x, position_ids=torch.arange(delta, delta + m, device=device)[None], use_cache=False)
             q1 = {i: st[i]["q"].double().numpy() for i in st}
-        rot = {i: _fit_rotation(q0[i], q1[i], delta, freqs[i] if i < len(freqs) else None)
-               for i in q0 if i in q1}
+        rot = {}
+        for i in q0:
+            if i not in q1:
+                continue
+            f = freqs[i] if i < len(freqs) else None
+            if f is None and applied:  # RoPE without a frequency buffer (GPT-J): the config's, tested too
+                f = config_frequencies(model.config, rope, q0[i].shape[-1])
+            rot[i] = _fit_rotation(q0[i], q1[i], delta, f)
     out = []
     for i in range(num_layers):
         r = rot.get(i, LayerAttention("none"))

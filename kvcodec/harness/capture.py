@@ -101,7 +101,9 @@ def capture(
         positions ``0..T-1``, model identity, RoPE state and layer kinds.
 
     Raises:
-        InputError: the text is too short or the model returns no usable cache.
+        InputError: the text is too short, the model has layers that are not attention with a
+            KV cache (hybrid models: :func:`~kvcodec.integrations.transformers.require_kv_layers`),
+            or it returns no usable cache.
     """
     from ..integrations.transformers import (
         cache_kwargs,
@@ -109,11 +111,14 @@ def capture(
         last_logits_kwargs,
         layer_infos,
         output_cache,
+        require_kv_layers,
     )
     from .models import require_eval
 
     require_eval()
     import transformers
+
+    require_kv_layers(model)
 
     if token_ids is None:
         if context < 1:

@@ -51,6 +51,9 @@ def _layer_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
         for i, layer in enumerate(cache.layers):
             k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if "LinearAttention" in type(layer).__name__:  # transformers' layers of hybrid models
+                raise InputError(f"cache layer {i} is a {type(layer).__name__} (a hybrid model's recurrent or "
+                                 f"convolution state): kvcodec codes caches whose every layer is attention")
             if k is None or v is None or (isinstance(k, torch.Tensor) and k.numel() == 0 and k.dim() < 4):
                 raise InputError(f"cache layer {i} is empty (was the model run with use_cache=True?)")
             out.append((k, v))
@@ -142,6 +145,34 @@ def output_cache(outputs: Any) -> Any:
     raise InputError("the model returned no cache; call it with use_cache=True")
 
 
+#: Layer types (transformers' ``layer_types``) whose only state is a KV cache growing with the tokens.
+KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+
+
+def require_kv_layers(model: Any) -> None:
+    """Raise :class:`InputError` unless every layer of ``model`` keeps its state as a KV cache.
+
+    Hybrid models (Qwen3-Next and Qwen3.5's linear attention, LFM2's convolutions, Mamba and
+    Zamba layers) keep recurrent or convolution states beside their attention layers' KV, and
+    indexed (sparse) attention keeps an indexer's cache beside it: kvcodec does not capture,
+    evaluate or calibrate those yet, and says so before running the model (which would
+    otherwise fail deep inside transformers). Llama 4's chunked attention passes: its cache is
+    plain KV (calibration's attention estimate treats it as full attention, which can cost bits,
+    never quality: the closed loop scores the model's real KL)."""
+    config = getattr(model, "config", model)
+    config = getattr(config, "text_config", None) or config
+    kind = getattr(config, "model_type", "") or type(model).__name__
+    types = getattr(config, "layer_types", None)
+    other = sorted({str(t) for t in types} - KV_LAYER_TYPES) if isinstance(types, (list, tuple)) else []
+    if not other and any(str(a).startswith(("mamba_", "ssm_", "conv_L")) for a in vars(config)):
+        other = ["recurrent (Mamba/SSM or convolution) state"]
+    if other:
+        raise InputError(
+            f"{kind}: layers of type {', '.join(other)}; kvcodec captures, evaluates and calibrates models whose "
+            f"every layer is attention with a KV cache (hybrid and sparse-attention models are not "
+            f"supported yet)")
+
+
 def layer_infos(config: Any, num_layers: int) -> list[LayerInfo]:
     """:class:`LayerInfo` per layer from a transformers config (``layer_types``, ``sliding_window``).
 
@@ -210,7 +241,12 @@ def rope_info(config: Any) -> tuple[bool, dict[str, Any]]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     theta = getattr(config, "rope_theta", None)
     if params is None and theta is None:
-        if getattr(config, "model_type", "") in ("gpt2", "gpt_neo", "gptj", "opt", "bloom"):
+        kind = getattr(config, "model_type", "")
+        if kind in ("gptj", "codegen") and getattr(config, "rotary_dim", None):
+            # RoPE on the first rotary_dim channels of each head, interleaved pairs, base 10000
+            # written in the model's code rather than its config
+            return True, {"rope_type": "default", "rope_theta": 10000.0, "rotary_dim": int(config.rotary_dim)}
+        if kind in ("gpt2", "gpt_neo", "gptj", "codegen", "opt", "bloom"):
             return False, {"type": "none"}
         return False, {"type": "unknown"}
     d: dict[str, Any] = {}
