@@ -498,3 +498,51 @@ def test_threads_code_the_same_bytes_and_a_failure_stops_them(tmp_path, monkeypa
     monkeypatch.setattr(kc, "XPRED_ENCODE_THREADS", 2)
     with pytest.raises(RuntimeError, match="boom"):
         codec.encode(cache, tokens_per_chunk=chunk)
+
+
+class _OneLayerPredictors:
+    """Predicts layer 1 from layer 0 (zeros): what XPredEncoder's waiting needs, nothing more."""
+
+    def has(self, layer):
+        return layer == 1
+
+    def prediction(self, layer, prev, shapes, positions, where, role):
+        return {role: np.zeros_like(prev[role])}
+
+
+def test_a_tensor_waits_for_the_layer_before_even_before_its_thread_starts(monkeypatch):
+    """The writer hands layer 0 to one pool thread and layer 1 to another; the thread of layer 1
+    may enter the closed loop before the thread of layer 0 has started. It waits for it (it
+    once concluded at once that layer 0 would never come), and a layer that really never comes
+    still ends in a clear error after XPRED_ALONE_S."""
+    import threading
+    import time
+
+    from kvcodec.errors import ConfigError
+
+    shapes = [{"k": (2, 4)}, {"k": (2, 4)}]
+    enc = xpred.XPredEncoder(_OneLayerPredictors(), np.arange(6), shapes, decoder=None)
+    got: dict[str, object] = {}
+
+    def layer1():
+        try:
+            with enc.coding():
+                got["pred"] = enc.prediction(1, "k", (0, 6), "layers.1.k")
+        except Exception as e:  # noqa: BLE001
+            got["error"] = e
+
+    t1 = threading.Thread(target=layer1)
+    t1.start()
+    time.sleep(0.3)  # layer 0's thread starts late
+    with enc.coding():
+        enc.store(0, "k", (0, 6), np.ones((6, 2, 4), np.float32))
+    t1.join(10)
+    assert "error" not in got, got.get("error")
+    assert got["pred"].shape == (6, 2, 4)
+
+    monkeypatch.setattr(xpred, "XPRED_ALONE_S", 0.2)
+    lone = xpred.XPredEncoder(_OneLayerPredictors(), np.arange(6), shapes, decoder=None)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="layer 0 was not coded first"), lone.coding():
+        lone.prediction(1, "k", (0, 6), "layers.1.k")
+    assert time.monotonic() - t0 < 5

@@ -65,6 +65,9 @@ PROFILES_ENV = "KVCODEC_PROFILES"
 
 #: seconds a tensor waits at most for the layer before it to be coded on another thread
 XPRED_WAIT_S = 600.0
+#: How long a tensor waits for the layer before while no other tensor is coding before it
+#: concludes that the layer before will never be coded (a caller coding layers out of order).
+XPRED_ALONE_S = 2.0
 
 #: ``(phase steps uint32 [r2], offset, style)`` of a layer whose K rotates, else None
 Rotation = "tuple[np.ndarray, int, str] | None"
@@ -390,6 +393,7 @@ class XPredEncoder:
         """Around one tensor's coding: counts it as active; a failure wakes the tensors waiting."""
         with self.cond:
             self.active += 1
+            self.cond.notify_all()  # a tensor waiting alone for this one sees it has started
         try:
             yield
         except BaseException as e:
@@ -414,12 +418,21 @@ class XPredEncoder:
             return None
         with self.cond:
             deadline = time.monotonic() + XPRED_WAIT_S
+            alone = None  # since when no other tensor has been coding
             while not self._stored(layer - 1, rows):
                 if self.failed is not None:
                     raise ConfigError(f"{where}: kvc xpred: a tensor of the layer before failed to code")
-                if self.active <= 1 or time.monotonic() > deadline:  # layer l - 1 will never come
+                now = time.monotonic()
+                if self.active > 1:
+                    alone = None
+                elif alone is None:
+                    # the tensor waited for may be handed to another thread that has not started
+                    # it yet (the writer submits in layer order; a pool thread enters coding()
+                    # when it runs): a moment's grace before concluding it will never come
+                    alone = now
+                if now > deadline or (alone is not None and now - alone > XPRED_ALONE_S):
                     raise ConfigError(f"{where}: kvc xpred codes layers in order; layer {layer - 1} was not coded first")
-                self.cond.wait(timeout=1.0)
+                self.cond.wait(timeout=0.02 if alone is not None else 1.0)
         a, b = rows
         prev = self.decoded[layer - 1]  # kept until this layer is stored whole
         return self.predictors.prediction(layer, {r: v[a:b] for r, v in prev.items()}, self.shapes[layer],
