@@ -120,6 +120,16 @@ FAMILIES = {
         vocab_size=V, hidden_size=64, num_hidden_layers=2, ffn_dim=96, num_attention_heads=4,
         max_position_embeddings=512, word_embed_proj_dim=64, bos_token_id=1, eos_token_id=0, pad_token_id=0)),
         _spec(rot=None)),
+    # hybrids: linear attention (gated delta rule) or short convolutions beside attention layers,
+    # whose fixed-size states the harness keeps as they are
+    "qwen3_5": (lambda: transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
+        **{**_COMMON, "num_hidden_layers": 4}, head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)),
+        _spec(frac=0.25)),
+    "lfm2": (lambda: transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+        **{**_COMMON, "num_hidden_layers": 4}, layer_types=["conv", "full_attention", "conv", "full_attention"])),
+        _spec(theta=(1000000.0,))),
     # MLA: q = [q_nope (16), q_pe (8)], the rotary part last (de-interleaved: rotate-half there)
     "deepseek_v3": (lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
         **{**_COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
@@ -416,8 +426,11 @@ def _word_tokenizer():
 
 
 def cache_layers(model) -> int:
-    """Layers after the first (each gets a predictor)."""
-    return int(model.config.num_hidden_layers) - 1
+    """Cache layers after the first (each gets a predictor; a hybrid's attention layers only)."""
+    from kvcodec.integrations.transformers import kv_layer_map
+
+    kv = kv_layer_map(model)
+    return (int(model.config.num_hidden_layers) if kv is None else len(kv)) - 1
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -487,39 +500,103 @@ def test_calibration_leaves_out_predictors_too_wide_to_decode(tmp_path, monkeypa
     assert kvcodec.decode(blob).num_layers == model.config.num_hidden_layers
 
 
-# --------------------------------------------------------------- hybrid models: a clear refusal
-def _tiny_lfm2():
-    torch.manual_seed(0)
-    return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
-        **{**_COMMON, "num_hidden_layers": 3}, layer_types=["conv", "full_attention", "full_attention"])).eval()
+# ----------------------------------------------------------------------------- hybrid models
+def test_a_hybrid_models_cache_is_its_attention_layers_and_continues_exactly():
+    """capture keeps a hybrid model's recurrent layers as they are (HybridState) and gives its
+    attention layers' KV; the model continues on the two exactly as on one uncached pass, so
+    an uncompressed cache scores KL 0 and kvc's closed loop measures the real model."""
+    from kvcodec.harness.capture import capture_with_state
+    from kvcodec.harness.evaluate import Evaluator
+
+    for name, kv_layers in (("qwen3_5", [1, 3]), ("lfm2", [1, 3])):
+        model = _model(name)
+        ids = _ids(56, 7)
+        kv, state = capture_with_state(model, None, token_ids=ids[:40])
+        assert state.kv_layers == kv_layers and sorted(state.recurrent) == [0, 2]
+        assert kv.num_layers == 2 and all(layer["k"].shape == (40, 2, 16) for layer in kv.layers)
+        with torch.no_grad():
+            own = model(ids[None, :40], use_cache=True).past_key_values  # the model's own cache
+            full = model(ids[None], use_cache=False).logits[0, 40:56].float()
+        for j, m in enumerate(kv_layers):
+            torch.testing.assert_close(kv.layers[j]["k"], own.layers[m].keys[0].transpose(0, 1))
+            torch.testing.assert_close(kv.layers[j]["v"], own.layers[m].values[0].transpose(0, 1))
+        ev = Evaluator(model, _Tok(), "", 40, 15, cache_dtype=torch.float32, token_ids=ids)
+        torch.testing.assert_close(ev.ref_logits, full[:15], atol=2e-4, rtol=0)
+        assert ev.evaluate("raw")["next_token"]["kl_mean"] == 0.0
+        r = ev.evaluate("kvc-near")
+        assert r["error"] is None and 0 < r["next_token"]["kl_mean"] < 0.05
 
 
-def test_hybrid_models_are_refused_with_a_clear_error_before_they_run(tmp_path, monkeypatch):
-    import kvcodec
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
+def test_exact_fisher_of_a_hybrid_equals_enumeration(name):
+    """The brute force builds the hybrid's cache by hand: the model's own recurrent layers after
+    the prefill, and the attention layers' K and V as the leaves."""
+    import copy
+
+    from kvcodec.integrations.transformers import cache_kwargs
+    from transformers.cache_utils import DynamicLayer
+
+    model = _model(name)
+    ids, cont = _ids(12, 4), _ids(2, 5)
+    _, exact = fisher_diagonal(model, ids, cont, exact=True)
+    with torch.no_grad():
+        own = model(ids[None], use_cache=True).past_key_values
+        full = torch.log_softmax(model(torch.cat([ids, cont])[None], use_cache=False).logits[0].float(), -1)
+    att = [i for i, layer in enumerate(own.layers) if hasattr(layer, "keys")]
+    acc = [{r: torch.zeros(12, 2, 16, dtype=torch.float64) for r in ("k", "v")} for _ in att]
+    for pos in range(cont.numel()):
+        for y in range(V):
+            leaves = [{"k": own.layers[i].keys[0].transpose(0, 1).clone().requires_grad_(True),
+                       "v": own.layers[i].values[0].transpose(0, 1).clone().requires_grad_(True)} for i in att]
+            dc = transformers.DynamicCache(config=model.config)
+            for i, layer in enumerate(own.layers):
+                if i not in att:
+                    c = copy.deepcopy(layer)
+                    # new states stored as new tensors, not written over those autograd keeps
+                    c.activate_past_recording(0)
+                    c.update_recurrent_state = lambda s, state_idx=0, _c=c, **k: _c.recurrent_states.__setitem__(
+                        state_idx, s if isinstance(s, torch.Tensor) else s[-1]) or _c.recurrent_states[state_idx]
+                    dc.layers[i] = c
+                else:
+                    dc.layers[i] = DynamicLayer()
+            for j, i in enumerate(att):
+                dc.update(leaves[j]["k"].transpose(0, 1)[None], leaves[j]["v"].transpose(0, 1)[None], i)
+            logp = torch.log_softmax(model(cont[None], use_cache=True, **cache_kwargs(model, dc)).logits[0].float(), -1)
+            torch.testing.assert_close(logp, full[ids.numel():], atol=2e-5, rtol=0)
+            logp[pos, y].backward()
+            w = float(full[ids.numel() + pos, y].exp())
+            for a, lv in zip(acc, leaves):
+                for r in ("k", "v"):
+                    a[r] += w * lv[r].grad.double().pow(2)
+    for e, a in zip(exact, acc):
+        for r in ("k", "v"):
+            torch.testing.assert_close(e[r], a[r] / cont.numel(), rtol=1e-4, atol=1e-12)
+
+
+def test_unsupported_hybrids_are_refused_with_a_clear_error_before_they_run(monkeypatch):
     from kvcodec.errors import InputError
     from kvcodec.harness.capture import capture
     from kvcodec.integrations.transformers import require_kv_layers
 
-    model = _tiny_lfm2()
+    torch.manual_seed(0)
+    model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**{**_COMMON, "num_hidden_layers": 2})).eval()
     calls = []
     monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
-    with pytest.raises(InputError, match=r"lfm2: layers of type conv; .*\(hybrid"):
+    with pytest.raises(InputError, match=r"falcon_h1: layers of type hybrid; .*Mamba-style hybrids"):
         capture(model, None, token_ids=_ids(24, 5))
     assert calls == []  # refused before the model ran
-    # configs alone: linear attention (Qwen3-Next, Qwen3.5), Mamba state without layer types
-    for cfg in (transformers.Qwen3NextConfig(**_COMMON, layer_types=["linear_attention", "full_attention"]),
-                transformers.FalconH1Config(**_COMMON)):
-        with pytest.raises(InputError, match="hybrid"):
-            require_kv_layers(cfg)
-    for name in ("llama", "gemma3", "exaone4", "deepseek_v3"):  # every attention family passes
+    with pytest.raises(InputError, match="Mamba-style"):
+        require_kv_layers(transformers.Zamba2Config())
+    for name in ("llama", "gemma3", "exaone4", "deepseek_v3", "qwen3_5", "lfm2"):  # these pass
         require_kv_layers(_model(name))
 
 
 def test_a_hybrid_models_own_cache_is_refused_by_save(tmp_path):
+    """A KVC file holds KV only: a hybrid's recurrent states would be lost, so save refuses."""
     import kvcodec.integrations.transformers as kt
     from kvcodec.errors import InputError
 
-    model = _tiny_lfm2()
+    model = _model("lfm2")
     with torch.no_grad():
         out = model(_ids(12, 6)[None], use_cache=True)
     with pytest.raises(InputError, match="cache layer 0 is a .*LinearAttention.*hybrid"):

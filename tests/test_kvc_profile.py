@@ -749,6 +749,7 @@ class _FakeEvaluator:
 
         # the search's predictor encodes window 0's real cache; only the scores are fake
         self.reference = capture(model, tok, token_ids=k["token_ids"][:context], dtype=torch.float16)
+        self.state = None  # not a hybrid model
 
     def score_next_token(self, codec, kl_only=False):
         k = float(codec["k_step"])

@@ -53,8 +53,12 @@ is tested against the model's own eager attention in ``tests/test_calibration_ar
   closed loop scores the model's real KL): Llama 4's chunked attention (taken as full) and
   GPT-OSS's learned attention sinks (the softmax's extra term left out). Models whose
   attention transformers' attention interface does not run (GPT-Neo, BLOOM's ALiBi) record no
-  queries: calibration stops with an error saying so. Hybrid models (linear attention, Mamba,
-  convolution layers) are refused before they run
+  queries: calibration stops with an error saying so.
+* Hybrid models (Qwen3.5 and Qwen3-Next's linear attention, LFM2's convolutions): the cache's
+  layers are the attention layers (:func:`~kvcodec.integrations.transformers.kv_layer_map`;
+  queries, rotations and sensitivities are indexed by them), and the recurrent layers' states
+  after the prefill are kept as they are (``HybridState``), so the model runs on a decoded
+  cache as it ran on its own. Mamba-style hybrids are refused before they run
   (:func:`~kvcodec.integrations.transformers.require_kv_layers`).
 
 File metadata (``__metadata__``): ``format = "kvcodec.qstats/4"`` (``/1``-``/3`` still read),
@@ -220,7 +224,14 @@ def layer_attention(model: Any, ids: torch.Tensor, store: dict[int, dict[str, An
     from .capture import rope_info
     from .evaluate import record_queries
 
-    freqs = rotary_frequencies(model, num_layers)
+    from ..integrations.transformers import kv_layer_map
+
+    kv_map = kv_layer_map(model)
+    if kv_map is None:
+        freqs = rotary_frequencies(model, num_layers)
+    else:  # a hybrid model: the cache's layer i is model layer kv_map[i]
+        every = rotary_frequencies(model, max(kv_map) + 1)
+        freqs = [every[m] for m in kv_map]
     applied, rope = rope_info(model.config)
     rot: dict[int, LayerAttention] = {}
     if applied or any(f is not None for f in freqs):
@@ -302,7 +313,11 @@ def query_statistics(
     cfg = getattr(model.config, "text_config", None) or model.config
     applied, rope = rope_info(model.config)
     theta = float(rope.get("rope_theta", 0.0)) if applied and rope.get("rope_type", "default") == "default" else 0.0
-    n_layers = int(getattr(cfg, "num_hidden_layers", len(store)))
+    from ..integrations.transformers import kv_layer_map, require_kv_layers
+
+    require_kv_layers(model)
+    kv_map = kv_layer_map(model)  # a hybrid model: its attention layers, the cache's layers
+    n_layers = int(getattr(cfg, "num_hidden_layers", len(store))) if kv_map is None else len(kv_map)
     hkv = int(getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads"))
     energy: list[np.ndarray | None] = []
     sample: list[np.ndarray | None] = []
@@ -343,6 +358,7 @@ def fisher_diagonal(
     progress: Any = None,
     exact: bool = False,
     reference: KVCache | None = None,
+    state: Any = None,
 ) -> tuple[KVCache, list[dict[str, torch.Tensor]]]:
     """The cache of ``ids`` (float32) and, per layer, ``{"k", "v"}`` ``[T, Hkv, D]`` float64: the
     diagonal of the Fisher information of the next-token distributions over ``cont_ids``
@@ -359,13 +375,14 @@ def fisher_diagonal(
     batched pass per 64 tokens, each batch row holding its own copy of the cache.
 
     ``reference``: the cache of ``ids`` when the caller holds it already (taken as float32; the
-    closed-loop search passes its first window's, saving a prefill).
+    closed-loop search passes its first window's, saving a prefill), with ``state``, a hybrid
+    model's recurrent layers after it (:func:`~kvcodec.harness.capture.capture_with_state`).
 
     Raises:
         InputError: the model's cache holds MLA latents (no separate K and V), or nothing to score.
     """
-    from ..integrations.transformers import cache_kwargs, to_dynamic_cache
-    from .capture import capture
+    from ..integrations.transformers import cache_kwargs, kv_layer_map, to_dynamic_cache
+    from .capture import capture_with_state
 
     if samples < 1 or cont_ids.numel() < 1:
         raise InputError("fisher_diagonal needs samples >= 1 and at least one scored token")
@@ -374,10 +391,12 @@ def fisher_diagonal(
     if reference is not None:
         if reference.num_tokens != ids.numel():
             raise InputError(f"the reference caches {reference.num_tokens} tokens, ids has {ids.numel()}")
+        if (state is None) != (kv_layer_map(model) is None):
+            raise InputError("a hybrid model's reference needs its recurrent state (capture_with_state)")
         ref = reference.to(torch.float32)
     else:
         with torch.no_grad():
-            ref = capture(model, None, token_ids=ids, dtype=torch.float32)
+            ref, state = capture_with_state(model, None, token_ids=ids, dtype=torch.float32)
     if any("kv" in layer for layer in ref.layers):
         raise InputError("sensitivity needs separate K and V caches (this model caches MLA latents)")
     flags = [p.requires_grad for p in model.parameters()]
@@ -387,7 +406,7 @@ def fisher_diagonal(
     acc = [{r: torch.zeros(layer[r].shape, dtype=torch.float64) for r in ("k", "v")} for layer in ref.layers]
     if exact:
         try:
-            _exact_fisher(model, ref, cont_ids, acc, device, dtype)
+            _exact_fisher(model, ref, cont_ids, acc, device, dtype, state=state)
         finally:
             for p, f in zip(model.parameters(), flags):
                 p.requires_grad_(f)
@@ -397,7 +416,8 @@ def fisher_diagonal(
             for s in range(samples):
                 leaves = [{r: layer[r].clone().requires_grad_(True) for r in ("k", "v")} for layer in ref.layers]
                 # the layout, dtype and device moves are differentiable: gradients reach the leaves
-                dc = to_dynamic_cache(dataclasses.replace(ref, layers=leaves), device=device, dtype=dtype)
+                dc = to_dynamic_cache(dataclasses.replace(ref, layers=leaves), device=device, dtype=dtype,
+                                      state=state)
                 logits = model(cont_ids[None].to(device), use_cache=True, **cache_kwargs(model, dc)).logits[0]
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 y = torch.multinomial(logp.detach().exp().cpu(), 1, generator=gen)[:, 0].to(device)
@@ -434,8 +454,9 @@ def fisher_kl(fisher: list[dict[str, torch.Tensor]], ref: KVCache, decoded: KVCa
 
 
 def _exact_fisher(model: Any, ref: KVCache, cont_ids: torch.Tensor, acc: list[dict[str, torch.Tensor]],
-                  device: Any, dtype: torch.dtype, chunk: int = 64) -> None:
-    """Add ``sum_pos sum_y p(y) grad(log p(y))**2`` into ``acc`` (``fisher_diagonal(exact=True)``)."""
+                  device: Any, dtype: torch.dtype, chunk: int = 64, state: Any = None) -> None:
+    """Add ``sum_pos sum_y p(y) grad(log p(y))**2`` into ``acc`` (``fisher_diagonal(exact=True)``);
+    ``state``: a hybrid model's recurrent layers (repeated for every batch row)."""
     import transformers
 
     from ..integrations.transformers import cache_kwargs
@@ -448,9 +469,12 @@ def _exact_fisher(model: Any, ref: KVCache, cont_ids: torch.Tensor, acc: list[di
             b = chunk if vocab is None else min(chunk, vocab - start)
             leaves = [{r: layer[r].transpose(0, 1)[None].expand(b, -1, -1, -1).to(device, dtype)
                        .contiguous().requires_grad_(True) for r in ("k", "v")} for layer in ref.layers]
-            dc = transformers.DynamicCache()
+            if state is None:
+                dc = transformers.DynamicCache()
+            else:
+                dc = state.cache(batch=b, grad=True)
             for i, lv in enumerate(leaves):
-                dc.update(lv["k"], lv["v"], i)
+                dc.update(lv["k"], lv["v"], i if state is None else state.kv_layers[i])
             x = cont_ids[None].expand(b, -1).to(device)
             logp = torch.log_softmax(model(x, use_cache=True, **cache_kwargs(model, dc)).logits.float(), -1)
             if vocab is None:

@@ -89,25 +89,45 @@ def capture(
     """Prefill ``context`` tokens of ``text`` and return the model's KV cache.
 
     Args:
-        model: a transformers causal LM (any decoder: Llama, Qwen2, Gemma3, GPT-2 ...).
-        tokenizer: its tokenizer (unused when ``token_ids`` is given).
-        text: the text (default: the built-in Jargon File excerpt).
+        model: a transformers causal LM (any decoder: Llama, Qwen2, Gemma3, GPT-2 ...; hybrid
+            models with linear-attention or convolution layers give their attention layers).
+        tokenizer: its tokenizer (used only when ``text`` is given).
+        text: text to tokenize; default: the built-in text.
         context: number of tokens to prefill.
         dtype: dtype of the returned cache (default: the model's).
         token_ids: explicit ``[T]`` token ids instead of ``text``.
 
     Returns:
-        A :class:`KVCache` with ``[T, kv_heads, head_dim]`` K and V per layer, token ids,
-        positions ``0..T-1``, model identity, RoPE state and layer kinds.
+        A :class:`KVCache` with ``[T, kv_heads, head_dim]`` K and V per layer (per attention
+        layer of a hybrid model), token ids, positions ``0..T-1``, model identity, RoPE state
+        and layer kinds.
 
     Raises:
-        InputError: the text is too short, the model has layers that are not attention with a
-            KV cache (hybrid models: :func:`~kvcodec.integrations.transformers.require_kv_layers`),
-            or it returns no usable cache.
+        InputError: the text is too short, the model has layers that are neither attention with
+            a KV cache nor recurrent layers transformers' cache holds
+            (:func:`~kvcodec.integrations.transformers.require_kv_layers`), or it returns no
+            usable cache.
     """
+    return capture_with_state(model, tokenizer, text, context, dtype, token_ids)[0]
+
+
+@torch.no_grad()
+def capture_with_state(
+    model: Any,
+    tokenizer: Any,
+    text: str | None = None,
+    context: int = 2048,
+    dtype: torch.dtype | None = None,
+    token_ids: torch.Tensor | None = None,
+) -> tuple[KVCache, Any]:
+    """:func:`capture`, and for a hybrid model the recurrent layers' state after the prefill
+    (:class:`~kvcodec.integrations.transformers.HybridState`; None for a model whose every
+    layer is attention): what the harness needs to run the model on a decoded cache."""
     from ..integrations.transformers import (
+        HybridState,
         cache_kwargs,
         from_dynamic_cache,
+        kv_layer_map,
         last_logits_kwargs,
         layer_infos,
         output_cache,
@@ -119,19 +139,30 @@ def capture(
     import transformers
 
     require_kv_layers(model)
-
     if token_ids is None:
         if context < 1:
             raise InputError(f"context must be >= 1 tokens, got {context}")
         token_ids = tokenize(tokenizer, text if text is not None else default_text(), context)
     token_ids = token_ids.to(torch.int64).reshape(-1)
     device = next(model.parameters()).device
-    # An empty DynamicCache without a config has only full layers: sliding-window layers keep
-    # every token instead of the last `window` ones.
-    dc = transformers.DynamicCache()
-    with torch.no_grad():
-        out = model(token_ids[None].to(device), use_cache=True, **cache_kwargs(model, dc), **last_logits_kwargs(model))
+    kv_map = kv_layer_map(model)
+    if kv_map is None:
+        # An empty DynamicCache without a config has only full layers: sliding-window layers keep
+        # every token instead of the last `window` ones.
+        dc = transformers.DynamicCache()
+    else:  # the model's own layers for its recurrent ones; full layers for the attention ones
+        from transformers.cache_utils import DynamicLayer
+
+        dc = transformers.DynamicCache(config=model.config)
+        for i in kv_map:
+            dc.layers[i] = DynamicLayer()
+    out = model(token_ids[None].to(device), use_cache=True, **cache_kwargs(model, dc), **last_logits_kwargs(model))
     dc = output_cache(out)
+    state = None
+    if kv_map is not None:
+        layers = list(dc.layers)
+        state = HybridState(model.config, kv_map, {i: layer for i, layer in enumerate(layers) if i not in kv_map})
+        dc = [(layers[i].keys, layers[i].values) for i in kv_map]
     applied, rope = rope_info(model.config)
     kv = from_dynamic_cache(
         dc,
@@ -142,7 +173,12 @@ def capture(
         rope=rope,
     )
     n = kv.num_layers
-    kv.layer_info = layer_infos(model.config, n)
+    if kv_map is None:
+        kv.layer_info = layer_infos(model.config, n)
+    else:
+        cfg = getattr(model.config, "text_config", None) or model.config
+        infos = layer_infos(model.config, int(cfg.num_hidden_layers))
+        kv.layer_info = [infos[i] for i in kv_map]
     for i, layer in enumerate(kv.layers):
         for r, t in layer.items():
             if t.shape[0] != token_ids.numel():
@@ -152,7 +188,7 @@ def capture(
                 )
     if dtype is not None:
         kv = kv.to(dtype)
-    return kv
+    return kv, state
 
 
 # ---------------------------------------------------------------------- raw dumps with identity
@@ -202,4 +238,4 @@ def default_cache(context: int = 2048, dtype: torch.dtype = torch.float16) -> KV
 
 
 __all__ = ["capture", "default_cache", "default_text", "load_raw", "model_identity", "read_text",
-           "rope_info", "save_raw", "tokenize"]
+           "capture_with_state", "rope_info", "save_raw", "tokenize"]

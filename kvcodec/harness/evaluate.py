@@ -64,7 +64,9 @@ def record_queries(model: Any) -> Iterator[dict[int, dict[str, Any]]]:
 
     The wrapper sees exactly the query the model uses (after RoPE, query norms and any
     pre-attention scaling folded into ``scaling``), for every architecture that dispatches through
-    transformers' ``AttentionInterface`` (Llama, Qwen2, Gemma3, GPT-2, ...).
+    transformers' ``AttentionInterface`` (Llama, Qwen2, Gemma3, GPT-2, ...). Layers are keyed by
+    their index in the model's KV cache: a hybrid model's attention layers count among
+    themselves (:func:`~kvcodec.integrations.transformers.kv_layer_map`).
 
     Raises:
         InputError: the model does not dispatch attention through ``AttentionInterface``.
@@ -73,12 +75,19 @@ def record_queries(model: Any) -> Iterator[dict[int, dict[str, Any]]]:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from ..integrations.transformers import kv_layer_map
+
     store: dict[int, dict[str, Any]] = {}
     orig = model.config._attn_implementation or "eager"
     impl = f"{_RECORD_IMPL}_{orig}"
+    kv_map = kv_layer_map(model)
+    # a hybrid model's attention layers are recorded by their place among the cache's layers
+    where = None if kv_map is None else {m: j for j, m in enumerate(kv_map)}
 
     def recording(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001
         idx = getattr(module, "layer_idx", None)
+        if idx is not None and where is not None:
+            idx = where.get(int(idx))
         if idx is not None:
             scaling = kwargs.get("scaling")
             if scaling is None:
@@ -135,7 +144,7 @@ class Evaluator:
         text_name: str = "custom",
         token_ids: torch.Tensor | None = None,
     ) -> None:
-        from .capture import capture, tokenize
+        from .capture import capture_with_state, tokenize
 
         if context < 1 or continuation < 1:
             raise InputError(f"context and continuation must be >= 1 (got {context}, {continuation})")
@@ -152,7 +161,8 @@ class Evaluator:
             ids = token_ids[: context + continuation + 1].to(torch.int64)
         self.token_ids = ids
         t0 = time.perf_counter()
-        self.reference = capture(model, tokenizer, token_ids=ids[:context], dtype=cache_dtype)
+        # a hybrid model's recurrent layers, as the prefill left them (None: every layer is attention)
+        self.reference, self.state = capture_with_state(model, tokenizer, token_ids=ids[:context], dtype=cache_dtype)
         self.prefill_seconds = time.perf_counter() - t0
         self.cont_ids = ids[context : context + continuation]
         self.targets = ids[context + 1 : context + continuation + 1]
@@ -191,7 +201,7 @@ class Evaluator:
 
         device = next(self.model.parameters()).device
         dtype = next(self.model.parameters()).dtype
-        dc = to_dynamic_cache(cache, device=device, dtype=dtype)
+        dc = to_dynamic_cache(cache, device=device, dtype=dtype, state=self.state)
         out = self.model(self.cont_ids[None].to(device), use_cache=True, **cache_kwargs(self.model, dc))
         return out.logits[0].float().cpu()
 

@@ -627,7 +627,8 @@ def build_profile(
     if sensitivity_samples > 0 and not any("kv" in layer for layer in evs[0].reference.layers):
         ids0 = search[0][1]
         ref0, fisher = fisher_diagonal(model, ids0[:context], ids0[context:context + continuation],
-                                       sensitivity_samples, progress=fisher_progress, reference=evs[0].reference)
+                                       sensitivity_samples, progress=fisher_progress, reference=evs[0].reference,
+                                       state=evs[0].state)
         # in the step units of the search's centring (rotating K means where the settings use them)
         rope = stats.attention if SEARCH_SETTINGS.get("k_rope_mean") and stats.attention is not None else None
         stats.k_sens, stats.v_sens = sensitivities(ref0, fisher, rope)

@@ -90,27 +90,109 @@ def from_dynamic_cache(cache: Any, batch_index: int = 0, **kwargs: Any) -> KVCac
 
 
 def to_dynamic_cache(
-    cache: KVCache, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    cache: KVCache, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+    state: "HybridState | None" = None,
 ) -> Any:
     """Build a transformers ``DynamicCache`` (batch 1) holding ``cache``'s K and V.
 
     Every layer becomes a full (non-sliding) layer holding all tokens, so sliding-window layers
     keep their whole captured cache; the model still applies its window through the mask.
+    ``state``: a hybrid model's recurrent layers at the end of the cache's tokens
+    (:class:`HybridState`); the cache's layers are then its attention layers, in order.
 
     Raises:
-        InputError: the cache holds MLA latent layers (transformers caches hold K and V).
+        InputError: the cache holds MLA latent layers (transformers caches hold K and V), or
+            does not fit ``state``.
     """
     tf = _require_transformers()
-    dc = tf.DynamicCache()
-    for i, layer in enumerate(cache.layers):
+    if state is not None:
+        if cache.num_layers != len(state.kv_layers):
+            raise InputError(f"the cache has {cache.num_layers} layers, the hybrid model "
+                             f"{len(state.kv_layers)} attention layers")
+        # every token kept, as below; recurrent states stored by assignment when a gradient
+        # will flow back to the cache
+        dc = state.cache(grad=any(t.requires_grad for layer in cache.layers for t in layer.values()))
+    else:
+        dc = tf.DynamicCache()
+    for j, layer in enumerate(cache.layers):
         if "kv" in layer:
-            raise InputError(f"layer {i} is an MLA latent tensor; transformers caches need K and V")
+            raise InputError(f"layer {j} is an MLA latent tensor; transformers caches need K and V")
         k = layer["k"].transpose(0, 1).unsqueeze(0)
         v = layer["v"].transpose(0, 1).unsqueeze(0)
         if dtype is not None:
             k, v = k.to(dtype), v.to(dtype)
-        dc.update(k.to(device).contiguous(), v.to(device).contiguous(), i)
+        dc.update(k.to(device).contiguous(), v.to(device).contiguous(), j if state is None else state.kv_layers[j])
     return dc
+
+
+def _store_by_assignment(layer: Any) -> None:
+    """Make a copied transformers ``LinearAttentionLayer`` keep each new conv and recurrent
+    state as a new tensor rather than writing it over the old one (``copy_``)."""
+    if hasattr(layer, "activate_past_recording"):
+        layer.activate_past_recording(0)  # conv states: concatenated and assigned, not copied over
+    update = getattr(layer, "update_recurrent_state", None)
+    if update is None:
+        return
+
+    def assigning(recurrent_states: Any, state_idx: int = 0, **kwargs: Any) -> Any:
+        if not layer.is_recurrent_states_initialized.get(state_idx, False):
+            return update(recurrent_states, state_idx, **kwargs)
+        last = recurrent_states if isinstance(recurrent_states, torch.Tensor) else recurrent_states[-1]
+        layer.recurrent_states[state_idx] = last
+        return last
+
+    layer.update_recurrent_state = assigning
+
+
+class HybridState:
+    """What a hybrid model (linear-attention or convolution layers beside attention layers:
+    Qwen3-Next, Qwen3.5, LFM2) keeps besides its KV cache, after a prefill: each recurrent
+    layer's transformers cache layer (conv and recurrent states, fixed-size, not compressed),
+    and which model layers hold the KV that a :class:`KVCache` of it lists (``kv_layers``, in
+    order). :func:`to_dynamic_cache` rebuilds the model's cache from the two, so a harness can
+    run the model on a decoded cache; each call gets fresh copies of the states (the model
+    updates them in place)."""
+
+    def __init__(self, config: Any, kv_layers: list[int], recurrent: dict[int, Any]) -> None:
+        self.config = config
+        self.kv_layers = list(kv_layers)
+        self.recurrent = recurrent
+
+    def copies(self, batch: int = 1, grad: bool = False) -> dict[int, Any]:
+        """Fresh copies of the recurrent layers, their states repeated ``batch`` times along the
+        batch axis. ``grad``: for a run that a gradient flows back through (sensitivities):
+        transformers writes each new state over the old one in place, which autograd kept for
+        the backward pass; these copies store the new states as new tensors instead (the same
+        values; the states are not read again)."""
+        import copy
+
+        out = {}
+        for i, layer in self.recurrent.items():
+            c = copy.deepcopy(layer)
+            if grad:
+                _store_by_assignment(c)
+            if batch > 1:
+                for name in ("conv_states", "recurrent_states"):
+                    d = getattr(c, name, None)
+                    if isinstance(d, dict):
+                        setattr(c, name, {k: v.repeat_interleave(batch, 0) if isinstance(v, torch.Tensor) else v
+                                          for k, v in d.items()})
+            out[i] = c
+        return out
+
+    def cache(self, batch: int = 1, grad: bool = False) -> Any:
+        """An empty transformers cache of the model with fresh copies of the recurrent layers
+        (:meth:`copies`) and full (every-token) layers where the attention layers go (filled by
+        ``update`` at their model layer index)."""
+        tf = _require_transformers()
+        from transformers.cache_utils import DynamicLayer
+
+        dc = tf.DynamicCache(config=self.config)
+        for i, layer in self.copies(batch, grad).items():
+            dc.layers[i] = layer
+        for i in self.kv_layers:
+            dc.layers[i] = DynamicLayer()
+        return dc
 
 
 def cache_keyword(model: Any) -> str:
@@ -147,30 +229,49 @@ def output_cache(outputs: Any) -> Any:
 
 #: Layer types (transformers' ``layer_types``) whose only state is a KV cache growing with the tokens.
 KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+#: Layer types whose state is fixed-size (linear attention, short convolutions): a hybrid model's
+#: recurrent layers, kept as they are beside the KV that kvcodec codes (:class:`HybridState`).
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv"})
+
+
+def kv_layer_map(model_or_config: Any) -> list[int] | None:
+    """The model layers that hold a KV cache, in order, for a hybrid model (transformers'
+    ``layer_types`` naming recurrent layers too); None when every layer does (then the
+    :class:`KVCache` layer ``i`` is model layer ``i``)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    config = getattr(config, "text_config", None) or config
+    types = getattr(config, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or not any(str(t) in RECURRENT_LAYER_TYPES for t in types):
+        return None
+    return [i for i, t in enumerate(types) if str(t) in KV_LAYER_TYPES]
 
 
 def require_kv_layers(model: Any) -> None:
-    """Raise :class:`InputError` unless every layer of ``model`` keeps its state as a KV cache.
+    """Raise :class:`InputError` unless every layer of ``model`` keeps its state as a KV cache
+    or as a fixed-size recurrent state that transformers' cache holds per layer (linear
+    attention: Qwen3-Next, Qwen3.5; short convolutions: LFM2), which the harness keeps as it is
+    (:class:`HybridState`).
 
-    Hybrid models (Qwen3-Next and Qwen3.5's linear attention, LFM2's convolutions, Mamba and
-    Zamba layers) keep recurrent or convolution states beside their attention layers' KV, and
-    indexed (sparse) attention keeps an indexer's cache beside it: kvcodec does not capture,
-    evaluate or calibrate those yet, and says so before running the model (which would
-    otherwise fail deep inside transformers). Llama 4's chunked attention passes: its cache is
-    plain KV (calibration's attention estimate treats it as full attention, which can cost bits,
-    never quality: the closed loop scores the model's real KL)."""
+    Mamba and Zamba layers (a state beside attention in the same layer, or no ``layer_types``)
+    and indexed (sparse) attention, which keeps an indexer's cache beside its KV: kvcodec does
+    not capture, evaluate or calibrate those yet, and says so before running the model (which
+    would otherwise fail deep inside transformers). Llama 4's chunked attention passes: its
+    cache is plain KV (calibration's attention estimate treats it as full attention, which can
+    cost bits, never quality: the closed loop scores the model's real KL)."""
     config = getattr(model, "config", model)
     config = getattr(config, "text_config", None) or config
     kind = getattr(config, "model_type", "") or type(model).__name__
     types = getattr(config, "layer_types", None)
-    other = sorted({str(t) for t in types} - KV_LAYER_TYPES) if isinstance(types, (list, tuple)) else []
-    if not other and any(str(a).startswith(("mamba_", "ssm_", "conv_L")) for a in vars(config)):
+    known = KV_LAYER_TYPES | RECURRENT_LAYER_TYPES
+    other = sorted({str(t) for t in types} - known) if isinstance(types, (list, tuple)) else []
+    if not isinstance(types, (list, tuple)) and any(str(a).startswith(("mamba_", "ssm_", "conv_L"))
+                                                    for a in vars(config)):
         other = ["recurrent (Mamba/SSM or convolution) state"]
     if other:
         raise InputError(
             f"{kind}: layers of type {', '.join(other)}; kvcodec captures, evaluates and calibrates models whose "
-            f"every layer is attention with a KV cache (hybrid and sparse-attention models are not "
-            f"supported yet)")
+            f"layers are attention with a KV cache, linear attention or short convolutions (Mamba-style "
+            f"hybrids and sparse attention are not supported yet)")
 
 
 def layer_infos(config: Any, num_layers: int) -> list[LayerInfo]:
@@ -438,5 +539,6 @@ def load(path: str | os.PathLike[str], *, model: Any = None, input_ids: Any = No
     return dc
 
 
-__all__ = ["cache_keyword", "cache_kwargs", "from_dynamic_cache", "last_logits_kwargs", "layer_infos", "load", "output_cache", "save",
+__all__ = ["HybridState", "KV_LAYER_TYPES", "RECURRENT_LAYER_TYPES", "kv_layer_map", "require_kv_layers",
+           "cache_keyword", "cache_kwargs", "from_dynamic_cache", "last_logits_kwargs", "layer_infos", "load", "output_cache", "save",
            "to_dynamic_cache", "to_kvcaches"]
