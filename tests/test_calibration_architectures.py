@@ -9,7 +9,9 @@ head_dim 256, MQA, a different RoPE base on local and global layers), Mistral an
 OLMo 3 (sliding and full layers), Granite (attention scaled by a multiplier), GPT-J (interleaved
 partial rotary from a sine table, no ``inv_freq`` buffer), GLM-4 (interleaved partial rotary),
 Falcon (parallel attention), StableLM (per-head QK layer norm, a quarter rotated) and OPT
-(learned positions).
+(learned positions); and hybrids whose other layers keep a fixed-size state (kept as it is):
+Qwen3.5 (linear attention, a quarter rotated), LFM2 (short convolutions), Granite 4.0-H and
+Jamba (Mamba layers) and Nemotron-H (Mamba and MLP-only layers).
 
 What each test holds the library to:
 
@@ -130,6 +132,18 @@ FAMILIES = {
     "lfm2": (lambda: transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
         **{**_COMMON, "num_hidden_layers": 4}, layer_types=["conv", "full_attention", "conv", "full_attention"])),
         _spec(theta=(1000000.0,))),
+    # Mamba layers (transformers' cache: linear_attention) beside attention; Nemotron-H also MLP-only layers
+    "granitemoehybrid": (lambda: transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(
+        **{**_COMMON, "num_hidden_layers": 4}, layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, num_local_experts=2,
+        num_experts_per_tok=1, position_embedding_type="rope")), _spec()),
+    "jamba": (lambda: transformers.JambaForCausalLM(transformers.JambaConfig(
+        **{**_COMMON, "num_hidden_layers": 4}, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8,
+        mamba_d_conv=4, mamba_expand=2, num_experts=2, num_experts_per_tok=1, expert_layer_period=2,
+        expert_layer_offset=1, use_mamba_kernels=False)), _spec(rot=None)),
+    "nemotron_h": (lambda: transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
+        **{**_COMMON, "num_hidden_layers": 4}, hybrid_override_pattern="M*-*", mamba_num_heads=4, mamba_head_dim=16,
+        ssm_state_size=16, n_groups=1)), _spec(rot=None)),
     # MLA: q = [q_nope (16), q_pe (8)], the rotary part last (de-interleaved: rotate-half there)
     "deepseek_v3": (lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
         **{**_COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
@@ -573,6 +587,25 @@ def test_exact_fisher_of_a_hybrid_equals_enumeration(name):
             torch.testing.assert_close(e[r], a[r] / cont.numel(), rtol=1e-4, atol=1e-12)
 
 
+def test_a_model_with_one_attention_layer_calibrates_without_predictors():
+    """Nemotron-H with one attention layer among Mamba and MLP layers: a one-layer cache, so no
+    cross-layer predictors (there is no layer before to predict from), every level still met."""
+    from kvcodec.harness import profile as hp
+
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
+        **{**_COMMON, "num_hidden_layers": 4}, hybrid_override_pattern="M*M-", mamba_num_heads=4,
+        mamba_head_dim=16, ssm_state_size=16, n_groups=1)).eval()
+    model.config._attn_implementation = "eager"
+    tok, texts = _word_tokenizer()
+    msgs: list[str] = []
+    st = hp.build_profile(model, tok, texts, context=64, continuation=16, samples=16, sensitivity_samples=1,
+                          levels={"a": 0.01}, max_windows=2, max_held=1, progress=msgs.append)
+    assert st.num_layers == 1 and st.profile["settings"]["xpred"] == 0 and st.profile["xpred"] == {"off": "one cache layer"}
+    assert "cross-layer predictors: off (the cache has one layer)" in msgs
+    assert [lv["name"] for lv in st.profile["levels"]] == ["a"]
+
+
 def test_unsupported_hybrids_are_refused_with_a_clear_error_before_they_run(monkeypatch):
     from kvcodec.errors import InputError
     from kvcodec.harness.capture import capture
@@ -582,12 +615,12 @@ def test_unsupported_hybrids_are_refused_with_a_clear_error_before_they_run(monk
     model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**{**_COMMON, "num_hidden_layers": 2})).eval()
     calls = []
     monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
-    with pytest.raises(InputError, match=r"falcon_h1: layers of type hybrid; .*Mamba-style hybrids"):
+    with pytest.raises(InputError, match=r"falcon_h1: layers of type hybrid; .*attention and Mamba in one layer"):
         capture(model, None, token_ids=_ids(24, 5))
     assert calls == []  # refused before the model ran
-    with pytest.raises(InputError, match="Mamba-style"):
+    with pytest.raises(InputError, match="Mamba in one layer"):
         require_kv_layers(transformers.Zamba2Config())
-    for name in ("llama", "gemma3", "exaone4", "deepseek_v3", "qwen3_5", "lfm2"):  # these pass
+    for name in ("llama", "gemma3", "exaone4", "deepseek_v3", "qwen3_5", "lfm2", "jamba", "nemotron_h"):  # pass
         require_kv_layers(_model(name))
 
 

@@ -229,9 +229,11 @@ def output_cache(outputs: Any) -> Any:
 
 #: Layer types (transformers' ``layer_types``) whose only state is a KV cache growing with the tokens.
 KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
-#: Layer types whose state is fixed-size (linear attention, short convolutions): a hybrid model's
-#: recurrent layers, kept as they are beside the KV that kvcodec codes (:class:`HybridState`).
-RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv"})
+#: Layer types whose state is fixed-size (linear attention, Mamba and short convolutions, which
+#: transformers' cache holds as ``linear_attention`` and ``conv`` layers) or none (MLP-only
+#: layers): a hybrid model's other layers, kept as they are beside the KV that kvcodec codes
+#: (:class:`HybridState`).
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv", "mlp", "moe"})
 
 
 def kv_layer_map(model_or_config: Any) -> list[int] | None:
@@ -247,15 +249,16 @@ def kv_layer_map(model_or_config: Any) -> list[int] | None:
 
 
 def require_kv_layers(model: Any) -> None:
-    """Raise :class:`InputError` unless every layer of ``model`` keeps its state as a KV cache
-    or as a fixed-size recurrent state that transformers' cache holds per layer (linear
-    attention: Qwen3-Next, Qwen3.5; short convolutions: LFM2), which the harness keeps as it is
-    (:class:`HybridState`).
+    """Raise :class:`InputError` unless every layer of ``model`` keeps its state as a KV cache,
+    as a fixed-size recurrent state that transformers' cache holds per layer (linear attention:
+    Qwen3-Next, Qwen3.5; Mamba: Jamba, Granite 4.0-H, Bamba, Nemotron-H; short convolutions:
+    LFM2), which the harness keeps as it is (:class:`HybridState`), or none (MLP-only layers).
 
-    Mamba and Zamba layers (a state beside attention in the same layer, or no ``layer_types``)
-    and indexed (sparse) attention, which keeps an indexer's cache beside its KV: kvcodec does
-    not capture, evaluate or calibrate those yet, and says so before running the model (which
-    would otherwise fail deep inside transformers). Llama 4's chunked attention passes: its
+    Layers with Mamba and attention side by side (Falcon-H1, Zamba: transformers' ``hybrid``
+    type), configs without ``layer_types`` that hold Mamba state, and indexed (sparse)
+    attention, which keeps an indexer's cache beside its KV: kvcodec does not capture, evaluate
+    or calibrate those yet, and says so before running the model (which would otherwise fail
+    deep inside transformers). Llama 4's chunked attention passes: its
     cache is plain KV (calibration's attention estimate treats it as full attention, which can
     cost bits, never quality: the closed loop scores the model's real KL)."""
     config = getattr(model, "config", model)
@@ -270,8 +273,8 @@ def require_kv_layers(model: Any) -> None:
     if other:
         raise InputError(
             f"{kind}: layers of type {', '.join(other)}; kvcodec captures, evaluates and calibrates models whose "
-            f"layers are attention with a KV cache, linear attention or short convolutions (Mamba-style "
-            f"hybrids and sparse attention are not supported yet)")
+            f"layers are attention with a KV cache, or linear attention, Mamba or convolution layers beside them "
+            f"(attention and Mamba in one layer, and sparse attention, are not supported yet)")
 
 
 def layer_infos(config: Any, num_layers: int) -> list[LayerInfo]:
