@@ -11,7 +11,8 @@ partial rotary from a sine table, no ``inv_freq`` buffer), GLM-4 (interleaved pa
 Falcon (parallel attention), StableLM (per-head QK layer norm, a quarter rotated) and OPT
 (learned positions); and hybrids whose other layers keep a fixed-size state (kept as it is):
 Qwen3.5 (linear attention, a quarter rotated), LFM2 (short convolutions), Granite 4.0-H and
-Jamba (Mamba layers) and Nemotron-H (Mamba and MLP-only layers).
+Jamba (Mamba layers), Nemotron-H (Mamba and MLP-only layers) and Falcon-H1 (attention and Mamba
+side by side in every layer).
 
 What each test holds the library to:
 
@@ -144,6 +145,10 @@ FAMILIES = {
     "nemotron_h": (lambda: transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
         **{**_COMMON, "num_hidden_layers": 4}, hybrid_override_pattern="M*-*", mamba_num_heads=4, mamba_head_dim=16,
         ssm_state_size=16, n_groups=1)), _spec(rot=None)),
+    # attention and Mamba side by side in every layer (one transformers cache layer holds both)
+    "falcon_h1": (lambda: transformers.FalconH1ForCausalLM(transformers.FalconH1Config(
+        **{**_COMMON, "num_hidden_layers": 2}, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+        mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4)), _spec()),
     # MLA: q = [q_nope (16), q_pe (8)], the rotary part last (de-interleaved: rotate-half there)
     "deepseek_v3": (lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
         **{**_COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
@@ -606,22 +611,27 @@ def test_a_model_with_one_attention_layer_calibrates_without_predictors():
     assert [lv["name"] for lv in st.profile["levels"]] == ["a"]
 
 
-def test_unsupported_hybrids_are_refused_with_a_clear_error_before_they_run(monkeypatch):
+def test_unsupported_layer_kinds_are_refused_with_a_clear_error_before_they_run(monkeypatch):
+    """Sparse indexed attention (an indexer's cache beside the KV) and Mamba state that a config
+    declares without transformers' layer_types: refused before the model runs."""
+    from types import SimpleNamespace
+
     from kvcodec.errors import InputError
     from kvcodec.harness.capture import capture
     from kvcodec.integrations.transformers import require_kv_layers
 
-    torch.manual_seed(0)
-    model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**{**_COMMON, "num_hidden_layers": 2})).eval()
+    model = _model("llama")
     calls = []
+    monkeypatch.setattr(model.config, "layer_types", ["indexed_attention", "full_attention"], raising=False)
     monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
-    with pytest.raises(InputError, match=r"falcon_h1: layers of type hybrid; .*attention and Mamba in one layer"):
+    with pytest.raises(InputError, match=r"llama: layers of type indexed_attention; .*sparse attention"):
         capture(model, None, token_ids=_ids(24, 5))
     assert calls == []  # refused before the model ran
-    with pytest.raises(InputError, match="Mamba in one layer"):
-        require_kv_layers(transformers.Zamba2Config())
-    for name in ("llama", "gemma3", "exaone4", "deepseek_v3", "qwen3_5", "lfm2", "jamba", "nemotron_h"):  # pass
-        require_kv_layers(_model(name))
+    monkeypatch.undo()
+    with pytest.raises(InputError, match="recurrent .Mamba/SSM or convolution. state"):
+        require_kv_layers(SimpleNamespace(model_type="x", mamba_d_state=16, num_hidden_layers=2))
+    for name in ("llama", "gemma3", "exaone4", "deepseek_v3", "qwen3_5", "lfm2", "jamba", "nemotron_h", "falcon_h1"):
+        require_kv_layers(_model(name))  # these pass
 
 
 def test_a_hybrid_models_own_cache_is_refused_by_save(tmp_path):

@@ -55,12 +55,13 @@ is tested against the model's own eager attention in ``tests/test_calibration_ar
   attention transformers' attention interface does not run (GPT-Neo, BLOOM's ALiBi) record no
   queries: calibration stops with an error saying so.
 * Hybrid models (Qwen3.5 and Qwen3-Next's linear attention, LFM2's convolutions, Mamba layers
-  in Granite 4.0-H, Jamba and Nemotron-H, MLP-only layers): the cache's
+  in Granite 4.0-H, Jamba, Nemotron-H and beside attention in Falcon-H1, MLP-only layers): the cache's
   layers are the attention layers (:func:`~kvcodec.integrations.transformers.kv_layer_map`;
   queries, rotations and sensitivities are indexed by them), and the recurrent layers' states
   after the prefill are kept as they are (``HybridState``), so the model runs on a decoded
-  cache as it ran on its own. Attention and Mamba in one layer (Falcon-H1, Zamba) are refused
-  before they run (:func:`~kvcodec.integrations.transformers.require_kv_layers`).
+  cache as it ran on its own. Sparse indexed attention is refused before the model runs
+  (:func:`~kvcodec.integrations.transformers.require_kv_layers`); Zamba's shared attention
+  records no queries (an error).
 
 File metadata (``__metadata__``): ``format = "kvcodec.qstats/4"`` (``/1``-``/3`` still read),
 ``num_layers``, ``q_position``, ``rope_theta`` (the default RoPE base when the model has one, else

@@ -151,17 +151,22 @@ def capture_with_state(
         # every token instead of the last `window` ones.
         dc = transformers.DynamicCache()
     else:  # the model's own layers for its recurrent ones; full layers for the attention ones
-        from transformers.cache_utils import DynamicLayer
+        from transformers.cache_utils import DynamicLayer, LinearAttentionAndFullAttentionLayer
 
         dc = transformers.DynamicCache(config=model.config)
         for i in kv_map:
-            dc.layers[i] = DynamicLayer()
+            layer = dc.layers[i]
+            if not hasattr(layer, "update_recurrent_state"):
+                dc.layers[i] = DynamicLayer()
+            elif getattr(layer, "is_sliding", False):  # attention and a state in one layer: keep every token
+                dc.layers[i] = LinearAttentionAndFullAttentionLayer(number_of_states=layer.number_of_states)
     out = model(token_ids[None].to(device), use_cache=True, **cache_kwargs(model, dc), **last_logits_kwargs(model))
     dc = output_cache(out)
     state = None
     if kv_map is not None:
         layers = list(dc.layers)
-        state = HybridState(model.config, kv_map, {i: layer for i, layer in enumerate(layers) if i not in kv_map})
+        state = HybridState(model.config, kv_map, {i: layer for i, layer in enumerate(layers)
+                                                   if i not in kv_map or hasattr(layer, "update_recurrent_state")})
         dc = [(layers[i].keys, layers[i].values) for i in kv_map]
     applied, rope = rope_info(model.config)
     kv = from_dynamic_cache(

@@ -145,11 +145,12 @@ def _store_by_assignment(layer: Any) -> None:
 
 
 class HybridState:
-    """What a hybrid model (linear-attention or convolution layers beside attention layers:
-    Qwen3-Next, Qwen3.5, LFM2) keeps besides its KV cache, after a prefill: each recurrent
-    layer's transformers cache layer (conv and recurrent states, fixed-size, not compressed),
-    and which model layers hold the KV that a :class:`KVCache` of it lists (``kv_layers``, in
-    order). :func:`to_dynamic_cache` rebuilds the model's cache from the two, so a harness can
+    """What a hybrid model (linear-attention, Mamba or convolution layers beside attention
+    layers: Qwen3-Next, Qwen3.5, LFM2, Granite 4.0-H, Falcon-H1) keeps besides its KV cache,
+    after a prefill: each such layer's transformers cache layer (conv and recurrent states,
+    fixed-size, not compressed; a layer with attention beside its state, as Falcon-H1's, is kept
+    without its KV), and which model layers hold the KV that a :class:`KVCache` of it lists
+    (``kv_layers``, in order). :func:`to_dynamic_cache` rebuilds the model's cache from the two, so a harness can
     run the model on a decoded cache; each call gets fresh copies of the states (the model
     updates them in place)."""
 
@@ -169,6 +170,9 @@ class HybridState:
         out = {}
         for i, layer in self.recurrent.items():
             c = copy.deepcopy(layer)
+            if i in self.kv_layers:  # attention and a state in one layer: the KV comes from the cache
+                c.keys = c.values = None
+                c.is_initialized = False
             if grad:
                 _store_by_assignment(c)
             if batch > 1:
@@ -188,10 +192,10 @@ class HybridState:
         from transformers.cache_utils import DynamicLayer
 
         dc = tf.DynamicCache(config=self.config)
-        for i, layer in self.copies(batch, grad).items():
-            dc.layers[i] = layer
         for i in self.kv_layers:
             dc.layers[i] = DynamicLayer()
+        for i, layer in self.copies(batch, grad).items():
+            dc.layers[i] = layer
         return dc
 
 
@@ -234,6 +238,9 @@ KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_atte
 #: layers): a hybrid model's other layers, kept as they are beside the KV that kvcodec codes
 #: (:class:`HybridState`).
 RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv", "mlp", "moe"})
+#: Layer types with attention and a Mamba state side by side (Falcon-H1, Zamba): a KV cache
+#: kvcodec codes, and a state kept as it is, in one transformers cache layer.
+BOTH_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
 
 
 def kv_layer_map(model_or_config: Any) -> list[int] | None:
@@ -243,9 +250,9 @@ def kv_layer_map(model_or_config: Any) -> list[int] | None:
     config = getattr(model_or_config, "config", model_or_config)
     config = getattr(config, "text_config", None) or config
     types = getattr(config, "layer_types", None)
-    if not isinstance(types, (list, tuple)) or not any(str(t) in RECURRENT_LAYER_TYPES for t in types):
+    if not isinstance(types, (list, tuple)) or all(str(t) in KV_LAYER_TYPES for t in types):
         return None
-    return [i for i, t in enumerate(types) if str(t) in KV_LAYER_TYPES]
+    return [i for i, t in enumerate(types) if str(t) in KV_LAYER_TYPES | BOTH_LAYER_TYPES]
 
 
 def require_kv_layers(model: Any) -> None:
@@ -254,18 +261,18 @@ def require_kv_layers(model: Any) -> None:
     Qwen3-Next, Qwen3.5; Mamba: Jamba, Granite 4.0-H, Bamba, Nemotron-H; short convolutions:
     LFM2), which the harness keeps as it is (:class:`HybridState`), or none (MLP-only layers).
 
-    Layers with Mamba and attention side by side (Falcon-H1, Zamba: transformers' ``hybrid``
-    type), configs without ``layer_types`` that hold Mamba state, and indexed (sparse)
-    attention, which keeps an indexer's cache beside its KV: kvcodec does not capture, evaluate
-    or calibrate those yet, and says so before running the model (which would otherwise fail
-    deep inside transformers). Llama 4's chunked attention passes: its
+    Layers with attention and Mamba side by side (Falcon-H1, Zamba: transformers' ``hybrid``
+    type) pass too: their KV is coded, their state kept. Configs without ``layer_types`` that
+    hold Mamba state, and indexed (sparse) attention, which keeps an indexer's cache beside its
+    KV: kvcodec does not capture, evaluate or calibrate those yet, and says so before running
+    the model (which would otherwise fail deep inside transformers). Llama 4's chunked attention passes: its
     cache is plain KV (calibration's attention estimate treats it as full attention, which can
     cost bits, never quality: the closed loop scores the model's real KL)."""
     config = getattr(model, "config", model)
     config = getattr(config, "text_config", None) or config
     kind = getattr(config, "model_type", "") or type(model).__name__
     types = getattr(config, "layer_types", None)
-    known = KV_LAYER_TYPES | RECURRENT_LAYER_TYPES
+    known = KV_LAYER_TYPES | RECURRENT_LAYER_TYPES | BOTH_LAYER_TYPES
     other = sorted({str(t) for t in types} - known) if isinstance(types, (list, tuple)) else []
     if not isinstance(types, (list, tuple)) and any(str(a).startswith(("mamba_", "ssm_", "conv_L"))
                                                     for a in vars(config)):
@@ -274,7 +281,7 @@ def require_kv_layers(model: Any) -> None:
         raise InputError(
             f"{kind}: layers of type {', '.join(other)}; kvcodec captures, evaluates and calibrates models whose "
             f"layers are attention with a KV cache, or linear attention, Mamba or convolution layers beside them "
-            f"(attention and Mamba in one layer, and sparse attention, are not supported yet)")
+            f"(sparse attention, and Mamba state without transformers' layer_types, are not supported yet)")
 
 
 def layer_infos(config: Any, num_layers: int) -> list[LayerInfo]:
@@ -542,6 +549,6 @@ def load(path: str | os.PathLike[str], *, model: Any = None, input_ids: Any = No
     return dc
 
 
-__all__ = ["HybridState", "KV_LAYER_TYPES", "RECURRENT_LAYER_TYPES", "kv_layer_map", "require_kv_layers",
+__all__ = ["BOTH_LAYER_TYPES", "HybridState", "KV_LAYER_TYPES", "RECURRENT_LAYER_TYPES", "kv_layer_map", "require_kv_layers",
            "cache_keyword", "cache_kwargs", "from_dynamic_cache", "last_logits_kwargs", "layer_infos", "load", "output_cache", "save",
            "to_dynamic_cache", "to_kvcaches"]
