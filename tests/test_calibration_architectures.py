@@ -320,21 +320,50 @@ def test_estimate_is_none_for_mla_latents_and_unknown_rotations():
 
 
 # ------------------------------------------------------------------------------- 3. sensitivity
+def _hand_cache(model, own, leaves):
+    """A transformers cache built by hand around ``leaves`` (per attention layer K and V
+    ``[T, H, D]``): plain layers for an attention-only model; for a hybrid, the model's own
+    cache ``own`` of the prefill with the leaves in place of its KV, every other state copied
+    (new states stored as new tensors, not written over those autograd keeps)."""
+    import copy
+
+    from transformers.cache_utils import DynamicLayer
+
+    if own is None:
+        dc, at = transformers.DynamicCache(), list(range(len(leaves)))
+    else:
+        dc = transformers.DynamicCache(config=model.config)
+        at = [i for i, layer in enumerate(own.layers) if getattr(layer, "keys", None) is not None]
+        for i, layer in enumerate(own.layers):
+            if not hasattr(layer, "update_recurrent_state"):
+                dc.layers[i] = DynamicLayer()
+                continue
+            c = copy.deepcopy(layer)
+            c.keys = c.values = None
+            c.is_initialized = False
+            c.activate_past_recording(0)
+            c.update_recurrent_state = lambda s, state_idx=0, _c=c, **k: _c.recurrent_states.__setitem__(
+                state_idx, s if isinstance(s, torch.Tensor) else s[-1]) or _c.recurrent_states[state_idx]
+            dc.layers[i] = c
+    for lv, i in zip(leaves, at):
+        dc.update(lv["k"].transpose(0, 1)[None], lv["v"].transpose(0, 1)[None], i)
+    return dc
+
+
 def _brute_fisher(model, ids, cont):
     """Every (scored position, token y): p(y) * grad(log p(y))**2, one backward each, with a
-    DynamicCache built by hand; p from one forward over ids + cont without any cache."""
-    from kvcodec.integrations.transformers import cache_kwargs
+    cache built by hand (:func:`_hand_cache`); p from one forward over ids + cont without any cache."""
+    from kvcodec.integrations.transformers import cache_kwargs, kv_layer_map
 
     cache = _full_cache_k(model, ids)
     with torch.no_grad():
         full = torch.log_softmax(model(torch.cat([ids, cont])[None], use_cache=False).logits[0].float(), -1)
+        own = model(ids[None], use_cache=True).past_key_values if kv_layer_map(model) is not None else None
     acc = [{r: torch.zeros(layer[r].shape, dtype=torch.float64) for r in ("k", "v")} for layer in cache.layers]
     for pos in range(cont.numel()):
         for y in range(V):
             leaves = [{r: layer[r].clone().requires_grad_(True) for r in ("k", "v")} for layer in cache.layers]
-            dc = transformers.DynamicCache()
-            for i, lv in enumerate(leaves):
-                dc.update(lv["k"].transpose(0, 1)[None], lv["v"].transpose(0, 1)[None], i)
+            dc = _hand_cache(model, own, leaves)
             logp = torch.log_softmax(model(cont[None], use_cache=True, **cache_kwargs(model, dc)).logits[0].float(), -1)
             # the injected cache continues exactly like the uncached pass
             torch.testing.assert_close(logp, full[ids.numel():], atol=2e-5, rtol=0)
@@ -546,50 +575,16 @@ def test_a_hybrid_models_cache_is_its_attention_layers_and_continues_exactly():
         assert r["error"] is None and 0 < r["next_token"]["kl_mean"] < 0.05
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "falcon_h1"])
 def test_exact_fisher_of_a_hybrid_equals_enumeration(name):
     """The brute force builds the hybrid's cache by hand: the model's own recurrent layers after
     the prefill, and the attention layers' K and V as the leaves."""
-    import copy
-
-    from kvcodec.integrations.transformers import cache_kwargs
-    from transformers.cache_utils import DynamicLayer
-
     model = _model(name)
     ids, cont = _ids(12, 4), _ids(2, 5)
     _, exact = fisher_diagonal(model, ids, cont, exact=True)
-    with torch.no_grad():
-        own = model(ids[None], use_cache=True).past_key_values
-        full = torch.log_softmax(model(torch.cat([ids, cont])[None], use_cache=False).logits[0].float(), -1)
-    att = [i for i, layer in enumerate(own.layers) if hasattr(layer, "keys")]
-    acc = [{r: torch.zeros(12, 2, 16, dtype=torch.float64) for r in ("k", "v")} for _ in att]
-    for pos in range(cont.numel()):
-        for y in range(V):
-            leaves = [{"k": own.layers[i].keys[0].transpose(0, 1).clone().requires_grad_(True),
-                       "v": own.layers[i].values[0].transpose(0, 1).clone().requires_grad_(True)} for i in att]
-            dc = transformers.DynamicCache(config=model.config)
-            for i, layer in enumerate(own.layers):
-                if i not in att:
-                    c = copy.deepcopy(layer)
-                    # new states stored as new tensors, not written over those autograd keeps
-                    c.activate_past_recording(0)
-                    c.update_recurrent_state = lambda s, state_idx=0, _c=c, **k: _c.recurrent_states.__setitem__(
-                        state_idx, s if isinstance(s, torch.Tensor) else s[-1]) or _c.recurrent_states[state_idx]
-                    dc.layers[i] = c
-                else:
-                    dc.layers[i] = DynamicLayer()
-            for j, i in enumerate(att):
-                dc.update(leaves[j]["k"].transpose(0, 1)[None], leaves[j]["v"].transpose(0, 1)[None], i)
-            logp = torch.log_softmax(model(cont[None], use_cache=True, **cache_kwargs(model, dc)).logits[0].float(), -1)
-            torch.testing.assert_close(logp, full[ids.numel():], atol=2e-5, rtol=0)
-            logp[pos, y].backward()
-            w = float(full[ids.numel() + pos, y].exp())
-            for a, lv in zip(acc, leaves):
-                for r in ("k", "v"):
-                    a[r] += w * lv[r].grad.double().pow(2)
-    for e, a in zip(exact, acc):
+    for e, b in zip(exact, _brute_fisher(model, ids, cont)):
         for r in ("k", "v"):
-            torch.testing.assert_close(e[r], a[r] / cont.numel(), rtol=1e-4, atol=1e-12)
+            torch.testing.assert_close(e[r], b[r], rtol=1e-4, atol=1e-12)
 
 
 def test_a_model_with_one_attention_layer_calibrates_without_predictors():
