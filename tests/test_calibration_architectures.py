@@ -12,7 +12,7 @@ Falcon (parallel attention), StableLM (per-head QK layer norm, a quarter rotated
 (learned positions); and hybrids whose other layers keep a fixed-size state (kept as it is):
 Qwen3.5 (linear attention, a quarter rotated), LFM2 (short convolutions), Granite 4.0-H and
 Jamba (Mamba layers), Nemotron-H (Mamba and MLP-only layers) and Falcon-H1 (attention and Mamba
-side by side in every layer).
+side by side in every layer); Gemma 3n (its last layers read the KV of earlier ones).
 
 What each test holds the library to:
 
@@ -149,6 +149,12 @@ FAMILIES = {
     "falcon_h1": (lambda: transformers.FalconH1ForCausalLM(transformers.FalconH1Config(
         **{**_COMMON, "num_hidden_layers": 2}, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
         mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4)), _spec()),
+    # the last layers read the KV of earlier ones (KV sharing): the cache is the owners' layers
+    "gemma3n": (lambda: transformers.Gemma3nForCausalLM(transformers.Gemma3nTextConfig(
+        **{**_COMMON, "num_hidden_layers": 4}, head_dim=16, num_kv_shared_layers=2, sliding_window=W,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        vocab_size_per_layer_input=V, hidden_size_per_layer_input=16, laurel_rank=8, altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0] * 4)), _spec(theta=(10000.0, 1000000.0), window=(0,))),
     # MLA: q = [q_nope (16), q_pe (8)], the rotary part last (de-interleaved: rotate-half there)
     "deepseek_v3": (lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
         **{**_COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,

@@ -192,7 +192,10 @@ def _unzstd(frame: bytes, nbytes: int, where: str) -> bytes:
         raise FormatError(f"{where}: not a zstd frame ({e})") from None
     if declared != nbytes:
         raise FormatError(f"{where}: zstd frame declares {declared} bytes, the directory {nbytes}")
-    d = zstandard.ZstdDecompressor().decompressobj()
+    dec = _local.__dict__.get("unzstd")
+    if dec is None:  # one decompressor per thread: making one costs more than a small frame
+        dec = _local.unzstd = zstandard.ZstdDecompressor()
+    d = dec.decompressobj()
     try:
         raw = d.decompress(frame)
     except zstandard.ZstdError as e:

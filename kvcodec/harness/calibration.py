@@ -59,7 +59,9 @@ is tested against the model's own eager attention in ``tests/test_calibration_ar
   layers are the attention layers (:func:`~kvcodec.integrations.transformers.kv_layer_map`;
   queries, rotations and sensitivities are indexed by them), and the recurrent layers' states
   after the prefill are kept as they are (``HybridState``), so the model runs on a decoded
-  cache as it ran on its own. Sparse indexed attention is refused before the model runs
+  cache as it ran on its own. Layers that read an earlier layer's KV (Gemma 3n's
+  ``num_kv_shared_layers``) hold none: the cache is the owners' layers, and their statistics
+  are the owners' queries. Sparse indexed attention is refused before the model runs
   (:func:`~kvcodec.integrations.transformers.require_kv_layers`); Zamba's shared attention
   records no queries (an error).
 

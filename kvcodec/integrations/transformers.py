@@ -244,15 +244,22 @@ BOTH_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
 
 
 def kv_layer_map(model_or_config: Any) -> list[int] | None:
-    """The model layers that hold a KV cache, in order, for a hybrid model (transformers'
-    ``layer_types`` naming recurrent layers too); None when every layer does (then the
-    :class:`KVCache` layer ``i`` is model layer ``i``)."""
+    """The model layers that hold a KV cache of their own, in order: for a hybrid model
+    (transformers' ``layer_types`` naming recurrent layers too), and for one whose last layers
+    read the KV of earlier ones (Gemma 3n's ``num_kv_shared_layers``: those hold none). None
+    when every layer holds its own (then the :class:`KVCache` layer ``i`` is model layer ``i``)."""
     config = getattr(model_or_config, "config", model_or_config)
     config = getattr(config, "text_config", None) or config
     types = getattr(config, "layer_types", None)
-    if not isinstance(types, (list, tuple)) or all(str(t) in KV_LAYER_TYPES for t in types):
+    shared = int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    if not isinstance(types, (list, tuple)):
+        if not shared:
+            return None
+        types = ["full_attention"] * int(config.num_hidden_layers)
+    if not shared and all(str(t) in KV_LAYER_TYPES for t in types):
         return None
-    return [i for i, t in enumerate(types) if str(t) in KV_LAYER_TYPES | BOTH_LAYER_TYPES]
+    own = len(types) - shared
+    return [i for i, t in enumerate(types) if str(t) in KV_LAYER_TYPES | BOTH_LAYER_TYPES and i < own]
 
 
 def require_kv_layers(model: Any) -> None:

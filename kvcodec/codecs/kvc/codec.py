@@ -871,7 +871,8 @@ class KVCCodec(Codec):
         v = self.parse_tensor(enc, ctx)
         out = torch.empty(ctx.shape, dtype=ctx.dtype)
         keep = torch.from_numpy(v.mask)
-        out[keep] = torch.from_numpy(v.prot.copy()).view(ctx.dtype)
+        if v.prot.shape[0]:  # (a masked write of nothing still costs a pass over the mask)
+            out[keep] = torch.from_numpy(v.prot.copy()).view(ctx.dtype)
         return v, out, keep
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
