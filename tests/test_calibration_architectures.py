@@ -646,3 +646,15 @@ def test_a_hybrid_models_own_cache_is_refused_by_save(tmp_path):
     with pytest.raises(InputError, match="cache layer 0 is a .*LinearAttention.*hybrid"):
         kt.save(out.past_key_values, tmp_path / "x.kvc", "fp8-e4m3")
     assert not (tmp_path / "x.kvc").exists()
+
+
+def test_a_shared_kv_models_own_cache_is_refused_by_save_with_the_reason(tmp_path):
+    import kvcodec.integrations.transformers as kt
+    from kvcodec.errors import InputError
+
+    model = _model("gemma3n")
+    with torch.no_grad():
+        out = model(_ids(12, 6)[None], use_cache=True)
+    with pytest.raises(InputError, match="cache layer 2 holds no KV of its own .*Gemma 3n"):
+        kt.save(out.past_key_values, tmp_path / "x.kvc", "fp8-e4m3")
+    assert not (tmp_path / "x.kvc").exists()

@@ -54,6 +54,9 @@ def _layer_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
             if "LinearAttention" in type(layer).__name__:  # transformers' layers of hybrid models
                 raise InputError(f"cache layer {i} is a {type(layer).__name__} (a hybrid model's recurrent or "
                                  f"convolution state): kvcodec codes caches whose every layer is attention")
+            if type(layer).__name__ == "DummyLayer":  # Gemma 3n's layers that read an earlier layer's KV
+                raise InputError(f"cache layer {i} holds no KV of its own (it reads an earlier layer's, as Gemma 3n's "
+                                 f"last layers do): kvcodec codes caches whose every layer holds its own KV")
             if k is None or v is None or (isinstance(k, torch.Tensor) and k.numel() == 0 and k.dim() < 4):
                 raise InputError(f"cache layer {i} is empty (was the model run with use_cache=True?)")
             out.append((k, v))
