@@ -151,11 +151,11 @@ class HybridState:
     """What a hybrid model (linear-attention, Mamba or convolution layers beside attention
     layers: Qwen3-Next, Qwen3.5, LFM2, Granite 4.0-H, Falcon-H1) keeps besides its KV cache,
     after a prefill: each such layer's transformers cache layer (conv and recurrent states,
-    fixed-size, not compressed; a layer with attention beside its state, as Falcon-H1's, is kept
-    without its KV), and which model layers hold the KV that a :class:`KVCache` of it lists
-    (``kv_layers``, in order). :func:`to_dynamic_cache` rebuilds the model's cache from the two, so a harness can
-    run the model on a decoded cache; each call gets fresh copies of the states (the model
-    updates them in place)."""
+    fixed-size, not compressed; a layer with attention beside its state, as Falcon-H1's, is
+    kept without its KV), and which model layers hold the KV that a :class:`KVCache` of it
+    lists (``kv_layers``, in order). :func:`to_dynamic_cache` rebuilds the model's cache from
+    the two, so a harness can run the model on a decoded cache; each call gets fresh copies of
+    the states (the model updates them in place)."""
 
     def __init__(self, config: Any, kv_layers: list[int], recurrent: dict[int, Any]) -> None:
         self.config = config
@@ -275,9 +275,9 @@ def require_kv_layers(model: Any) -> None:
     type) pass too: their KV is coded, their state kept. Configs without ``layer_types`` that
     hold Mamba state, and indexed (sparse) attention, which keeps an indexer's cache beside its
     KV: kvcodec does not capture, evaluate or calibrate those yet, and says so before running
-    the model (which would otherwise fail deep inside transformers). Llama 4's chunked attention passes: its
-    cache is plain KV (calibration's attention estimate treats it as full attention, which can
-    cost bits, never quality: the closed loop scores the model's real KL)."""
+    the model (which would otherwise fail deep inside transformers). Llama 4's chunked
+    attention passes: its cache is plain KV (calibration's attention estimate treats it as full
+    attention, which can cost bits, never quality: the closed loop scores the model's real KL)."""
     config = getattr(model, "config", model)
     config = getattr(config, "text_config", None) or config
     kind = getattr(config, "model_type", "") or type(model).__name__
