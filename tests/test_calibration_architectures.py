@@ -635,26 +635,18 @@ def test_unsupported_layer_kinds_are_refused_with_a_clear_error_before_they_run(
         require_kv_layers(_model(name))  # these pass
 
 
-def test_a_hybrid_models_own_cache_is_refused_by_save(tmp_path):
-    """A KVC file holds KV only: a hybrid's recurrent states would be lost, so save refuses."""
+@pytest.mark.parametrize("name, reason", [
+    ("lfm2", "cache layer 0 is a .*LinearAttention.*hybrid"),  # recurrent states would be lost
+    ("gemma3n", "cache layer 2 holds no KV of its own .*Gemma 3n"),  # a layer reading another's KV
+])
+def test_a_cache_that_is_not_all_kv_is_refused_by_save_with_the_reason(name, reason, tmp_path):
+    """A KVC file holds each layer's own KV only: save refuses the model's own cache and says why."""
     import kvcodec.integrations.transformers as kt
     from kvcodec.errors import InputError
 
-    model = _model("lfm2")
+    model = _model(name)
     with torch.no_grad():
         out = model(_ids(12, 6)[None], use_cache=True)
-    with pytest.raises(InputError, match="cache layer 0 is a .*LinearAttention.*hybrid"):
-        kt.save(out.past_key_values, tmp_path / "x.kvc", "fp8-e4m3")
-    assert not (tmp_path / "x.kvc").exists()
-
-
-def test_a_shared_kv_models_own_cache_is_refused_by_save_with_the_reason(tmp_path):
-    import kvcodec.integrations.transformers as kt
-    from kvcodec.errors import InputError
-
-    model = _model("gemma3n")
-    with torch.no_grad():
-        out = model(_ids(12, 6)[None], use_cache=True)
-    with pytest.raises(InputError, match="cache layer 2 holds no KV of its own .*Gemma 3n"):
+    with pytest.raises(InputError, match=reason):
         kt.save(out.past_key_values, tmp_path / "x.kvc", "fp8-e4m3")
     assert not (tmp_path / "x.kvc").exists()

@@ -188,7 +188,7 @@ def config_frequencies(config: Any, rope: dict[str, Any], head_dim: int) -> np.n
     (:func:`~kvcodec.integrations.transformers.rope_info`), else 10000. A candidate only:
     :func:`_fit_rotation` keeps it where it reproduces the model's own queries."""
     cfg = getattr(config, "text_config", None) or config
-    r = getattr(cfg, "rotary_dim", None) or rope.get("rotary_dim")
+    r = getattr(cfg, "rotary_dim", None)
     if not r:
         frac = getattr(cfg, "partial_rotary_factor", None) or getattr(cfg, "rotary_pct", None) or 1.0
         r = int(round(head_dim * float(frac)))
@@ -310,16 +310,14 @@ def query_statistics(
     cont_ids = ids[context:]
     ids = ids[:context]
     device = next(model.parameters()).device
-    from ..integrations.transformers import last_logits_kwargs
+    from ..integrations.transformers import kv_layer_map, last_logits_kwargs, require_kv_layers
 
+    require_kv_layers(model)  # before the model runs
     with record_queries(model) as store, torch.no_grad():
         model(ids[None].to(device), use_cache=False, **last_logits_kwargs(model))
     cfg = getattr(model.config, "text_config", None) or model.config
     applied, rope = rope_info(model.config)
     theta = float(rope.get("rope_theta", 0.0)) if applied and rope.get("rope_type", "default") == "default" else 0.0
-    from ..integrations.transformers import kv_layer_map, require_kv_layers
-
-    require_kv_layers(model)
     kv_map = kv_layer_map(model)  # a hybrid model: its attention layers, the cache's layers
     n_layers = int(getattr(cfg, "num_hidden_layers", len(store))) if kv_map is None else len(kv_map)
     hkv = int(getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads"))

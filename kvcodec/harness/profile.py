@@ -658,18 +658,18 @@ def build_profile(
 
         xpred_info: dict[str, Any] | None = None
         width = max(sum(int(t.shape[1] * t.shape[2]) for t in layer.values()) for layer in evs[0].reference.layers)
+        off = None  # (why, as said; why, as the profile records it): the levels are searched without them
         if xpred and len(evs[0].reference.layers) < 2:
             # one cache layer (a hybrid whose other layers keep no KV): nothing to predict from
-            say("cross-layer predictors: off (the cache has one layer)")
-            xpred_info = {"off": "one cache layer"}
-            xpred = False
-            settings["xpred"] = 0
+            off = ("the cache has one layer", "one cache layer")
         elif xpred and width * width > XPRED_MAX_WEIGHTS:
             # full-rank predictors grow as the square of the KV width: too slow to decode on a CPU
-            # (and too large a profile) past the bound; the levels are searched without them
-            say(f"cross-layer predictors: off ({width} K and V values a token and layer, "
-                f"{width * width} weights a layer > {XPRED_MAX_WEIGHTS})")
-            xpred_info = {"off": f"{width * width} weights a layer > XPRED_MAX_WEIGHTS {XPRED_MAX_WEIGHTS}"}
+            # (and too large a profile) past the bound
+            off = (f"{width} K and V values a token and layer, {width * width} weights a layer > {XPRED_MAX_WEIGHTS}",
+                   f"{width * width} weights a layer > XPRED_MAX_WEIGHTS {XPRED_MAX_WEIGHTS}")
+        if off is not None:
+            say(f"cross-layer predictors: off ({off[0]})")
+            xpred_info = {"off": off[1]}
             xpred = False
             settings["xpred"] = 0
         if xpred:
