@@ -103,6 +103,56 @@ def test_affine_native_equals_reference_bit_for_bit():
     assert 4 in ran
 
 
+def _short(a, bits, rng):
+    """``a`` (float32) with its mantissa cut to ``bits`` significant bits (random rounding)."""
+    u = a.astype(np.float32).view(np.uint32)
+    drop = 24 - bits
+    u = (u >> np.uint32(drop)) << np.uint32(drop)
+    return u.view(np.float32)
+
+
+def test_affine_fuses_only_exact_products_and_keeps_the_bits():
+    """Where every product is exact (float16-like operands: at most 11 significant bits, in
+    [2^-62, 2^63)) the AVX-512 kernel fuses the multiply-adds; the sums are the same bits as the
+    reference's separately rounded ones. Operands just past those limits (12 bits, or outside the
+    range) must not be fused: a fused multiply-add of an inexact product would round differently
+    somewhere in these sums."""
+    from kvcodec.native.xpred import affine as native_affine
+
+    rng = np.random.default_rng(3)
+    t, n_in, n_out = 70, 96, 80
+
+    def check(x, w, b):
+        ref = xpred.affine_reference(x, w, b)
+        for lanes in (4, 8, 16):
+            try:
+                got = native_affine(x, w, b, lanes)
+            except native.Unsupported:
+                continue
+            assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), lanes
+
+    b = rng.normal(size=n_out).astype(np.float32)
+    spread = lambda shape, lo, hi: rng.normal(size=shape) * np.exp2(rng.uniform(lo, hi, shape))  # noqa: E731
+    # float16 values (subnormals, zeros of both signs and the extremes among them)
+    x16 = np.clip(spread((t, n_in), -20, 15), -65504, 65504).astype(np.float16)
+    x16.flat[:6] = [0.0, -0.0, 6e-8, -6e-8, 65504.0, -65504.0]
+    w16 = spread((n_in, n_out), -12, 4).astype(np.float16)
+    check(x16.astype(np.float32), w16.astype(np.float32), b)
+    # 11 significant bits at the edges of the range: products from 2^-124 to just below 2^126
+    edge = np.exp2(np.where(rng.random((t, n_in)) < 0.5, -62.0, 62.0)) * (1 + rng.integers(0, 1024, (t, n_in)) / 1024)
+    wedge = np.exp2(np.where(rng.random((n_in, n_out)) < 0.5, -62.0, 0.0)) * (1 + rng.integers(0, 1024, (n_in, n_out)) / 1024)
+    check(edge.astype(np.float32) * rng.choice([-1, 1], (t, n_in)), wedge.astype(np.float32), b)
+    top = np.float32(2.0 ** 63 - 2.0 ** 52)  # the largest value with 11 bits below 2^63: a product below 2^126
+    check(np.full((5, 1), top, np.float32), np.full((1, 64), -top, np.float32), np.zeros(64, np.float32))
+    # 12 and 13 significant bits: inexact products, never fused
+    for bits in (12, 13):
+        check(_short(spread((t, n_in), -8, 8), bits, rng), _short(spread((n_in, n_out), -6, 6), bits, rng), b)
+    # bfloat16-like values below the range: products that underflow (inexact), summed with a tiny bias
+    for lo in (-75, -66):
+        check(_short(spread((t, n_in), lo, -62), 11, rng), _short(spread((n_in, n_out), lo, -62), 11, rng),
+              (rng.normal(size=n_out) * 2.0 ** -126).astype(np.float32))
+
+
 @pytest.mark.skipif(native.build._compiler() is None, reason="no C compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_native_layer_pass_equals_the_reference(tmp_path, dtype):

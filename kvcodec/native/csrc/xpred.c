@@ -8,8 +8,21 @@
  * two or four vectors of outputs, the accumulators in registers while the inputs run; the operations
  * on each output element keep their order. Vectors are GCC / Clang vector extensions
  * (elementwise IEEE operations on any target): 4 lanes everywhere, 8 lanes where the CPU has
- * AVX2 (x86, chosen at run time; AVX2 has no fused multiply-add, and none is generated). */
+ * AVX2 (x86, chosen at run time; no multiply-add is fused there), 16 where it has AVX-512.
+ *
+ * Exact products, fused: where a product x[i] * W[i] is exact in float32, rounding it changes
+ * nothing, so y + x[i] * W[i] rounded once (a fused multiply-add) is bit for bit the separately
+ * rounded product and sum the format asks for. A product is exact when both operands are zero or
+ * lie in [2^-62, 2^63) with at most 11 significant bits (float16 values, and bfloat16 values in
+ * that range: the product then has at most 22 significant bits and lies in [2^-124, 2^126), a
+ * normal float32). Every block of rows checks this on the values themselves (fusable), per
+ * input part, against the check of W made once per call; the AVX-512 kernel then fuses those
+ * inputs' multiply-adds (one instruction instead of two: the untuned V half of a predictor's
+ * inputs, the K half too where K does not rotate), and the other kernels compute them as before. */
 #include "kvn_common.h"
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #define XP_RB 4
 #define XP_GROUP 32
@@ -33,12 +46,31 @@ static void affine_tail(const float *x, int64_t r0, int64_t nr, int64_t n_in, co
     }
 }
 
+/* 1 when every one of the n values v can take part in an exact product (the header): zero, or
+ * 2^-62 <= |v| < 2^63 with the low 13 of its 23 mantissa bits zero. */
+static int fusable(const float *v, int64_t n)
+{
+    uint32_t bad = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint32_t u;
+        memcpy(&u, v + j, sizeof u);
+        const uint32_t a = u & 0x7fffffffu, e = a >> 23;
+        bad |= (uint32_t)(a != 0) & ((uint32_t)((u & 0x1fffu) != 0) | (uint32_t)(e < 65u) | (uint32_t)(e > 189u));
+    }
+    return bad == 0;
+}
+
+/* Runs of inputs [seg[3s], seg[3s + 1]) whose multiply-adds may be fused (seg[3s + 2] != 0: every
+ * product exact) or not; nseg runs cover 0 .. n_in in order. */
+#define XP_MAXSEG 16
+
 /* The tiled kernel for vectors of LANES floats (VT): outputs in blocks of NV * LANES from o_lo on,
- * XP_RB rows at a time with XP_RB * NV accumulators in registers. Returns the end of the outputs
- * it covered (every row); the caller does the rest. */
-#define XP_KERNEL(NAME, VT, LANES, NV, ATTR)                                                      \
+ * XP_RB rows at a time with XP_RB * NV accumulators in registers. FMA(x, w, a) computes a + x * w
+ * for the runs marked exact (fused where the vector unit has it; the same bits either way).
+ * Returns the end of the outputs it covered (every row); the caller does the rest. */
+#define XP_KERNEL(NAME, VT, LANES, NV, ATTR, FMA)                                                 \
     ATTR static int64_t NAME(const float *x, int64_t t, int64_t n_in, const float *w, const float *b, \
-                             int64_t n_out, int64_t o_lo, float *out)                              \
+                             int64_t n_out, int64_t o_lo, float *out, const int64_t *seg, int nseg) \
     {                                                                                             \
         const int64_t ob = (NV) * (LANES);                                                        \
         const int64_t t_full = t - t % XP_RB, o_full = o_lo + (n_out - o_lo) / ob * ob;           \
@@ -53,16 +85,33 @@ static void affine_tail(const float *x, int64_t r0, int64_t nr, int64_t n_in, co
                     for (int r = 0; r < XP_RB; r++)                                               \
                         for (int v = 0; v < (NV); v++)                                            \
                             a[r][v] = bb[v];                                                      \
-                    for (int64_t i = 0; i < n_in; i++) {                                          \
-                        const float *wi = w + i * n_out + o0;                                     \
-                        VT ww[NV];                                                                \
-                        for (int v = 0; v < (NV); v++)                                            \
-                            memcpy(&ww[v], wi + v * (LANES), sizeof ww[v]);                       \
-                        for (int r = 0; r < XP_RB; r++) {                                         \
-                            const VT xv = x[(r0 + r) * n_in + i] + (VT){0};                       \
-                            for (int v = 0; v < (NV); v++) {                                      \
-                                const VT p = xv * ww[v];                                          \
-                                a[r][v] = a[r][v] + p;                                            \
+                    for (int sg = 0; sg < nseg; sg++) {                                           \
+                        const int64_t i_lo = seg[3 * sg], i_hi = seg[3 * sg + 1];                 \
+                        if (seg[3 * sg + 2]) {                                                    \
+                            for (int64_t i = i_lo; i < i_hi; i++) {                               \
+                                const float *wi = w + i * n_out + o0;                             \
+                                VT ww[NV];                                                        \
+                                for (int v = 0; v < (NV); v++)                                    \
+                                    memcpy(&ww[v], wi + v * (LANES), sizeof ww[v]);               \
+                                for (int r = 0; r < XP_RB; r++) {                                 \
+                                    const VT xv = x[(r0 + r) * n_in + i] + (VT){0};               \
+                                    for (int v = 0; v < (NV); v++)                                \
+                                        a[r][v] = FMA(xv, ww[v], a[r][v]);                        \
+                                }                                                                 \
+                            }                                                                     \
+                        } else {                                                                  \
+                            for (int64_t i = i_lo; i < i_hi; i++) {                               \
+                                const float *wi = w + i * n_out + o0;                             \
+                                VT ww[NV];                                                        \
+                                for (int v = 0; v < (NV); v++)                                    \
+                                    memcpy(&ww[v], wi + v * (LANES), sizeof ww[v]);               \
+                                for (int r = 0; r < XP_RB; r++) {                                 \
+                                    const VT xv = x[(r0 + r) * n_in + i] + (VT){0};               \
+                                    for (int v = 0; v < (NV); v++) {                              \
+                                        const VT p = xv * ww[v];                                  \
+                                        a[r][v] = a[r][v] + p;                                    \
+                                    }                                                             \
+                                }                                                                 \
                             }                                                                     \
                         }                                                                         \
                     }                                                                             \
@@ -77,25 +126,31 @@ static void affine_tail(const float *x, int64_t r0, int64_t nr, int64_t n_in, co
         return o_full;                                                                            \
     }
 
+/* a + x * w, product and sum rounded separately (the same bits as fused, for exact products) */
+#define XP_MULADD(X, W, A) ((A) + (X) * (W))
+
 typedef float xp_v4 __attribute__((vector_size(16)));
-XP_KERNEL(affine_v4, xp_v4, 4, 2, )
+XP_KERNEL(affine_v4, xp_v4, 4, 2, , XP_MULADD)
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #define XP_AVX2 1
 typedef float xp_v8 __attribute__((vector_size(32)));
-XP_KERNEL(affine_v8, xp_v8, 8, 2, __attribute__((target("avx2"))))
+XP_KERNEL(affine_v8, xp_v8, 8, 2, __attribute__((target("avx2"))), XP_MULADD)
 typedef float xp_v16 __attribute__((vector_size(64)));
+/* one vfmadd instruction (AVX-512F has it), for the exact products only */
+#define XP_FMA16(X, W, A) ((xp_v16)_mm512_fmadd_ps((__m512)(X), (__m512)(W), (__m512)(A)))
 /* 16 accumulators of 16 lanes (AVX-512 has 32 registers): 21 % faster than 8 on this machine's
  * 384 x 384 maps (scratch benchmark, 69 against 57 GFLOP/s on one core); outputs past the last
  * block of 64 take the 32-wide kernel */
-XP_KERNEL(affine_v16x4, xp_v16, 16, 4, __attribute__((target("avx512f"))))
-XP_KERNEL(affine_v16, xp_v16, 16, 2, __attribute__((target("avx512f"))))
+XP_KERNEL(affine_v16x4, xp_v16, 16, 4, __attribute__((target("avx512f"))), XP_FMA16)
+XP_KERNEL(affine_v16, xp_v16, 16, 2, __attribute__((target("avx512f"))), XP_FMA16)
 #endif
 
-/* The widest kernel this CPU runs, or the one asked for (lanes 4, 8, 16); returns the lanes
- * used, or 0 when the CPU cannot run the kernel asked for. */
+/* The widest kernel this CPU runs, or the one asked for (lanes 4, 8, 16), over the input runs
+ * seg (nseg of them, XP_MAXSEG at most; see XP_KERNEL); returns the lanes used, or 0 when the
+ * CPU cannot run the kernel asked for. */
 static int affine_any(const float *x, int64_t t, int64_t n_in, const float *w, const float *b, int64_t n_out,
-                      float *out, int lanes)
+                      float *out, int lanes, const int64_t *seg, int nseg)
 {
     int64_t done;
     int used = 4;
@@ -107,17 +162,18 @@ static int affine_any(const float *x, int64_t t, int64_t n_in, const float *w, c
     if ((lanes == 16 && !has16) || (lanes == 8 && !has8))
         return 0;
     if (lanes == 16) {
-        done = affine_v16(x, t, n_in, w, b, n_out, affine_v16x4(x, t, n_in, w, b, n_out, 0, out), out);
+        done = affine_v16(x, t, n_in, w, b, n_out, affine_v16x4(x, t, n_in, w, b, n_out, 0, out, seg, nseg), out,
+                          seg, nseg);
         used = 16;
     } else if (lanes == 8) {
-        done = affine_v8(x, t, n_in, w, b, n_out, 0, out);
+        done = affine_v8(x, t, n_in, w, b, n_out, 0, out, seg, nseg);
         used = 8;
     } else
 #else
     if (lanes == 8 || lanes == 16)
         return 0;
 #endif
-        done = affine_v4(x, t, n_in, w, b, n_out, 0, out);
+        done = affine_v4(x, t, n_in, w, b, n_out, 0, out, seg, nseg);
     if (done < n_out)
         affine_tail(x, 0, t, n_in, w, b, n_out, done, n_out - done, out);
     return used;
@@ -125,11 +181,13 @@ static int affine_any(const float *x, int64_t t, int64_t n_in, const float *w, c
 
 /* x float32 [t, n_in], w float32 [n_in, n_out], b float32 [n_out] -> out float32 [t, n_out].
  * lanes: 0 for the widest kernel this CPU runs, or 4, 8, 16 for that one (tests); returns the
- * lanes used, or 0 when the CPU cannot run the kernel asked for. */
+ * lanes used, or 0 when the CPU cannot run the kernel asked for. The multiply-adds are fused
+ * where every product is exact (fusable x and w: the same bits). */
 int kvn_xpred_affine(const float *x, int64_t t, int64_t n_in, const float *w, const float *b,
                      int64_t n_out, float *out, int lanes)
 {
-    return affine_any(x, t, n_in, w, b, n_out, out, lanes);
+    const int64_t seg[3] = {0, n_in, fusable(w, n_in * n_out) && fusable(x, t * n_in)};
+    return affine_any(x, t, n_in, w, b, n_out, out, lanes, seg, 1);
 }
 
 /* Turn the np pairs (ia[p], ib[p]) of each of h heads of d channels in row v by the cosines c and
@@ -228,6 +286,15 @@ int kvn_xpred_pass(int64_t r0, int64_t r1, int64_t n_in, const int64_t *in_ptr, 
         return -1;
     float *yb = xb + XP_BLOCK * n_i, *tmp = yb + XP_BLOCK * n_o;
     const int64_t half_in = half_offset(ia_in, ib_in, np_in), half_out = half_offset(ia_out, ib_out, np_out);
+    /* per input part: whether its rows of W allow exact products (checked once; its values are
+     * checked per block below) */
+    int wfus[XP_MAXSEG];
+    const int parts = n_in <= XP_MAXSEG ? (int)n_in : 0; /* more parts than runs: nothing fused */
+    for (int64_t k = 0, at = 0; k < parts; k++) {
+        const int64_t n = in_geo[4 * k + 1] * in_geo[4 * k + 2];
+        wfus[k] = fusable(w + at * n_o, n * n_o);
+        at += n;
+    }
     int used = 0;
     for (int64_t g0 = r0; g0 < r1; g0 += XP_BLOCK) {
         const int64_t g1 = g0 + XP_BLOCK < r1 ? g0 + XP_BLOCK : r1, gn = g1 - g0;
@@ -241,7 +308,31 @@ int kvn_xpred_pass(int64_t r0, int64_t r1, int64_t n_in, const int64_t *in_ptr, 
                 x += n;
             }
         }
-        used = affine_any(xb, gn, n_i, w, b, n_o, yb, lanes);
+        int64_t seg[3 * XP_MAXSEG] = {0, n_i, 0};
+        int nseg = 1;
+        if (parts) { /* runs of parts with and without exact products (neighbours merged) */
+            nseg = 0;
+            for (int64_t k = 0, at = 0; k < parts; k++) {
+                const int64_t n = in_geo[4 * k + 1] * in_geo[4 * k + 2];
+                int fus = wfus[k];
+                for (int64_t r = 0; fus && r < gn; r++)
+                    fus = fusable(xb + r * n_i + at, n);
+                if (nseg && seg[3 * nseg - 1] == fus) {
+                    seg[3 * nseg - 2] = at + n;
+                } else {
+                    seg[3 * nseg] = at;
+                    seg[3 * nseg + 1] = at + n;
+                    seg[3 * nseg + 2] = fus;
+                    nseg++;
+                }
+                at += n;
+            }
+            if (!nseg) { /* no parts (n_i 0) */
+                seg[1] = n_i;
+                nseg = 1;
+            }
+        }
+        used = affine_any(xb, gn, n_i, w, b, n_o, yb, lanes, seg, nseg);
         if (!used)
             break;
         for (int64_t r = g0; r < g1; r++) { /* the outputs, turned forward, added */
