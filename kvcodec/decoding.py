@@ -67,6 +67,9 @@ class KVCReader(ContainerReader):
         #: profile files or directories to look in for a file coded with prediction across layers
         self.profiles = [str(p) for p in profiles]
         self._last: tuple[Any, dict[str, torch.Tensor]] | None = None  # the last layer decoded
+        #: True while :meth:`read_cache` collects every layer: no caller can change a decoded
+        #: layer before the next one is predicted from it, so it is kept without a copy
+        self._own_layers = False
         self.codec: Any = None
         self.codec_error: KVCodecError | None = None
         try:
@@ -151,8 +154,8 @@ class KVCReader(ContainerReader):
                 out[role] = torch.empty((0, h, d), dtype=self.dtype, device=device if device != "cpu" else None)
         if any(any(bool(np.any(f)) for f in v) for v in predicted.values()):
             out = self._add_predictions(i, chunks, out, predicted, device, split)
-        if self._predicts:  # what layer i + 1 predicts from
-            self._last = (key, {r: _copy(t) for r, t in out.items()})
+        if self._predicts:  # what layer i + 1 predicts from (a copy unless no caller sees the layer first)
+            self._last = (key, dict(out) if self._own_layers else {r: _copy(t) for r, t in out.items()})
         return out
 
     def _read_layers_threaded(self, layers: Sequence[int], threads: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -254,7 +257,11 @@ class KVCReader(ContainerReader):
         m = self.manifest
         self.check_padding()
         if device == "cpu":
-            layers = list(self.read_layers(device=device, threads=threads))
+            self._own_layers = True
+            try:
+                layers = list(self.read_layers(device=device, threads=threads))
+            finally:
+                self._own_layers = False
         else:  # every tensor's kernels launched without waiting, on several CUDA streams; checked at the end
             from .gpu import batched_decode
 

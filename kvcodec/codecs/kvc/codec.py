@@ -599,10 +599,11 @@ class KVCCodec(Codec):
         params: dict[str, Any] = {"n": n, "sinks": s, "recent": r,
                                   "transform": "hadamard" if use_h else "none"}
         from_f16 = xn is not None and xn.dtype == np.float16
+        coded = _coded_rows(mask)
         if from_f16:
             # float16 values, widened exactly to float32 (numpy 2 converts as fast as torch, on
             # this thread alone)
-            y = xn[~mask].astype(np.float32)
+            y = xn[coded].astype(np.float32)
         elif xn is not None:  # float32
             y = xn[~mask]
         else:
@@ -616,8 +617,8 @@ class KVCCodec(Codec):
         # tensor before the prediction (its RMS, centred alike; an orthonormal transform keeps it),
         # so the prediction saves bits and leaves the error where the level's steps put it
         orig = ctx.state.get("scale_of") if isinstance(ctx.state, dict) else None
-        zs = z if orig is None else _centre(orig.detach().cpu().to(torch.float32).numpy()[~mask], mask, rope,
-                                            centre, True)[1]
+        zs = z if orig is None else _centre(orig.detach().cpu().to(torch.float32).numpy()[coded], mask, rope,
+                                            centre, True)[1]  # (read only: a view may be the caller's)
         if use_h:
             z = fwht(z)
         # squares of float16-range values summed in float32 cannot overflow (65504^2 * 2^31 <
@@ -978,6 +979,18 @@ class KVCCodec(Codec):
         return True
 
 
+def _coded_rows(mask: np.ndarray) -> Any:
+    """The index of the coded tokens (those ``mask`` leaves) along a tensor's first axis: a
+    slice where they are one run (the usual sinks-and-recent mask: indexing then copies nothing),
+    else the boolean array."""
+    idx = np.flatnonzero(~mask)
+    if not idx.size:
+        return slice(0, 0)
+    if int(idx[-1]) - int(idx[0]) + 1 == idx.size:
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return ~mask
+
+
 def _centre(y: np.ndarray, mask: np.ndarray, rope: Any, centre: bool, float32_diff: bool
             ) -> tuple[np.ndarray, np.ndarray]:
     """The coded tokens ``y`` (those ``mask`` leaves) centred as kvc codes them: ``(mean float64
@@ -994,7 +1007,7 @@ def _centre(y: np.ndarray, mask: np.ndarray, rope: Any, centre: bool, float32_di
         mean = np.clip(unrotated_mean(y, pos, steps, off, STYLES[sty]), -65504.0, 65504.0)
         mean = mean.astype(np.float16).astype(np.float64)  # what side[0] holds
         rot = rotated_means(mean.astype(np.float32), pos, steps, off, STYLES[sty])
-        return mean, (y.astype(np.float32) - rot).astype(np.float32), rot
+        return mean, np.subtract(y.astype(np.float32, copy=False), rot), rot  # float32 - float32: float32
     mean = channel_means(y) if centre else np.zeros(y.shape[1:])
     if float32_diff:
         return mean, y - mean.astype(np.float32)[None], None
