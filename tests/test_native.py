@@ -393,7 +393,8 @@ def test_escape_split_with_ctx_statistics_equals_the_two_calls():
     rng = np.random.default_rng(43)
     for n, r, g, th, max_level, frac in [(300, 195, 64, [3, 8, 20], 32, 0.01), (77, 13, 5, [2, 5], 16, 0.0),
                                          (40, 7, 64, [3], 8, 0.05), (1, 3, 2, [3, 8, 20], 32, 0.0),
-                                         (50, 20, 7, [], 16, 0.02)]:
+                                         (50, 20, 7, [], 16, 0.02), (60, 30, 8, [1, 3, 8, 20], 32, 0.01),
+                                         (60, 30, 8, [1, 2, 3, 8, 20], 32, 0.01)]:  # every specialised count
         codes = np.clip(np.round(rng.laplace(0, 3, size=(n, r))), -(max_level - 2), max_level - 2).astype(np.int64)
         hit = rng.random((n, r)) < frac
         codes[hit] = rng.integers(max_level, 4 * max_level, size=int(hit.sum()))
