@@ -417,19 +417,26 @@ int kvn_kvc_dequant(const void* codes, int ckind, int64_t crow, int64_t n, int64
  * of the codes and of their token deltas (e[0] = c[0], e[t] = c[t] - c[t-1]) at the tokens
  * t = 0, ts, 2 ts, ... (ts >= 1), each value clipped to [-64, 63] and shifted by 64.
  * hc, he: int32 [R, 128] (n < 2^31), zeroed here. */
+/* Rows in blocks of DH_BLOCK: a block's counts (2 x 128 int32 per row: 8 KB) stay in the L1
+ * cache while the sampled tokens stream past (the counts of all rows at once missed it: 0.7x
+ * the time on the tensors of a SmolLM2 encode, scratch benchmark). */
+#define DH_BLOCK 8
 #define KVN_DELTA_HIST(SUF, CT)                                                                    \
   static void delta_hist##SUF(const CT* c, int64_t n, int64_t R, int64_t ts, int32_t* hc, int32_t* he) { \
-    for (int64_t t = 0; t < n; t += ts) {                                                           \
-      const CT* ct = c + t * R;                                                                     \
-      for (int64_t r = 0; r < R; ++r) {                                                             \
-        const int64_t v = (int64_t)ct[r];                                                           \
-        /* the difference of two codes cannot overflow: the encoder's codes are far inside the     \
-           int64 range (|c| < 2**62) */                                                             \
-        const int64_t e = t ? v - (int64_t)ct[r - R] : v;                                           \
-        const int64_t vc = v < -64 ? 0 : v > 63 ? 127 : v + 64;                                    \
-        const int64_t ec = e < -64 ? 0 : e > 63 ? 127 : e + 64;                                    \
-        hc[r * 128 + vc] += 1;                                                                      \
-        he[r * 128 + ec] += 1;                                                                      \
+    for (int64_t b0 = 0; b0 < R; b0 += DH_BLOCK) {                                                  \
+      const int64_t b1 = b0 + DH_BLOCK < R ? b0 + DH_BLOCK : R;                                     \
+      for (int64_t t = 0; t < n; t += ts) {                                                         \
+        const CT* ct = c + t * R;                                                                   \
+        for (int64_t r = b0; r < b1; ++r) {                                                         \
+          const int64_t v = (int64_t)ct[r];                                                         \
+          /* the difference of two codes cannot overflow: the encoder's codes are far inside the   \
+             int64 range (|c| < 2**62) */                                                           \
+          const int64_t e = t ? v - (int64_t)ct[r - R] : v;                                         \
+          const int64_t vc = v < -64 ? 0 : v > 63 ? 127 : v + 64;                                  \
+          const int64_t ec = e < -64 ? 0 : e > 63 ? 127 : e + 64;                                  \
+          hc[r * 128 + vc] += 1;                                                                    \
+          he[r * 128 + ec] += 1;                                                                    \
+        }                                                                                           \
       }                                                                                             \
     }                                                                                               \
   }
