@@ -64,6 +64,21 @@ static int fusable(const float *v, int64_t n)
  * product exact) or not; nseg runs cover 0 .. n_in in order. */
 #define XP_MAXSEG 16
 
+/* The inputs [I_LO, I_HI) of XP_RB rows into the accumulators a (in XP_KERNEL's scope), each
+ * a[r][v] = OP(x, w, a[r][v]) in input order */
+#define XP_INPUTS(VT, LANES, NV, I_LO, I_HI, OP)                                                  \
+    for (int64_t i = (I_LO); i < (I_HI); i++) {                                                   \
+        const float *wi = w + i * n_out + o0;                                                     \
+        VT ww[NV];                                                                                \
+        for (int v = 0; v < (NV); v++)                                                            \
+            memcpy(&ww[v], wi + v * (LANES), sizeof ww[v]);                                       \
+        for (int r = 0; r < XP_RB; r++) {                                                         \
+            const VT xv = x[(r0 + r) * n_in + i] + (VT){0};                                       \
+            for (int v = 0; v < (NV); v++)                                                        \
+                a[r][v] = OP(xv, ww[v], a[r][v]);                                                 \
+        }                                                                                         \
+    }
+
 /* The tiled kernel for vectors of LANES floats (VT): outputs in blocks of NV * LANES from o_lo on,
  * XP_RB rows at a time with XP_RB * NV accumulators in registers. FMA(x, w, a) computes a + x * w
  * for the runs marked exact (fused where the vector unit has it; the same bits either way).
@@ -86,33 +101,10 @@ static int fusable(const float *v, int64_t n)
                         for (int v = 0; v < (NV); v++)                                            \
                             a[r][v] = bb[v];                                                      \
                     for (int sg = 0; sg < nseg; sg++) {                                           \
-                        const int64_t i_lo = seg[3 * sg], i_hi = seg[3 * sg + 1];                 \
                         if (seg[3 * sg + 2]) {                                                    \
-                            for (int64_t i = i_lo; i < i_hi; i++) {                               \
-                                const float *wi = w + i * n_out + o0;                             \
-                                VT ww[NV];                                                        \
-                                for (int v = 0; v < (NV); v++)                                    \
-                                    memcpy(&ww[v], wi + v * (LANES), sizeof ww[v]);               \
-                                for (int r = 0; r < XP_RB; r++) {                                 \
-                                    const VT xv = x[(r0 + r) * n_in + i] + (VT){0};               \
-                                    for (int v = 0; v < (NV); v++)                                \
-                                        a[r][v] = FMA(xv, ww[v], a[r][v]);                        \
-                                }                                                                 \
-                            }                                                                     \
+                            XP_INPUTS(VT, LANES, NV, seg[3 * sg], seg[3 * sg + 1], FMA)           \
                         } else {                                                                  \
-                            for (int64_t i = i_lo; i < i_hi; i++) {                               \
-                                const float *wi = w + i * n_out + o0;                             \
-                                VT ww[NV];                                                        \
-                                for (int v = 0; v < (NV); v++)                                    \
-                                    memcpy(&ww[v], wi + v * (LANES), sizeof ww[v]);               \
-                                for (int r = 0; r < XP_RB; r++) {                                 \
-                                    const VT xv = x[(r0 + r) * n_in + i] + (VT){0};               \
-                                    for (int v = 0; v < (NV); v++) {                              \
-                                        const VT p = xv * ww[v];                                  \
-                                        a[r][v] = a[r][v] + p;                                    \
-                                    }                                                             \
-                                }                                                                 \
-                            }                                                                     \
+                            XP_INPUTS(VT, LANES, NV, seg[3 * sg], seg[3 * sg + 1], XP_MULADD)     \
                         }                                                                         \
                     }                                                                             \
                     for (int r = 0; r < XP_RB; r++)                                               \
@@ -126,7 +118,8 @@ static int fusable(const float *v, int64_t n)
         return o_full;                                                                            \
     }
 
-/* a + x * w, product and sum rounded separately (the same bits as fused, for exact products) */
+/* a + x * w, the product and the sum each rounded (the library is built with -ffp-contract=off;
+ * the same bits as fused, for exact products) */
 #define XP_MULADD(X, W, A) ((A) + (X) * (W))
 
 typedef float xp_v4 __attribute__((vector_size(16)));
