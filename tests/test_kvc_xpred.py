@@ -485,13 +485,14 @@ def test_the_closed_loop_reconstructs_what_the_decoder_decodes(tmp_path, monkeyp
     (``KVCCodec.reconstruct``), not by decoding its streams: the same values as
     ``decode_tensor`` on those planes, bit for bit, on every tensor of several settings
     (per-token K steps, RoPE means, token-mode V, reconstruction offsets, chunks, sinks)."""
-    seen, turned = [], []
+    seen, turned, stepped = [], [], []
     real = kvcodec.codecs.kvc.codec.KVCCodec.reconstruct
 
-    def check(self, enc, codes, ctx, means=None):  # decoded below, once the entropy stage's planes are in
-        got = real(self, enc, codes, ctx, means)
+    def check(self, enc, codes, ctx, means=None, steps=None):  # decoded below, once the stage's planes are in
+        got = real(self, enc, codes, ctx, means, steps)
         seen.append((self, enc, ctx, got.clone()))
         turned.append(means is not None)
+        stepped.append(steps is not None)
         return got
 
     monkeypatch.setattr(kvcodec.codecs.kvc.codec.KVCCodec, "reconstruct", check)
@@ -507,6 +508,7 @@ def test_the_closed_loop_reconstructs_what_the_decoder_decodes(tmp_path, monkeyp
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (ctx.layer, ctx.role)
         assert kvcodec.decode(blob).num_layers == 3
     assert any(turned)  # the encoder's rotating means were used (k_rope_mean)
+    assert all(stepped)  # and its steps, every time
 
 
 @pytest.mark.parametrize("chunk", [0, 50])

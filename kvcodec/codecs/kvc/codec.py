@@ -522,14 +522,14 @@ class KVCCodec(Codec):
                 pred = pred.copy()
                 pred[self._mask(ctx, s, min(p["recent"], t - s), where)] = 0.0
             if pred is None:
-                planes, codes, stage, means = self._symbols(x, ctx)
+                planes, codes, stage, means, steps = self._symbols(x, ctx)
             else:  # the residual, at the steps the tensor itself would get (its RMS, not the residual's)
-                planes, codes, stage, means = self._symbols(residual(x, pred, where),
-                                                            dataclasses.replace(ctx, state={**ctx.state, "scale_of": x}))
+                planes, codes, stage, means, steps = self._symbols(
+                    residual(x, pred, where), dataclasses.replace(ctx, state={**ctx.state, "scale_of": x}))
             # the values the decoder will have, from the codes (what decoding the planes gives)
             dec = as_float32(xp.decoder.reconstruct(planes, codes, TensorContext(ctx.layer, ctx.role, ctx.shape,
                                                                                  ctx.dtype, ctx.layer_kind,
-                                                                                 ctx.globals), means))
+                                                                                 ctx.globals), means, steps))
             if pred is not None:
                 dec = as_float32(to_dtype(dec + pred, ctx.dtype))
             xp.store(ctx.layer, ctx.role, rows, dec)  # the next layer may start
@@ -551,7 +551,7 @@ class KVCCodec(Codec):
 
     def encode_planes(self, x: torch.Tensor, ctx: TensorContext) -> EncodedTensor:
         """One tensor's planes and params, each plane on its own (see the module docstring)."""
-        enc, _, stage, _ = self._symbols(x, ctx)
+        enc, _, stage, _, _ = self._symbols(x, ctx)
         return self._staged(enc, stage)
 
     def _staged(self, enc: EncodedTensor, stage: Any) -> EncodedTensor:
@@ -564,11 +564,13 @@ class KVCCodec(Codec):
         return enc
 
     def _symbols(self, x: torch.Tensor, ctx: TensorContext
-                 ) -> tuple[EncodedTensor, np.ndarray | None, Any, np.ndarray | None]:
+                 ) -> tuple[EncodedTensor, np.ndarray | None, Any, np.ndarray | None, np.ndarray]:
         """:meth:`encode_planes` up to the entropy stage: the tensor's planes and params but the
         stage's, the integer codes the stage will code (token-major ``[n, R]``, what the
         decoder's escape join gives back; None without coded tokens), what :meth:`_staged`
-        needs to code them, and the rotating means subtracted (float32 ``[n, H, D]``, or None)."""
+        needs to code them, the rotating means subtracted (float32 ``[n, H, D]``, or None) and
+        the steps of the codes (broadcasting to ``[n, H, D]``: the values the decoder derives
+        from the planes and codes, which :meth:`reconstruct` then need not derive again)."""
         p = (ctx.state or {}).get("params", self.params)  # a profile's settings, else the codec's
         t, h, d = x.shape
         where = f"layers.{ctx.layer}.{ctx.role}"
@@ -712,7 +714,7 @@ class KVCCodec(Codec):
         if esc.size:  # no escapes: no plane (each plane costs its header entry)
             planes["esc"] = _narrowest(esc)
         return (EncodedTensor(planes, params), (tok if n else None), ((p, sym, lv, stats, ctx_thr) if n else None),
-                rot)
+                rot, step)
 
     # ------------------------------------------------------------------ decode
     def parse_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> SimpleNamespace:
@@ -852,19 +854,19 @@ class KVCCodec(Codec):
                         {r: np.asarray(m, dtype=bool) for r, m in predicted.items()}, where, split=threads > 1)
 
     def reconstruct(self, enc: EncodedTensor, codes: np.ndarray | None, ctx: TensorContext,
-                    means: np.ndarray | None = None) -> torch.Tensor:
+                    means: np.ndarray | None = None, steps: np.ndarray | None = None) -> torch.Tensor:
         """What :meth:`decode_tensor` gives for ``enc`` (planes as :meth:`encode_planes` writes
         them), from the integer ``codes`` its encoder coded instead of from the entropy-coded
         streams: the same arithmetic (:meth:`_values`), bit for bit, without the entropy
         decoding. The closed loop of prediction across layers (xpred) runs on it. ``means``: the
         rotating means the encoder subtracted (the values the decoder computes from the file), or
-        None to compute them."""
+        None to compute them; ``steps``: likewise the steps of the codes (:meth:`_symbols`)."""
         v, out, keep = self._protected(enc, ctx)
         if v.n == 0:
             return out
         if codes is None or codes.shape != (v.n, v.rows):
             raise ValueError(f"{v.where}: reconstruct needs the {v.n} x {v.rows} codes of the tensor")
-        return self._values(v, codes, ctx, out, keep, np.flatnonzero(~v.mask), means)
+        return self._values(v, codes, ctx, out, keep, np.flatnonzero(~v.mask), means, steps)
 
     def _protected(self, enc: EncodedTensor, ctx: TensorContext) -> tuple[SimpleNamespace, torch.Tensor, torch.Tensor]:
         """``enc`` parsed (:meth:`parse_tensor`), the output tensor with its protected tokens
@@ -902,7 +904,8 @@ class KVCCodec(Codec):
         return self._values(v, codes, ctx, out, keep, free)
 
     def _values(self, v: SimpleNamespace, codes: np.ndarray, ctx: TensorContext, out: torch.Tensor,
-                keep: torch.Tensor, free: np.ndarray, means: np.ndarray | None = None) -> torch.Tensor:
+                keep: torch.Tensor, free: np.ndarray, means: np.ndarray | None = None,
+                steps: np.ndarray | None = None) -> torch.Tensor:
         """The coded tokens' values from their integer ``codes`` (token-major ``[n, R]``, the
         escape join and running sums done) and the parsed tensor ``v``, written into ``out``
         (where ``keep`` marks the protected tokens, already there): the steps, the means and the
@@ -911,7 +914,9 @@ class KVCCodec(Codec):
         where, n = v.where, v.n
         _, h, d = ctx.shape
         main = codes[:, : h * d].reshape(n, h, d)
-        if v.per_channel:
+        if steps is not None and steps.ndim == 3 and steps.shape[0] in (1, n) and steps.shape[1] == h:
+            step = steps  # the encoder's, computed from the same step codes (reconstruct)
+        elif v.per_channel:
             if v.k_tok:  # per-token integer offsets added to the channel log-step codes
                 step = token_steps(v.sc_ch, codes[:, h * d:], where)
             else:
