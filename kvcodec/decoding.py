@@ -221,8 +221,10 @@ class KVCReader(ContainerReader):
         counts = [int(next(iter(lm.tensors.values())).chunks[j].tokens) for j in range(n_chunks)]
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         rows = np.concatenate([np.arange(starts[j], starts[j + 1]) for j in sel]) if sel else np.zeros(0, np.int64)
-        pos = self.positions()
-        positions = rows if pos is None else pos.numpy()[rows]
+        if not hasattr(self, "_positions_np"):  # read (and checked) once per reader
+            pos = self.positions()
+            self._positions_np = None if pos is None else pos.numpy()
+        positions = rows if self._positions_np is None else self._positions_np[rows]
         masks = {role: np.concatenate([np.full(counts[j], flag, dtype=bool) if isinstance(flag, bool) else flag
                                        for j, flag in zip(sel, flags)])
                  if flags else np.zeros(0, bool) for role, flags in predicted.items()}

@@ -175,6 +175,8 @@ class Predictors:
     layers: tuple[Any, ...] = field(repr=False)
     #: per (layer, role, shapes): the columns of the map that give one role (:meth:`_columns`)
     cols: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: per (layer, width): the layer's K rotation and its pairs as the C pass takes them (:meth:`_tables`)
+    turns: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_calibration(cls, cal: Calibration) -> "Predictors":
@@ -234,13 +236,23 @@ class Predictors:
     def _tables(self, layer: int, d: int, positions: np.ndarray) -> Any:
         """``(cos, sin, channel a, channel b)`` of layer ``layer``'s K rotation at ``positions``
         for :func:`kvcodec.native.xpred.xpred_pass`, or None where K does not turn."""
-        rot = layer_rotation(self.stats, layer, d)
-        if rot is None or not len(rot[0]):
+        got = self.turns.get((layer, d))
+        if got is None:  # the same for every call on this layer: kept (a dict write is atomic)
+            rot = layer_rotation(self.stats, layer, d)
+            if rot is None or not len(rot[0]):
+                got = (None,)
+            else:
+                steps, offset, style = rot
+                ia, ib = (a.astype(np.int32) for a in pairs(len(steps), offset, style))
+                ia.setflags(write=False)
+                ib.setflags(write=False)
+                got = (steps, ia, ib)
+            self.turns[(layer, d)] = got
+        if got[0] is None:
             return None
-        steps, offset, style = rot
+        steps, ia, ib = got
         c, s = cos_sin(positions, steps)
-        ia, ib = pairs(len(steps), offset, style)
-        return c, s, ia.astype(np.int32), ib.astype(np.int32)
+        return c, s, ia, ib
 
     def _columns(self, layer: int, shapes: dict[str, tuple[int, int]], role: str) -> tuple[np.ndarray, np.ndarray]:
         """The columns of layer ``layer``'s map that give ``role`` (outputs in role order of
