@@ -15,7 +15,8 @@ and the decoder adds the prediction back, layer after layer:
 2. ``y = b + x W`` with the layer's predictor (``W`` float16 ``[I, O]`` widened exactly, ``b``
    float32 ``[O]``): per output, ``y = b``, then for ``i = 0 .. I-1`` ascending
    ``y = y + x[i] * W[i]``, each product and sum rounded to float32 (no fused multiply-add:
-   :func:`affine_reference`, and csrc/xpred.c built with ``-ffp-contract=off``);
+   :func:`affine_reference`, and csrc/xpred.c built with ``-ffp-contract=off``, which fuses
+   only exact products: the same bits);
 3. ``y`` split into layer ``l``'s tensors in role order; K turned forward where layer ``l``
    rotates: ``(a cos - b sin, b cos + a sin)``;
 4. each tensor is its decoded residual widened to float32, plus its prediction, rounded (to
