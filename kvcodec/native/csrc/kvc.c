@@ -228,14 +228,11 @@ int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int
   uint64_t top = 0;
   int64_t ne;
   if (ckind == C_I32) {
-    const int32_t* c32 = (const int32_t*)codes;
-    switch (nthr) {
-      case 1: ne = esc_ctx_pass_i32_1(c32, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls); break;
-      case 2: ne = esc_ctx_pass_i32_2(c32, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls); break;
-      case 3: ne = esc_ctx_pass_i32_3(c32, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls); break;
-      case 4: ne = esc_ctx_pass_i32_4(c32, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls); break;
-      default: ne = esc_ctx_pass_i32(c32, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls);
-    }
+    int64_t (*pass)(const int32_t*, int64_t, int64_t, int64_t, const uint8_t*, uint16_t*, int32_t*, int32_t*, int64_t,
+                    uint64_t*, int64_t, int64_t, const int64_t*, int32_t*, uint8_t*) =
+        nthr == 1 ? esc_ctx_pass_i32_1 : nthr == 2 ? esc_ctx_pass_i32_2 : nthr == 3 ? esc_ctx_pass_i32_3
+        : nthr == 4 ? esc_ctx_pass_i32_4 : esc_ctx_pass_i32;
+    ne = pass((const int32_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls);
   } else {
     ne = esc_ctx_pass_i64((const int64_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls);
   }

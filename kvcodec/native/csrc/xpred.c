@@ -301,7 +301,7 @@ int kvn_xpred_pass(int64_t r0, int64_t r1, int64_t n_in, const int64_t *in_ptr, 
                 x += n;
             }
         }
-        int64_t seg[3 * XP_MAXSEG] = {0, n_i, 0};
+        int64_t seg[3 * XP_MAXSEG] = {0, n_i, 0}; /* without parts to tell apart: one plain run */
         int nseg = 1;
         if (parts) { /* runs of parts with and without exact products (neighbours merged) */
             nseg = 0;
@@ -319,10 +319,6 @@ int kvn_xpred_pass(int64_t r0, int64_t r1, int64_t n_in, const int64_t *in_ptr, 
                     nseg++;
                 }
                 at += n;
-            }
-            if (!nseg) { /* no parts (n_i 0) */
-                seg[1] = n_i;
-                nseg = 1;
             }
         }
         used = affine_any(xb, gn, n_i, w, b, n_o, yb, lanes, seg, nseg);
