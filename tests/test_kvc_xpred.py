@@ -82,55 +82,52 @@ def test_affine_reference_order_is_normative():
         assert not np.array_equal((b + x.astype(np.float64) @ w).astype(np.float32), ref)
 
 
-@pytest.mark.skipif(native.build._compiler() is None, reason="no C compiler on this machine")
-def test_affine_native_equals_reference_bit_for_bit():
+def _every_kernel_equals_reference(x, w, b):
+    """Every vector kernel this CPU runs (4 lanes runs everywhere) gives ``affine_reference``'s
+    bits; returns those."""
     from kvcodec.native.xpred import affine as native_affine
 
-    rng = np.random.default_rng(0)
+    ref = xpred.affine_reference(x, w, b)
     ran = set()
+    for lanes in (4, 8, 16):
+        try:
+            got = native_affine(x, w, b, lanes)
+        except native.Unsupported:
+            assert lanes != 4
+            continue
+        ran.add(lanes)
+        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), lanes
+    assert 4 in ran
+    return ref
+
+
+@pytest.mark.skipif(native.build._compiler() is None, reason="no C compiler on this machine")
+def test_affine_native_equals_reference_bit_for_bit():
+    rng = np.random.default_rng(0)
     for t, n_in, n_out in SHAPES:
         x, w, b = _operands(t, n_in, n_out, rng)
-        ref = xpred.affine_reference(x, w, b)
+        ref = _every_kernel_equals_reference(x, w, b)
         assert np.array_equal(xpred.affine(x, w, b).view(np.uint32), ref.view(np.uint32))
-        for lanes in (4, 8, 16):  # every vector kernel this CPU runs (4 lanes runs everywhere)
-            try:
-                got = native_affine(x, w, b, lanes)
-            except native.Unsupported:
-                assert lanes != 4
-                continue
-            ran.add(lanes)
-            assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), lanes
-    assert 4 in ran
 
 
 def _short(a, bits, rng):
-    """``a`` (float32) with its mantissa cut to ``bits`` significant bits (random rounding)."""
+    """``a`` (float32) with its mantissa truncated to ``bits`` significant bits."""
     u = a.astype(np.float32).view(np.uint32)
     drop = 24 - bits
     u = (u >> np.uint32(drop)) << np.uint32(drop)
     return u.view(np.float32)
 
 
+@pytest.mark.skipif(native.build._compiler() is None, reason="no C compiler on this machine")
 def test_affine_fuses_only_exact_products_and_keeps_the_bits():
     """Where every product is exact (float16-like operands: at most 11 significant bits, in
     [2^-62, 2^63)) the AVX-512 kernel fuses the multiply-adds; the sums are the same bits as the
     reference's separately rounded ones. Operands just past those limits (12 bits, or outside the
     range) must not be fused: a fused multiply-add of an inexact product would round differently
     somewhere in these sums."""
-    from kvcodec.native.xpred import affine as native_affine
-
     rng = np.random.default_rng(3)
     t, n_in, n_out = 70, 96, 80
-
-    def check(x, w, b):
-        ref = xpred.affine_reference(x, w, b)
-        for lanes in (4, 8, 16):
-            try:
-                got = native_affine(x, w, b, lanes)
-            except native.Unsupported:
-                continue
-            assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), lanes
-
+    check = _every_kernel_equals_reference
     b = rng.normal(size=n_out).astype(np.float32)
     spread = lambda shape, lo, hi: rng.normal(size=shape) * np.exp2(rng.uniform(lo, hi, shape))  # noqa: E731
     # float16 values (subnormals, zeros of both signs and the extremes among them)

@@ -601,7 +601,8 @@ class KVCCodec(Codec):
         params: dict[str, Any] = {"n": n, "sinks": s, "recent": r,
                                   "transform": "hadamard" if use_h else "none"}
         from_f16 = xn is not None and xn.dtype == np.float16
-        coded = _coded_rows(mask)
+        run = _one_run(np.flatnonzero(~mask))
+        coded = ~mask if run is None else run  # a slice copies nothing
         if from_f16:
             # float16 values, widened exactly to float32 (numpy 2 converts as fast as torch, on
             # this thread alone)
@@ -934,9 +935,9 @@ class KVCCodec(Codec):
             mean = v.mean[None]  # [1, H, D]: one for every token
         if v.tr == "none":  # the same float32 arithmetic, saturation and cast in one native pass
             try:
-                if free[-1] - free[0] + 1 == n:  # the coded tokens are one run: write them in place
-                    native.kvc_dequantize(main, step, mean, ctx.dtype, out=out[int(free[0]):int(free[-1]) + 1],
-                                          recon=rc)
+                run = _one_run(free)
+                if run is not None:  # the coded tokens are one run: write them in place
+                    native.kvc_dequantize(main, step, mean, ctx.dtype, out=out[run], recon=rc)
                 else:
                     out[~keep] = native.kvc_dequantize(main, step, mean, ctx.dtype, recon=rc)
                 return out
@@ -964,8 +965,8 @@ class KVCCodec(Codec):
             raise type(e)(f"{where}: kvc entropy stage: {e}") from None
         mode = (1 if v.k_tok else 0) if v.per_channel else 2
         sc = v.sc_ch if v.per_channel else np.asarray(v.base, dtype=np.int64)
-        run = int(free[-1]) - int(free[0]) + 1 == n  # the coded tokens are one run: write them in place
-        dst = out[int(free[0]):int(free[-1]) + 1] if run else torch.empty((n, h, d), dtype=ctx.dtype)
+        run = _one_run(free)  # the coded tokens are one run: write them in place
+        dst = out[run] if run is not None else torch.empty((n, h, d), dtype=ctx.dtype)
         try:
             rope = None
             if v.rope is not None:
@@ -979,21 +980,19 @@ class KVCCodec(Codec):
             raise StreamError(f"{where}: kvc entropy stage: {e}") from None
         except FormatError as e:
             raise FormatError(f"{where}: {e}") from None
-        if not run:
+        if run is None:
             out[torch.from_numpy(~v.mask)] = dst
         return True
 
 
-def _coded_rows(mask: np.ndarray) -> Any:
-    """The index of the coded tokens (those ``mask`` leaves) along a tensor's first axis: a
-    slice where they are one run (the usual sinks-and-recent mask: indexing then copies nothing),
-    else the boolean array."""
-    idx = np.flatnonzero(~mask)
-    if not idx.size:
+def _one_run(free: np.ndarray) -> slice | None:
+    """The slice of a tensor's first axis that the coded tokens' positions ``free`` (ascending)
+    fill when they are one run (the usual sinks-and-recent mask; none is one too), else None."""
+    if not free.size:
         return slice(0, 0)
-    if int(idx[-1]) - int(idx[0]) + 1 == idx.size:
-        return slice(int(idx[0]), int(idx[-1]) + 1)
-    return ~mask
+    if int(free[-1]) - int(free[0]) + 1 == free.size:
+        return slice(int(free[0]), int(free[-1]) + 1)
+    return None
 
 
 def _centre(y: np.ndarray, mask: np.ndarray, rope: Any, centre: bool, float32_diff: bool
