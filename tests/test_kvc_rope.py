@@ -82,7 +82,8 @@ def _no_compiler() -> bool:
 @pytest.mark.skipif(_no_compiler(), reason="no C compiler on this machine")
 @pytest.mark.parametrize("n,h,d,r2,off,style", [(1536, 3, 64, 32, 0, "half"), (37, 2, 16, 4, 4, "interleaved"),
                                                 (5, 1, 8, 3, 2, "half"), (1, 2, 6, 3, 0, "interleaved"),
-                                                (300, 2, 80, 16, 8, "half")])
+                                                (300, 2, 80, 16, 8, "half"),
+                                                (3, 1, 1300, 600, 50, "half")])  # past KVN_ROPE_MAX_PAIRS
 def test_native_means_equal_the_reference_bit_for_bit(n, h, d, r2, off, style) -> None:
     """csrc/rope.c against the numpy references: random positions past 2**32, random steps,
     partial rotary, float32 and float16 K over many binades."""

@@ -316,6 +316,25 @@ def test_other_dtypes_and_chunks(tmp_path, dtype):
         assert torch.equal(r.read_layer(3, chunks=[1])["v"], chunked.layers[3]["v"][64:128])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_closed_loop_in_c_codes_the_references_bytes(tmp_path, monkeypatch, dtype):
+    """The encoder's residual, float16 widening and decoded-plus-prediction in C
+    (kvcodec.native.xpred) give the bytes of their numpy / torch references."""
+    import kvcodec.native.xpred as nx
+
+    cache = drifting_cache(dtype=dtype, t=130)
+    prof = profile_file(tmp_path / "p.safetensors", cache, kind="random")
+    codec = kvcodec.get_codec(cfg(prof, k_attn=1.0))
+    fast = codec.encode(cache), codec.encode(cache, tokens_per_chunk=64)
+
+    def unsupported(*a, **k):
+        raise native.Unsupported("the reference")
+
+    for name in ("residual", "prediction_sum", "widen"):
+        monkeypatch.setattr(nx, name, unsupported)
+    assert (codec.encode(cache), codec.encode(cache, tokens_per_chunk=64)) == fast
+
+
 def test_layers_without_a_predictor_are_coded_plain(tmp_path):
     cache = drifting_cache()
     prof = profile_file(tmp_path / "p.safetensors", cache, skip=(2,))
@@ -538,10 +557,10 @@ def test_threads_code_the_same_bytes_and_a_failure_stops_them(tmp_path, monkeypa
 
     real_residual = xpred.residual
 
-    def broken(x, pred, where):
+    def broken(x, pred, where, x32=None):
         if where == "layers.2.v":
             raise RuntimeError("boom")
-        return real_residual(x, pred, where)
+        return real_residual(x, pred, where, x32)
 
     monkeypatch.setattr(xpred, "residual", broken)
     monkeypatch.setattr(kc, "XPRED_ENCODE_THREADS", 2)

@@ -161,6 +161,51 @@ def test_float16_conversion_exact_against_torch(f16_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_xpred_residual_and_sum_equal_torch_bit_for_bit(dtype, f16_path):
+    """The encoder's closed loop in C (csrc/xpred.c kvn_xpred_residual, kvn_xpred_sum) against
+    torch's rounding: values of every binade, exact midpoints between neighbours of the dtype
+    (ties to even), sums that overflow it (the residual's flag), an odd count (the blocks'
+    tails), and float16's exact widening (kvcodec.native.xpred.widen)."""
+    from kvcodec.native import xpred as NX
+
+    rng = np.random.default_rng(7)
+    n = 3 * 1024 + 77
+    big = 60000.0 if dtype == torch.float16 else 3e38
+    top = 8 if dtype == torch.float16 else 10  # random sums stay inside float16's range
+    x = torch.from_numpy((rng.normal(size=n) * np.exp(rng.uniform(-12, top, n))).astype(np.float32))
+    x[:4] = torch.tensor([big, -big, 0.0, -0.0])
+    x = x.clamp(-big, big).to(dtype)
+    xf = x.float()
+    pred = (rng.normal(size=n) * np.exp(rng.uniform(-12, top, n))).astype(np.float32)
+    pred[:2] = [-big / 2, big / 2]  # x - pred overflows the dtype (float32: to infinity)
+    if dtype != torch.float32:  # exact midpoints: x - pred = x + half an ulp of x
+        ulp = (torch.nextafter(xf[4:500].to(dtype), torch.tensor(float("inf"), dtype=dtype)).float() - xf[4:500])
+        pred[4:500] = (-ulp / 2).numpy()
+    x32 = np.empty(n, np.float32)
+    r, finite = NX.residual(x, pred, x32)
+    want = (xf - torch.from_numpy(pred)).to(dtype)
+    assert r.dtype == dtype and torch.equal(r.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                            want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert np.array_equal(x32.view(np.uint32), xf.numpy().view(np.uint32))
+    assert finite is False and not bool(torch.isfinite(want).all())
+    r2, finite2 = NX.residual(x[2:], pred[2:])  # without the overflowing values
+    assert finite2 is True and torch.equal(r2.float(), want[2:].float())
+    out = np.empty(n, np.float32)
+    NX.prediction_sum(x, pred, out)
+    want_sum = (xf + torch.from_numpy(pred)).to(dtype).float().numpy()
+    assert np.array_equal(out.view(np.uint32), want_sum.view(np.uint32))
+    if dtype == torch.float16:
+        halves = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).reshape(256, 16, 16)
+        w = NX.widen(halves)
+        ref = halves.astype(np.float32)
+        fin = np.isfinite(ref)
+        assert w.shape == halves.shape and np.array_equal(w.view(np.uint32)[fin], ref.view(np.uint32)[fin])
+        assert np.array_equal(np.isnan(w), np.isnan(ref))
+    with pytest.raises(ValueError):
+        NX.residual(x, pred[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("axis,shape,group", [("channel", (37, 3, 24), 16), ("token", (29, 2, 40), 32),
                                              ("token", (5, 1, 7), 3), ("channel", (1, 2, 8), 64)])
 def test_intq_dequantize_matches_fast_path(dtype, axis, shape, group, f16_path):

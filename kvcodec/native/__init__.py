@@ -14,6 +14,9 @@ Rooms:
     intq      KIVI quantize/dequantize
     deadzone  dead-zone quantization and reconstruction sums
     tokens    CacheGen's per-token quantization and row-affine dequantization
+    rope      kvc's rotating means (turned and unturned channel means)
+    xpred     kvc's prediction across layers (the affine pass) and the encoder's closed loop
+              around it (residual, decoded plus prediction, float16 widening)
     kvc       kvc's escape split/join, dequantization and token-delta statistics, and
               ``kvc_decode``: a whole kvc tensor in one call (stage, join, steps, rotating
               means, dequantization; csrc/kvc_decode.c), which holds no Python lock

@@ -18,7 +18,7 @@ import ctypes
 import numpy as np
 
 #: Version of the C library's ABI (``kvn_abi_version()``; KVN_ABI_VERSION in csrc/kvn_common.h).
-ABI_VERSION = 26
+ABI_VERSION = 27
 
 # status codes (KVN_* in kvn_common.h)
 OK, ZERO_WORD, NOT_CONSUMED, NOMEM, BAD_SYMBOL, OVERFLOW = range(6)
@@ -75,6 +75,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "kvn_xpred_affine": ([_p, _i64, _i64, _p, _p, _i64, _p, _i], _i),
     "kvn_xpred_pass": ([_i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _p, _p, _p, _p, _p,
                         _p, _p, _i64, _i, _i], _i),
+    "kvn_xpred_residual": ([_p, _i, _p, _i64, _p, _p], _i),
+    "kvn_xpred_sum": ([_p, _i, _p, _i64, _p], None),
 }
 
 

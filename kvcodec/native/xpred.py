@@ -111,3 +111,74 @@ def xpred_pass(rows: tuple[int, int], inputs: list, rot_in: tuple | None, w: np.
     if rc == 0 and r1 > r0:
         raise Unsupported(f"this CPU has no {lanes}-lane kernel")
     return rc
+
+
+def widen(a: np.ndarray) -> np.ndarray:
+    """float16 values (numpy) widened exactly to a new float32 array of their shape (csrc/convert.c
+    ``kvn_convert``, with F16C where the CPU has it: numpy's own cast runs a scalar loop here).
+
+    Raises:
+        Unsupported: the native library is unavailable (the caller uses ``astype``).
+    """
+    from .abi import F_F16
+
+    lb = required()
+    if a.dtype != np.float16:
+        raise Unsupported("widen takes float16")
+    src = np.ascontiguousarray(a)
+    out = np.empty(src.shape, dtype=np.float32)
+    lb.kvn_convert(F_F16, 1, ptr(src), ptr(out), src.size)
+    return out
+
+
+def _cpu_kind(t) -> int:
+    """The C element kind of a contiguous CPU torch tensor (Unsupported for anything else)."""
+    from .abi import float_kind
+
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise Unsupported("a contiguous CPU tensor is needed")
+    try:
+        return float_kind(t.dtype)
+    except KeyError:
+        raise Unsupported(f"no C path for {t.dtype}") from None
+
+
+def residual(x, pred: np.ndarray, x32: np.ndarray | None = None):
+    """``(r, finite)``: ``r = dtype(float32(x) - pred)`` (torch, ``x``'s dtype and shape) and
+    whether every ``r`` is finite; with ``x32`` (float32, ``x``'s shape), ``float32(x)`` written
+    there too. csrc/xpred.c ``kvn_xpred_residual``; the reference is
+    :func:`kvcodec.codecs.kvc.xpred.residual`'s torch lines, bit for bit.
+
+    Raises:
+        Unsupported: the native library is unavailable, or ``x`` is not a contiguous CPU tensor
+            of float32, float16 or bfloat16.
+    """
+    import torch
+
+    lb = required()
+    kind = _cpu_kind(x)
+    p = np.ascontiguousarray(pred, dtype=np.float32)
+    if p.size != x.numel() or (x32 is not None and (x32.dtype != np.float32 or x32.size != x.numel()
+                                                     or not x32.flags.c_contiguous)):
+        raise ValueError("residual: pred (and x32) must have x's elements")
+    r = torch.empty_like(x)
+    ok = lb.kvn_xpred_residual(x.data_ptr(), kind, ptr(p), x.numel(), r.data_ptr(),
+                               None if x32 is None else ptr(x32))
+    return r, bool(ok)
+
+
+def prediction_sum(d, pred: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = float32(dtype(float32(d) + pred))`` (``d`` torch, ``out`` float32 numpy of its
+    elements, contiguous): a decoded residual plus its prediction as the decoder rounds it,
+    widened. csrc/xpred.c ``kvn_xpred_sum``; the reference is
+    :meth:`kvcodec.codecs.kvc.xpred.XPredEncoder.store_sum`'s torch lines, bit for bit.
+
+    Raises:
+        Unsupported: as :func:`residual`.
+    """
+    lb = required()
+    kind = _cpu_kind(d)
+    p = np.ascontiguousarray(pred, dtype=np.float32)
+    if p.size != d.numel() or out.dtype != np.float32 or out.size != d.numel() or not out.flags.c_contiguous:
+        raise ValueError("prediction_sum: pred and out must have d's elements (out float32, contiguous)")
+    lb.kvn_xpred_sum(d.data_ptr(), kind, ptr(p), d.numel(), ptr(out))

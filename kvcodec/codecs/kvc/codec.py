@@ -509,30 +509,31 @@ class KVCCodec(Codec):
         xp = ctx.state.get("xpred") if isinstance(ctx.state, dict) else None
         if xp is None:
             return self._encode_tensor(x, ctx)
-        from .xpred import as_float32, residual, to_dtype
+        from .xpred import as_float32, residual
 
         where = f"layers.{ctx.layer}.{ctx.role}"
         with xp.coding():
             rows = (ctx.start, ctx.start + x.shape[0])
-            pred = xp.prediction(ctx.layer, ctx.role, rows, where)
+            pred = xp.prediction(ctx.layer, ctx.role, rows, where)  # float32, this call's own
             if pred is not None:  # protected tokens are stored as they are: no prediction there
                 p = ctx.state.get("params", self.params)
                 t = x.shape[0]
                 s = min(p["sinks"], t)
-                pred = pred.copy()
                 pred[self._mask(ctx, s, min(p["recent"], t - s), where)] = 0.0
             if pred is None:
                 planes, codes, stage, means, steps = self._symbols(x, ctx)
             else:  # the residual, at the steps the tensor itself would get (its RMS, not the residual's)
+                x32 = np.empty(tuple(x.shape), dtype=np.float32)  # x widened, from the residual's pass
+                r = residual(x, pred, where, x32)
                 planes, codes, stage, means, steps = self._symbols(
-                    residual(x, pred, where), dataclasses.replace(ctx, state={**ctx.state, "scale_of": x}))
+                    r, dataclasses.replace(ctx, state={**ctx.state, "scale_of": x32}))
             # the values the decoder will have, from the codes (what decoding the planes gives)
-            dec = as_float32(xp.decoder.reconstruct(planes, codes, TensorContext(ctx.layer, ctx.role, ctx.shape,
-                                                                                 ctx.dtype, ctx.layer_kind,
-                                                                                 ctx.globals), means, steps))
-            if pred is not None:
-                dec = as_float32(to_dtype(dec + pred, ctx.dtype))
-            xp.store(ctx.layer, ctx.role, rows, dec)  # the next layer may start
+            dec = xp.decoder.reconstruct(planes, codes, TensorContext(ctx.layer, ctx.role, ctx.shape, ctx.dtype,
+                                                                      ctx.layer_kind, ctx.globals), means, steps)
+            if pred is None:
+                xp.store(ctx.layer, ctx.role, rows, as_float32(dec))  # the next layer may start
+            else:  # dtype(residual + prediction), as the decoder rounds it
+                xp.store_sum(ctx.layer, ctx.role, rows, dec, pred)
             enc = self._packed(self._staged(planes, stage))
             if pred is not None:
                 enc.params["xp"] = 1
@@ -604,9 +605,9 @@ class KVCCodec(Codec):
         run = _one_run(np.flatnonzero(~mask))
         coded = ~mask if run is None else run  # a slice copies nothing
         if from_f16:
-            # float16 values, widened exactly to float32 (numpy 2 converts as fast as torch, on
-            # this thread alone)
-            y = xn[coded].astype(np.float32)
+            # float16 values, widened exactly to float32 (in C with F16C where built: numpy's
+            # cast runs a scalar loop, 2-3 % of an encode)
+            y = _widen(xn[coded])
         elif xn is not None:  # float32
             y = xn[~mask]
         else:
@@ -619,9 +620,10 @@ class KVCCodec(Codec):
         # the signal whose RMS sets the steps: the coded one, or with prediction across layers the
         # tensor before the prediction (its RMS, centred alike; an orthonormal transform keeps it),
         # so the prediction saves bits and leaves the error where the level's steps put it
-        orig = ctx.state.get("scale_of") if isinstance(ctx.state, dict) else None
-        zs = z if orig is None else _centre(orig.detach().cpu().to(torch.float32).numpy()[coded], mask, rope,
-                                            centre, True)[1]  # (read only: a view may be the caller's)
+        orig = ctx.state.get("scale_of") if isinstance(ctx.state, dict) else None  # float32 numpy or torch
+        if orig is not None and not isinstance(orig, np.ndarray):
+            orig = orig.detach().cpu().to(torch.float32).numpy()
+        zs = z if orig is None else _centre(orig[coded], mask, rope, centre, True)[1]  # (reads orig only)
         if use_h:
             z = fwht(z)
         # squares of float16-range values summed in float32 cannot overflow (65504^2 * 2^31 <
@@ -983,6 +985,17 @@ class KVCCodec(Codec):
         if run is None:
             out[torch.from_numpy(~v.mask)] = dst
         return True
+
+
+def _widen(a: np.ndarray) -> np.ndarray:
+    """float16 values widened exactly to a new float32 array."""
+    from ...native import Unsupported
+    from ...native.xpred import widen
+
+    try:
+        return widen(a)
+    except Unsupported:
+        return a.astype(np.float32)
 
 
 def _one_run(free: np.ndarray) -> slice | None:

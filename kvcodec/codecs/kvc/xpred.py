@@ -452,11 +452,35 @@ class XPredEncoder:
                                           self.positions[a:b], where, role=role)[role]
 
     def store(self, layer: int, role: str, rows: tuple[int, int], value: np.ndarray) -> None:
+        """Layer ``layer``'s decoded ``role`` (float32) on token rows ``rows``: the next layer may
+        predict from them once every role is stored."""
+        self._slot(layer, role, value.shape[1:])[rows[0]:rows[1]] = value
+        self._mark(layer, role, rows)
+
+    def store_sum(self, layer: int, role: str, rows: tuple[int, int], dec: torch.Tensor, pred: np.ndarray) -> None:
+        """:meth:`store` of ``dtype(dec + pred)`` widened to float32 (``dec`` the decoded residual,
+        torch, of the cache's dtype; ``pred`` its prediction): what the decoder gets (step 4 of
+        the module docstring), written straight into the layer's float32 array in C where built."""
+        from ...native import Unsupported
+        from ...native.xpred import prediction_sum
+
+        slot = self._slot(layer, role, tuple(dec.shape[1:]))[rows[0]:rows[1]]
+        try:
+            prediction_sum(dec, pred, slot)
+        except Unsupported:
+            slot[...] = as_float32(to_dtype(as_float32(dec) + pred, dec.dtype))  # the reference
+        self._mark(layer, role, rows)
+
+    def _slot(self, layer: int, role: str, tail: tuple[int, ...]) -> np.ndarray:
+        """Layer ``layer``'s float32 ``[T, *tail]`` array of ``role`` (made on first use)."""
         with self.cond:
             d = self.decoded.setdefault(layer, {})
             if role not in d:
-                d[role] = np.empty((self.positions.shape[0],) + value.shape[1:], dtype=np.float32)
-            d[role][rows[0]:rows[1]] = value
+                d[role] = np.empty((self.positions.shape[0],) + tuple(tail), dtype=np.float32)
+            return d[role]
+
+    def _mark(self, layer: int, role: str, rows: tuple[int, int]) -> None:
+        with self.cond:
             st = self.stored.setdefault(layer, {})
             st.setdefault(role, set()).add(rows)
             t = self.positions.shape[0]
@@ -467,10 +491,21 @@ class XPredEncoder:
             self.cond.notify_all()
 
 
-def residual(x: torch.Tensor, pred: np.ndarray, where: str) -> torch.Tensor:
-    """The value the encoder codes: ``x - pred`` rounded to ``x``'s dtype."""
-    r = to_dtype(as_float32(x) - pred, x.dtype)
-    if r.numel() and not bool(torch.isfinite(r.abs().amax())):
+def residual(x: torch.Tensor, pred: np.ndarray, where: str, x32: np.ndarray | None = None) -> torch.Tensor:
+    """The value the encoder codes: ``x - pred`` rounded to ``x``'s dtype (in C where built, the
+    same bits); with ``x32`` (float32, ``x``'s shape), ``x`` widened to float32 is written there."""
+    from ...native import Unsupported
+    from ...native.xpred import residual as native_residual
+
+    try:
+        r, finite = native_residual(x, pred, x32)
+    except Unsupported:  # the reference
+        xf = as_float32(x)
+        if x32 is not None:
+            x32[...] = xf
+        r = to_dtype(xf - pred, x.dtype)
+        finite = not r.numel() or bool(torch.isfinite(r.abs().amax()))
+    if not finite:
         raise InputError(f"{where}: the residual after the cross-layer prediction overflows {x.dtype}; "
                          f"encode with xpred 0")
     return r

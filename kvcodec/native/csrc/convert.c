@@ -82,12 +82,12 @@ KVN_INTERNAL void load_row(float* dst, const void* src, int kind, int64_t o, int
   }
 }
 
-/* Conversions for tests: kind F_F16 / F_BF16, float32 -> bits (dir 0, through store_row: the
- * path the decoders use) or bits -> float32 (dir 1). */
+/* Conversions: kind F_F16 / F_BF16, float32 -> bits (dir 0, through store_row: the path the
+ * decoders use) or bits -> float32 (dir 1, through load_row: exact; kvcodec.native.widen). */
 void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
   if (dir == 0) {
     store_row(out, kind, 0, (const float*)in, n);
     return;
   }
-  for (int64_t i = 0; i < n; ++i) ((float*)out)[i] = load_f(in, kind, i);
+  load_row((float*)out, in, kind, 0, n);
 }

@@ -48,7 +48,7 @@ typedef struct {
 
 /* Version of the functions' signatures; kvcodec/native/abi.py's ABI_VERSION must equal it (the
  * loader checks kvn_abi_version()). Bump both when a signature changes. */
-#define KVN_ABI_VERSION 26
+#define KVN_ABI_VERSION 27
 
 /* Functions shared between units but not part of the ABI: hidden from the library's exports. */
 #if defined(__GNUC__) || defined(__clang__)
@@ -169,11 +169,34 @@ static inline float clampf(float v, float m) { return v > m ? m : (v < -m ? -m :
  * pair j is (p mod 2^32) * steps[j] mod 2^32, its top sin_bits bits index sintab (a quarter turn
  * on for the cosine); style 0 pairs (roff + j, roff + r2 + j), 1 pairs (roff + 2j, roff + 2j + 1);
  * float32 products rounded one by one (-ffp-contract=off). Shared by kvc_decode.c and rope.c. */
+#define KVN_ROPE_MAX_PAIRS 512
 static inline void rotate_mean_row(const float* mean, int64_t H, int64_t D, int64_t pos, const uint32_t* steps,
                                    int64_t r2, int64_t roff, int style, const float* sintab, int64_t sin_bits,
                                    float* out) {
   const uint32_t nsin = 1u << sin_bits, quarter = 1u << (sin_bits - 2), sh = (uint32_t)(32 - sin_bits);
   const uint64_t p = (uint64_t)(uint32_t)pos;
+  if (style == 0 && r2 <= KVN_ROPE_MAX_PAIRS) {
+    /* the phases first, then each head's pairs in one loop over j that vectorises (the same
+       products and sums, element by element, as the general loop below) */
+    float cs[KVN_ROPE_MAX_PAIRS], sn[KVN_ROPE_MAX_PAIRS];
+    for (int64_t j = 0; j < r2; ++j) {
+      const uint32_t i = (uint32_t)(p * (uint64_t)steps[j]) >> sh;
+      cs[j] = sintab[(i + quarter) & (nsin - 1)];
+      sn[j] = sintab[i];
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const float* ma = mean + h * D + roff;
+      const float* mb = ma + r2;
+      float* oa = out + h * D + roff;
+      float* ob = oa + r2;
+      for (int64_t j = 0; j < r2; ++j) {
+        const float x = ma[j] * cs[j], y = mb[j] * sn[j], z = mb[j] * cs[j], w = ma[j] * sn[j];
+        oa[j] = x - y;
+        ob[j] = z + w;
+      }
+    }
+    return;
+  }
   for (int64_t j = 0; j < r2; ++j) {
     const uint32_t i = (uint32_t)(p * (uint64_t)steps[j]) >> sh;
     const float c = sintab[(i + quarter) & (nsin - 1)], s = sintab[i];

@@ -46,8 +46,8 @@ void kvn_unrotated_mean(const void *k, int kind, int64_t n, int64_t H, int64_t D
         const uint64_t p = (uint64_t)(uint32_t)pos[t];
         for (int64_t j = 0; j < r2; j++) {
             const uint32_t i = (uint32_t)(p * (uint64_t)steps[j]) >> sh;
-            cs[2 * j] = (double)sintab[(i + quarter) & (nsin - 1)];
-            cs[2 * j + 1] = (double)sintab[i];
+            cs[j] = (double)sintab[(i + quarter) & (nsin - 1)];
+            cs[r2 + j] = (double)sintab[i];
         }
         double *acc = out;
         if (t == 0) { /* numpy's reduction starts from the first token's values */
@@ -57,7 +57,7 @@ void kvn_unrotated_mean(const void *k, int kind, int64_t n, int64_t H, int64_t D
                 for (int64_t j = 0; j < r2; j++) {
                     int64_t a, b;
                     pair_of(j, r2, roff, style, &a, &b);
-                    const double xa = row[h * D + a], xb = row[h * D + b], c = cs[2 * j], s = cs[2 * j + 1];
+                    const double xa = row[h * D + a], xb = row[h * D + b], c = cs[j], s = cs[r2 + j];
                     const double u = xa * c, v = xb * s, w = xb * c, z = xa * s;
                     acc[h * D + a] = u + v;
                     acc[h * D + b] = w - z;
@@ -67,14 +67,27 @@ void kvn_unrotated_mean(const void *k, int kind, int64_t n, int64_t H, int64_t D
         for (int64_t h = 0; h < H; h++) {
             const float *x = row + h * D;
             double *o = acc + h * D;
-            int64_t j = 0;
-            for (int64_t e = 0; e < D; e++) /* channels outside the pairs: summed as they are */
-                if (r2 == 0 || e < roff || e >= roff + 2 * r2)
-                    o[e] = o[e] + (double)x[e];
-            for (j = 0; j < r2; j++) {
+            /* channels outside the pairs: summed as they are */
+            const int64_t p0 = r2 ? roff : D, p1 = r2 ? roff + 2 * r2 : D;
+            for (int64_t e = 0; e < p0; e++)
+                o[e] = o[e] + (double)x[e];
+            for (int64_t e = p1; e < D; e++)
+                o[e] = o[e] + (double)x[e];
+            if (style == 0) { /* pairs (roff + j, roff + r2 + j): one loop over j that vectorises */
+                const float *xa = x + roff, *xb = xa + r2;
+                double *oa = o + roff, *ob = oa + r2;
+                for (int64_t j = 0; j < r2; j++) {
+                    const double a = xa[j], b = xb[j], c = cs[j], s = cs[r2 + j];
+                    const double u = a * c, v = b * s, w = b * c, z = a * s;
+                    oa[j] = oa[j] + (u + v);
+                    ob[j] = ob[j] + (w - z);
+                }
+                continue;
+            }
+            for (int64_t j = 0; j < r2; j++) {
                 int64_t a, b;
                 pair_of(j, r2, roff, style, &a, &b);
-                const double xa = x[a], xb = x[b], c = cs[2 * j], s = cs[2 * j + 1];
+                const double xa = x[a], xb = x[b], c = cs[j], s = cs[r2 + j];
                 const double u = xa * c, v = xb * s, w = xb * c, z = xa * s;
                 o[a] = o[a] + (u + v);
                 o[b] = o[b] + (w - z);

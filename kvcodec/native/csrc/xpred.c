@@ -347,3 +347,63 @@ int kvn_xpred_pass(int64_t r0, int64_t r1, int64_t n_in, const int64_t *in_ptr, 
     free(xb);
     return used;
 }
+
+/* The encoder's closed loop around a prediction, one pass each (kvcodec.codecs.kvc.xpred
+ * residual and XPredEncoder.store_sum; their references are the numpy / torch lines beside
+ * them): values in blocks of XP_BLOCK through float32 scratch, converted with load_row /
+ * store_row (exact widening; rounding to nearest, ties to even). */
+#define XP_BLOCK 1024
+
+/* Whether the n values of kind `kind` at v are all finite. */
+static int all_finite(const void *v, int kind, int64_t n)
+{
+    int bad = 0;
+    if (kind == F_F32) {
+        const uint32_t *u = (const uint32_t *)v;
+        for (int64_t i = 0; i < n; ++i) bad |= (u[i] & 0x7f800000u) == 0x7f800000u;
+    } else {
+        const uint16_t *u = (const uint16_t *)v;
+        const uint16_t e = kind == F_F16 ? 0x7c00u : 0x7f80u;
+        for (int64_t i = 0; i < n; ++i) bad |= (u[i] & e) == e;
+    }
+    return !bad;
+}
+
+/* r = kind(float32(x) - pred) for n values (x and r of element kind `kind`), and float32(x) into
+ * x32 where it is not NULL. Returns 1 if every r is finite, else 0. */
+int kvn_xpred_residual(const void *x, int kind, const float *pred, int64_t n, void *r, float *x32)
+{
+    float buf[XP_BLOCK];
+    int ok = 1;
+    for (int64_t o = 0; o < n; o += XP_BLOCK) {
+        const int64_t m = n - o < XP_BLOCK ? n - o : XP_BLOCK;
+        float *v = x32 ? x32 + o : buf;
+        load_row(v, x, kind, o, m);
+        if (x32) {
+            for (int64_t i = 0; i < m; ++i) buf[i] = v[i] - pred[o + i];
+        } else {
+            for (int64_t i = 0; i < m; ++i) buf[i] -= pred[o + i];
+        }
+        store_row(r, kind, o, buf, m);
+        ok &= all_finite(kind == F_F32 ? (const void *)((const float *)r + o) : (const void *)((const uint16_t *)r + o),
+                         kind, m);
+    }
+    return ok;
+}
+
+/* out = float32(kind(float32(d) + pred)) for n values of kind `kind` at d: a decoded residual
+ * plus its prediction, as the decoder rounds it, widened for the next layer's prediction. */
+void kvn_xpred_sum(const void *d, int kind, const float *pred, int64_t n, float *out)
+{
+    uint16_t h[XP_BLOCK];
+    for (int64_t o = 0; o < n; o += XP_BLOCK) {
+        const int64_t m = n - o < XP_BLOCK ? n - o : XP_BLOCK;
+        float *v = out + o;
+        load_row(v, d, kind, o, m);
+        for (int64_t i = 0; i < m; ++i) v[i] += pred[o + i];
+        if (kind != F_F32) {
+            store_row(h, kind, 0, v, m);
+            load_row(v, h, kind, 0, m);
+        }
+    }
+}
