@@ -320,6 +320,7 @@ def test_other_dtypes_and_chunks(tmp_path, dtype):
 def test_the_closed_loop_in_c_codes_the_references_bytes(tmp_path, monkeypatch, dtype):
     """The encoder's residual, float16 widening and decoded-plus-prediction in C
     (kvcodec.native.xpred) give the bytes of their numpy / torch references."""
+    import kvcodec.native.convert as nc
     import kvcodec.native.xpred as nx
 
     cache = drifting_cache(dtype=dtype, t=130)
@@ -330,8 +331,8 @@ def test_the_closed_loop_in_c_codes_the_references_bytes(tmp_path, monkeypatch, 
     def unsupported(*a, **k):
         raise native.Unsupported("the reference")
 
-    for name in ("residual", "prediction_sum", "widen"):
-        monkeypatch.setattr(nx, name, unsupported)
+    for mod, name in ((nx, "residual"), (nx, "prediction_sum"), (nc, "widen")):
+        monkeypatch.setattr(mod, name, unsupported)
     assert (codec.encode(cache), codec.encode(cache, tokens_per_chunk=64)) == fast
 
 

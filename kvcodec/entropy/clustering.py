@@ -42,6 +42,18 @@ def _member_sums(h: np.ndarray, assign: np.ndarray, k: int) -> tuple[np.ndarray,
     return sums, np.bincount(assign, minlength=k) > 0
 
 
+def _native_step(h: np.ndarray, k: int) -> "object | None":
+    """:class:`kvcodec.native.tables.ClusterUpdate` for ``h`` and ``k``, or None (no native coder:
+    numpy's argmax and :func:`_member_sums`, the same result)."""
+    from .. import native
+    from ..native.tables import ClusterUpdate
+
+    try:
+        return ClusterUpdate(h, k)
+    except native.Unsupported:
+        return None
+
+
 def _cluster_tables(hist: np.ndarray, k: int, precision: int) -> tuple[np.ndarray, np.ndarray]:
     """KL k-means of row histograms into ``k`` shared tables (deterministic).
 
@@ -55,15 +67,21 @@ def _cluster_tables(hist: np.ndarray, k: int, precision: int) -> tuple[np.ndarra
     mean = (h @ np.arange(a, dtype=np.float64)) / np.maximum(h.sum(1), 1)
     order = np.lexsort((np.arange(r), mean))
     centers = h[order[np.linspace(0, r - 1, k).round().astype(int)]] + 0.5
+    step = _native_step(h, k)
     assign = np.zeros(r, dtype=np.int64)
     for _ in range(8):
         q = centers / centers.sum(1, keepdims=True)
         gain = h @ np.log(q).T  # [r, k]: minus each row's code length with each table (in nats)
-        new = gain.argmax(1)
-        if _ and (new == assign).all():
-            break
-        assign = new
-        sums, used = _member_sums(h, assign, k)  # (the first pass always gets here)
+        if step is not None:  # argmax, the test and the member sums in one C call
+            if not step(gain, first=not _):
+                break
+            assign, sums, used = step.assign, step.sums, step.used
+        else:
+            new = gain.argmax(1)
+            if _ and (new == assign).all():
+                break
+            assign = new
+            sums, used = _member_sums(h, assign, k)  # (the first pass always gets here)
         centers = np.where(used[:, None], sums + 0.5, centers)
     # sums and used are those of the final assignment; empty clusters keep a table (from all
     # rows) so every chunk's set has exactly k tables

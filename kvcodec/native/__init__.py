@@ -9,6 +9,7 @@ runs the references (constriction, numpy, torch) with the same results.
 Rooms:
     build     compile, cache, load; :func:`lib`, :func:`available`, :func:`status`
     abi       ABI version, status codes and the one signature table of every ``kvn_*`` function
+    convert   float16 widened to float32 (F16C where the CPU has it)
     ans       ANS stage encode/decode, symbol histograms (plain and per magnitude context)
     tables    the stage's table clustering (member sums)
     intq      KIVI quantize/dequantize
@@ -16,7 +17,7 @@ Rooms:
     tokens    CacheGen's per-token quantization and row-affine dequantization
     rope      kvc's rotating means (turned and unturned channel means)
     xpred     kvc's prediction across layers (the affine pass) and the encoder's closed loop
-              around it (residual, decoded plus prediction, float16 widening)
+              around it (residual, decoded plus prediction)
     kvc       kvc's escape split/join, dequantization and token-delta statistics, and
               ``kvc_decode``: a whole kvc tensor in one call (stage, join, steps, rotating
               means, dequantization; csrc/kvc_decode.c), which holds no Python lock

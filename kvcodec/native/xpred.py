@@ -113,24 +113,6 @@ def xpred_pass(rows: tuple[int, int], inputs: list, rot_in: tuple | None, w: np.
     return rc
 
 
-def widen(a: np.ndarray) -> np.ndarray:
-    """float16 values (numpy) widened exactly to a new float32 array of their shape (csrc/convert.c
-    ``kvn_convert``, with F16C where the CPU has it: numpy's own cast runs a scalar loop here).
-
-    Raises:
-        Unsupported: the native library is unavailable (the caller uses ``astype``).
-    """
-    from .abi import F_F16
-
-    lb = required()
-    if a.dtype != np.float16:
-        raise Unsupported("widen takes float16")
-    src = np.ascontiguousarray(a)
-    out = np.empty(src.shape, dtype=np.float32)
-    lb.kvn_convert(F_F16, 1, ptr(src), ptr(out), src.size)
-    return out
-
-
 def _cpu_kind(t) -> int:
     """The C element kind of a contiguous CPU torch tensor (Unsupported for anything else)."""
     from .abi import float_kind

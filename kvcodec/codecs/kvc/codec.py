@@ -990,7 +990,7 @@ class KVCCodec(Codec):
 def _widen(a: np.ndarray) -> np.ndarray:
     """float16 values widened exactly to a new float32 array."""
     from ...native import Unsupported
-    from ...native.xpred import widen
+    from ...native.convert import widen
 
     try:
         return widen(a)

@@ -1,6 +1,6 @@
 /* convert.c -- float16 / bfloat16 / float32 rows (store_row, load_row, shared by the
  * quantization and dequantization units), the F16C hardware path and its switch
- * (kvn_set_hw_f16), and kvn_convert, the conversions' entry point for tests.
+ * (kvn_set_hw_f16), kvn_convert (the conversions' entry point) and all_finite.
  */
 #include "kvn_common.h"
 
@@ -83,11 +83,26 @@ KVN_INTERNAL void load_row(float* dst, const void* src, int kind, int64_t o, int
 }
 
 /* Conversions: kind F_F16 / F_BF16, float32 -> bits (dir 0, through store_row: the path the
- * decoders use) or bits -> float32 (dir 1, through load_row: exact; kvcodec.native.widen). */
+ * decoders use) or bits -> float32 (dir 1, through load_row: exact; kvcodec.native.convert.widen). */
 void kvn_convert(int kind, int dir, const void* in, void* out, int64_t n) {
   if (dir == 0) {
     store_row(out, kind, 0, (const float*)in, n);
     return;
   }
   load_row((float*)out, in, kind, 0, n);
+}
+
+/* 1 if the n values of kind `kind` (F_F32 / F_F16 / F_BF16) at v are all finite, else 0: the
+ * exponent bits tested on the values' bits (one loop that vectorises). */
+KVN_INTERNAL int all_finite(const void* v, int kind, int64_t n) {
+  int bad = 0;
+  if (kind == F_F32) {
+    const uint32_t* u = (const uint32_t*)v;
+    for (int64_t i = 0; i < n; ++i) bad |= (u[i] & 0x7f800000u) == 0x7f800000u;
+  } else {
+    const uint16_t* u = (const uint16_t*)v;
+    const uint16_t e = kind == F_F16 ? 0x7c00u : 0x7f80u;
+    for (int64_t i = 0; i < n; ++i) bad |= (u[i] & e) == e;
+  }
+  return !bad;
 }

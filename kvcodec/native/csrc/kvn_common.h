@@ -48,7 +48,7 @@ typedef struct {
 
 /* Version of the functions' signatures; kvcodec/native/abi.py's ABI_VERSION must equal it (the
  * loader checks kvn_abi_version()). Bump both when a signature changes. */
-#define KVN_ABI_VERSION 27
+#define KVN_ABI_VERSION 29
 
 /* Functions shared between units but not part of the ABI: hidden from the library's exports. */
 #if defined(__GNUC__) || defined(__clang__)
@@ -214,6 +214,7 @@ static inline void rotate_mean_row(const float* mean, int64_t H, int64_t D, int6
  * where the CPU has them (the same bits as the portable code; kvn_set_hw_f16 switches). */
 KVN_INTERNAL void store_row(void* out, int kind, int64_t o, const float* src, int64_t n);
 KVN_INTERNAL void load_row(float* dst, const void* src, int kind, int64_t o, int64_t n);
+KVN_INTERNAL int all_finite(const void* v, int kind, int64_t n);
 /* kvc.c, shared with kvc_decode.c: kvn_escape_join's int32 output, and one row of
  * kvn_kvc_dequant's arithmetic from int32 codes */
 KVN_INTERNAL int escape_join_i32(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const int64_t* esc,

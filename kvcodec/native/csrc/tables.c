@@ -16,3 +16,28 @@ void kvn_member_sums(const double* h, int64_t r, int64_t a, const int64_t* assig
     for (int64_t c = 0; c < a; ++c) sj[c] += hi[c];
   }
 }
+
+/* One step of the table clustering after its gains (kvcodec.entropy.clustering._cluster_tables):
+ * each row's cheapest table, new[i] = the first j of the largest gain[i, j] (numpy's argmax;
+ * gains are finite), into assign; then, where that changed assign or `first` is set, the
+ * member sums and used flags of the new assignment (kvn_member_sums). Returns 1 if it did so,
+ * 0 if the assignment stood (sums and used are then left as they were: those of this
+ * assignment). */
+int kvn_cluster_update(const double* gain, int64_t r, int64_t k, const double* h, int64_t a, int64_t* assign,
+                       int first, double* sums, uint8_t* used) {
+  int changed = first;
+  for (int64_t i = 0; i < r; ++i) {
+    const double* g = gain + i * k;
+    int64_t best = 0;
+    double top = g[0];
+    for (int64_t j = 1; j < k; ++j)
+      if (g[j] > top) {
+        top = g[j];
+        best = j;
+      }
+    changed |= assign[i] != best;
+    assign[i] = best;
+  }
+  if (changed) kvn_member_sums(h, r, a, assign, k, sums, used);
+  return changed;
+}

@@ -354,21 +354,6 @@ int kvn_xpred_pass(int64_t r0, int64_t r1, int64_t n_in, const int64_t *in_ptr, 
  * store_row (exact widening; rounding to nearest, ties to even). */
 #define XP_BLOCK 1024
 
-/* Whether the n values of kind `kind` at v are all finite. */
-static int all_finite(const void *v, int kind, int64_t n)
-{
-    int bad = 0;
-    if (kind == F_F32) {
-        const uint32_t *u = (const uint32_t *)v;
-        for (int64_t i = 0; i < n; ++i) bad |= (u[i] & 0x7f800000u) == 0x7f800000u;
-    } else {
-        const uint16_t *u = (const uint16_t *)v;
-        const uint16_t e = kind == F_F16 ? 0x7c00u : 0x7f80u;
-        for (int64_t i = 0; i < n; ++i) bad |= (u[i] & e) == e;
-    }
-    return !bad;
-}
-
 /* r = kind(float32(x) - pred) for n values (x and r of element kind `kind`), and float32(x) into
  * x32 where it is not NULL. Returns 1 if every r is finite, else 0. */
 int kvn_xpred_residual(const void *x, int kind, const float *pred, int64_t n, void *r, float *x32)
