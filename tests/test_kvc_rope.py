@@ -102,7 +102,14 @@ def test_native_means_equal_the_reference_bit_for_bit(n, h, d, r2, off, style) -
         assert np.array_equal(a.view(np.uint64), b.view(np.uint64)), dt
     mu = (rng.normal(size=(h, d)) * 10).astype(np.float32)
     a = NR.rotated_means(mu, pos, steps, off, style, R.sin_table())
-    assert np.array_equal(a.view(np.uint32), R.rotated_means_reference(mu, pos, steps, off, style).view(np.uint32))
+    ref = R.rotated_means_reference(mu, pos, steps, off, style)
+    assert np.array_equal(a.view(np.uint32), ref.view(np.uint32))
+    y = (rng.normal(size=(n, h, d)) * np.exp(rng.uniform(-5, 5, (n, h, d)))).astype(np.float32)
+    z, rot = NR.rope_centre(y, mu, pos, steps, off, style, R.sin_table())
+    assert np.array_equal(rot.view(np.uint32), ref.view(np.uint32))
+    assert np.array_equal(z.view(np.uint32), (y - ref).view(np.uint32))
+    z2, none = R.rope_centred(y, mu, pos, steps, off, style, keep_rot=False)
+    assert none is None and np.array_equal(z2.view(np.uint32), z.view(np.uint32))
     c, s = R.cos_sin(pos, steps)
     assert not c.flags.writeable and R.cos_sin(pos, steps)[0] is c  # kept for the next layer
     with pytest.raises(ValueError):
@@ -281,3 +288,24 @@ def test_a_table_wider_than_the_pairs_decodes(calib: str) -> None:
     blob = codec.encode(_cache(np.random.default_rng(12)))
     res = decode_paths(_edit(blob, widen))
     assert disagreement(res) is None and res["fallback"] == decode_paths(blob)["fallback"], res
+
+
+def test_rope_centred_without_the_native_library_gives_the_same_bits(monkeypatch) -> None:
+    from kvcodec import native
+    from kvcodec.native import rope as NR
+
+    rng = np.random.default_rng(5)
+    pos = rng.integers(0, 2**33, 50)
+    steps = rng.integers(0, 2**32, 8).astype(np.uint32)
+    y = rng.normal(size=(50, 2, 16)).astype(np.float32) * 30
+    mu = rng.normal(size=(2, 16)).astype(np.float32)
+    fast = R.rope_centred(y, mu, pos, steps, 0, "half")
+
+    def unsupported(*a, **k):
+        raise native.Unsupported("the reference")
+
+    monkeypatch.setattr(NR, "rope_centre", unsupported)
+    monkeypatch.setattr(NR, "rotated_means", unsupported)
+    ref = R.rope_centred(y, mu, pos, steps, 0, "half")
+    for a, b in zip(fast, ref):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))

@@ -18,7 +18,7 @@ import ctypes
 import numpy as np
 
 #: Version of the C library's ABI (``kvn_abi_version()``; KVN_ABI_VERSION in csrc/kvn_common.h).
-ABI_VERSION = 29
+ABI_VERSION = 30
 
 # status codes (KVN_* in kvn_common.h)
 OK, ZERO_WORD, NOT_CONSUMED, NOMEM, BAD_SYMBOL, OVERFLOW = range(6)
@@ -69,6 +69,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     # rope.c
     "kvn_rotated_means": ([_p, _i64, _i64, _i64, _p, _p, _i64, _i64, _i, _p, _i64, _p], None),
     "kvn_unrotated_mean": ([_p, _i, _i64, _i64, _i64, _p, _p, _i64, _i64, _i, _p, _i64, _p], None),
+    "kvn_rope_centre": ([_p, _p, _i64, _i64, _i64, _p, _p, _i64, _i64, _i, _p, _i64, _p, _p], None),
     # tables.c
     "kvn_member_sums": ([_p, _i64, _i64, _p, _i64, _p, _p], None),
     "kvn_cluster_update": ([_p, _i64, _i64, _p, _i64, _p, _i, _p, _p], _i),

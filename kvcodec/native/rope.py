@@ -44,6 +44,26 @@ def rotated_means(mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offs
     return out
 
 
+def rope_centre(y: np.ndarray, mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offset: int, style: str,
+                table: np.ndarray, keep_rot: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(y - R(p) mu, R(p) mu or None)`` for float32 ``y`` ``[n, H, D]`` and ``mu`` ``[H, D]``
+    (float32 ``[n, H, D]`` each; the rotated means only with ``keep_rot``), in one pass."""
+    lb = required()
+    m = np.ascontiguousarray(mu, dtype=np.float32)
+    h, d = m.shape
+    x = np.ascontiguousarray(y)
+    if x.dtype != np.float32 or x.shape[1:] != (h, d):
+        raise ValueError(f"rope_centre: float32 [n, {h}, {d}] values expected")
+    n = x.shape[0]
+    pos, st = _args(positions, steps, offset, style, d, n)
+    z = np.empty((n, h, d), dtype=np.float32)
+    rot = np.empty((n, h, d), dtype=np.float32) if keep_rot else None
+    tab, bits = _table(table)
+    lb.kvn_rope_centre(ptr(x), ptr(m), n, h, d, ptr(pos), ptr(st), st.size, int(offset), _STYLE[style], ptr(tab),
+                       bits, ptr(z), None if rot is None else ptr(rot))
+    return z, rot
+
+
 def unrotated_mean(k: np.ndarray, positions: np.ndarray, steps: np.ndarray, offset: int, style: str,
                    table: np.ndarray) -> np.ndarray:
     """The mean over tokens of ``R(p)^-1 k`` (float64 ``[H, D]``) for float32 or float16 ``k``

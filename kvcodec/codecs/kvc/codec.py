@@ -38,7 +38,8 @@ from ...transforms.allocation import weighted_steps
 from .calibration import Calibration, QueryStats, attention_estimate
 from .profile import parse_profile, steps_for_target
 from .plan import _layer_calib
-from ...transforms.rope import STYLES, layer_rotates, phase_steps, rotated_means, sin_table, unrotated_mean
+from ...transforms.rope import (STYLES, layer_rotates, phase_steps, rope_centred, rotated_means, sin_table,
+                                unrotated_mean)
 from .sinks import detect_sinks
 from .steps import _attn_factor, _checked_codes, _checked_recon, _quantize_tokens, _sens_multipliers, recency_factor, token_steps
 from .symbols import _narrowest, _stage, delta_rows, escape_join, pred_mask, running_sums, split_tokens
@@ -623,7 +624,7 @@ class KVCCodec(Codec):
         orig = ctx.state.get("scale_of") if isinstance(ctx.state, dict) else None  # float32 numpy or torch
         if orig is not None and not isinstance(orig, np.ndarray):
             orig = orig.detach().cpu().to(torch.float32).numpy()
-        zs = z if orig is None else _centre(orig[coded], mask, rope, centre, True)[1]  # (reads orig only)
+        zs = z if orig is None else _centre(orig[coded], mask, rope, centre, True, keep_rot=False)[1]
         if use_h:
             z = fwht(z)
         # squares of float16-range values summed in float32 cannot overflow (65504^2 * 2^31 <
@@ -1008,23 +1009,25 @@ def _one_run(free: np.ndarray) -> slice | None:
     return None
 
 
-def _centre(y: np.ndarray, mask: np.ndarray, rope: Any, centre: bool, float32_diff: bool
-            ) -> tuple[np.ndarray, np.ndarray]:
+def _centre(y: np.ndarray, mask: np.ndarray, rope: Any, centre: bool, float32_diff: bool, keep_rot: bool = True
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The coded tokens ``y`` (those ``mask`` leaves) centred as kvc codes them: ``(mean float64
     [H, D] as side[0] holds it, z float32 [n, H, D], the rotating means float32 [n, H, D] that
     were subtracted, or None)``. With ``rope`` (:func:`_tensor_rope`)
     rotating means: the channel means before RoPE, turned to each coded token's position (the
-    decoder's float32 values, kvcodec.transforms.rope), subtracted in float32; else the channel
-    means (``centre``) or none, subtracted in float32 when ``float32_diff`` (float16 values and
-    float16-rounded means: their difference is exact in float64, so one float32 subtraction
-    rounds it exactly as the float64 route would), else in float64."""
+    decoder's float32 values, kvcodec.transforms.rope), subtracted in float32 (one C pass; the
+    rotating means returned only with ``keep_rot``); else the channel means (``centre``) or none,
+    subtracted in float32 when ``float32_diff`` (float16 values and float16-rounded means: their
+    difference is exact in float64, so one float32 subtraction rounds it exactly as the float64
+    route would), else in float64."""
     if rope is not None:
         (_, off, sty, _), steps = rope
         pos = np.flatnonzero(~mask)
         mean = np.clip(unrotated_mean(y, pos, steps, off, STYLES[sty]), -65504.0, 65504.0)
         mean = mean.astype(np.float16).astype(np.float64)  # what side[0] holds
-        rot = rotated_means(mean.astype(np.float32), pos, steps, off, STYLES[sty])
-        return mean, np.subtract(y.astype(np.float32, copy=False), rot), rot  # float32 - float32: float32
+        z, rot = rope_centred(y.astype(np.float32, copy=False), mean.astype(np.float32), pos, steps, off, STYLES[sty],
+                              keep_rot)
+        return mean, z, rot
     mean = channel_means(y) if centre else np.zeros(y.shape[1:])
     if float32_diff:
         return mean, y - mean.astype(np.float32)[None], None

@@ -100,3 +100,29 @@ void kvn_unrotated_mean(const void *k, int kind, int64_t n, int64_t H, int64_t D
     free(row);
     free(cs);
 }
+
+/* y float32 [n, H, D] -> z = y - R(pos[t]) mu (float32, one rounding per element), and the
+ * rotated means themselves into rot where it is not NULL: kvn_rotated_means and the encoder's
+ * subtraction in one pass (kvcodec.transforms.rope.rope_centred). */
+void kvn_rope_centre(const float *y, const float *mu, int64_t n, int64_t H, int64_t D, const int64_t *pos,
+                     const uint32_t *steps, int64_t r2, int64_t roff, int style, const float *sintab, int64_t sin_bits,
+                     float *z, float *rot)
+{
+    const int64_t hd = H * D;
+    float *scratch = rot ? NULL : (float *)malloc(sizeof(float) * (size_t)(hd > 0 ? hd : 1));
+    if (!rot && !scratch) { /* no memory: NaN, which no caller's values can hold */
+        for (int64_t e = 0; e < n * hd; e++)
+            z[e] = NAN;
+        return;
+    }
+    for (int64_t t = 0; t < n; t++) {
+        float *r = rot ? rot + t * hd : scratch;
+        memcpy(r, mu, sizeof(float) * (size_t)hd);
+        rotate_mean_row(mu, H, D, pos[t], steps, r2, roff, style, sintab, sin_bits, r);
+        const float *yt = y + t * hd;
+        float *zt = z + t * hd;
+        for (int64_t e = 0; e < hd; e++)
+            zt[e] = yt[e] - r[e];
+    }
+    free(scratch);
+}
