@@ -172,9 +172,9 @@ def test_table_clustering_step_equals_numpy(seed, monkeypatch):
     hist = rng.integers(0, 50, (r, a)) * (rng.random((r, a)) < 0.6)
     hist[: r // 3] = hist[0]  # a third of the rows alike
     fast = clustering._cluster_tables(hist, min(k, r), 12)
-    step = clustering._native_step(hist.astype(np.float64), min(k, r))
+    step = clustering._native_step(hist.astype(np.float64), min(k, r), np.ones((min(k, r), a)))
     assert step is not None
-    monkeypatch.setattr(clustering, "_native_step", lambda h, k: None)
+    monkeypatch.setattr(clustering, "_native_step", lambda h, k, c: None)
     ref = clustering._cluster_tables(hist, min(k, r), 12)
     assert np.array_equal(fast[0], ref[0]) and np.array_equal(fast[1], ref[1])
     with pytest.raises(ValueError):
