@@ -8,8 +8,8 @@ head_dim 256, MQA, a different RoPE base on local and global layers), Mistral an
 (NoPE every fourth layer), EXAONE 4 (QK-norm, sliding layers with RoPE and a global one without),
 OLMo 3 (sliding and full layers), Granite (attention scaled by a multiplier), GPT-J (interleaved
 partial rotary from a sine table, no ``inv_freq`` buffer), GLM-4 (interleaved partial rotary),
-Falcon (parallel attention), StableLM (per-head QK layer norm, a quarter rotated) and OPT
-(learned positions); and hybrids whose other layers keep a fixed-size state (kept as it is):
+Falcon (parallel attention), StableLM (per-head QK layer norm, a quarter rotated), OPT
+(learned positions) and GPT-OSS (learned attention sinks, sliding and full layers); and hybrids whose other layers keep a fixed-size state (kept as it is):
 Qwen3.5 (linear attention, a quarter rotated), LFM2 (short convolutions), Granite 4.0-H and
 Jamba (Mamba layers), Nemotron-H (Mamba and MLP-only layers) and Falcon-H1 (attention and Mamba
 side by side in every layer); Gemma 3n (its last layers read the KV of earlier ones).
@@ -57,11 +57,41 @@ _COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_la
                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=0, pad_token_id=0)
 
 
-def _spec(rot="half", frac=1.0, offset="first", theta=(10000.0,), window=(), softcap=0.0, nope=()):
+def _spec(rot="half", frac=1.0, offset="first", theta=(10000.0,), window=(), softcap=0.0, nope=(), sinks=False):
     """What the family does, written out by hand: rotary style, rotary fraction of the head,
     first/last channels, RoPE base per layer (cycled), sliding layers, softcap, layers without
-    RoPE (NoPE) in a rotary model."""
-    return dict(rot=rot, frac=frac, offset=offset, theta=theta, window=window, softcap=softcap, nope=nope)
+    RoPE (NoPE) in a rotary model, learned attention sinks (each attention module's ``sinks``)."""
+    return dict(rot=rot, frac=frac, offset=offset, theta=theta, window=window, softcap=softcap, nope=nope,
+                sinks=sinks)
+
+
+def _gpt_oss():
+    """GPT-OSS: alternating sliding and full layers, and learned attention sinks (made large here,
+    so that leaving them out would show)."""
+    m = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        **_COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=W,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 150000.0}))
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    return m
+
+
+def _sink_logits(model, spec, i):
+    """Layer ``i``'s sink logits ``[Hq]`` (float64), read from the model, or None."""
+    if not spec["sinks"]:
+        return None
+    return model.model.layers[i].self_attn.sinks.detach().double()
+
+
+def _softmax(logits, sinks):
+    """softmax over the last axis of ``logits [Hq, Nq, T]``, with each head's sink logit taking
+    part and its share dropped (as GPT-OSS's attention does)."""
+    if sinks is None:
+        return torch.softmax(logits, -1)
+    s = sinks[:, None, None].expand(logits.shape[0], logits.shape[1], 1)
+    return torch.softmax(torch.cat([logits, s], -1), -1)[..., :-1]
 
 
 FAMILIES = {
@@ -156,6 +186,7 @@ FAMILIES = {
         vocab_size_per_layer_input=V, hidden_size_per_layer_input=16, laurel_rank=8, altup_num_inputs=2,
         activation_sparsity_pattern=[0.0] * 4)), _spec(theta=(10000.0, 1000000.0), window=(0,))),
     # MLA: q = [q_nope (16), q_pe (8)], the rotary part last (de-interleaved: rotate-half there)
+    "gpt_oss": (_gpt_oss, _spec(theta=(150000.0,), window=(0,), sinks=True)),
     "deepseek_v3": (lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
         **{**_COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
@@ -252,8 +283,9 @@ def test_recorded_queries_reproduce_the_models_attention(name):
         vis = pos[:, None] >= pos[None, :]
         if win:
             vis &= pos[:, None] - pos[None, :] < win
-        p = torch.softmax(logits.masked_fill(~vis, float("-inf")), -1)
+        p = _softmax(logits.masked_fill(~vis, float("-inf")), _sink_logits(model, spec, i))
         torch.testing.assert_close(p, att[i][0].double(), atol=2e-5, rtol=0)
+        assert (la.sinks is not None) == spec["sinks"]
         # the rotation calibration found is the family's, with its per-layer base
         exp = _expected_rotation(spec, i, d)
         if exp is None:
@@ -307,7 +339,7 @@ def test_attention_estimate_equals_the_models_own_future_queries(name, tmp_path)
             logits = spec["softcap"] * torch.tanh(logits / spec["softcap"])
         if _is_sliding(spec, i):
             logits = logits.masked_fill(qpos[:, None] - kpos[None, :] >= W, float("-inf"))
-        p = torch.nan_to_num(torch.softmax(logits, -1), nan=0.0)
+        p = torch.nan_to_num(_softmax(logits, _sink_logits(model, spec, i)), nan=0.0)
         ref = p.reshape(hkv, hq // hkv * n, t).mean(1).transpose(0, 1).numpy()
         est = attention_estimate(st, i, cache.layers[i]["k"].numpy())
         np.testing.assert_allclose(est, ref, atol=2e-6, rtol=1e-4)
@@ -430,13 +462,14 @@ def test_attention_metadata_round_trips_and_is_parsed_strictly(tmp_path):
 
     rng = np.random.default_rng(1)
     att = [LayerAttention("rotary", default_inv_freq(8, 1e4)[:2], offset=4, style="interleaved", window=5, softcap=3.0),
-           LayerAttention("none"), LayerAttention("unknown")]
+           LayerAttention("none", sinks=np.array([0.5, -1.5], np.float32)), LayerAttention("unknown")]
     st = QueryStats([np.ones((2, 8), np.float32)] * 3, [rng.normal(size=(2, 3, 8)).astype(np.float32)] * 3,
                     q_position=4, attention=att)
     p = tmp_path / "q.safetensors"
     save_query_statistics(st, p)
     back = load_query_statistics(p)
     assert back.attention == att and np.array_equal(back.attention[0].inv_freq, att[0].inv_freq)
+    assert np.array_equal(back.attention[1].sinks, att[1].sinks) and back.attention[0].sinks is None
     tensors = load_file(str(p))
     meta = sio.read_raw_header(sio.as_source(p.read_bytes())).metadata
     items = json.loads(meta["attention"])
@@ -464,6 +497,16 @@ def test_attention_metadata_round_trips_and_is_parsed_strictly(tmp_path):
     bad(drop="layers.0.rope_inv_freq")  # rotary without its frequencies
     bad(extra={"layers.1.rope_inv_freq": np.ones(2, np.float32)})  # frequencies on a "none" layer
     bad(extra={"layers.0.rope_inv_freq": np.full(2, np.nan, np.float32)})
+    bad(meta_patch={"format": "kvcodec.qstats/4"})  # sinks need /5
+    bad(drop="layers.1.attn_sinks")  # "sinks": true without its values
+    bad(extra={"layers.2.attn_sinks": np.ones(2, np.float32)})  # values on a layer without the key
+    bad(extra={"layers.1.attn_sinks": np.ones(3, np.float32)})  # 3 sinks for 2 query heads
+    bad(extra={"layers.1.attn_sinks": np.full(2, np.inf, np.float32)})
+    m4 = {**meta, "format": "kvcodec.qstats/4", "attention": json.dumps([items[0], {k: v for k, v in items[1].items()
+                                                                                    if k != "sinks"}, items[2]])}
+    save_file({k: v for k, v in tensors.items() if k != "layers.1.attn_sinks"}, str(tmp_path / "v4.safetensors"),
+              metadata=m4)
+    assert load_query_statistics(tmp_path / "v4.safetensors").attention[1].sinks is None  # /4 files still read
 
 
 # 4. The whole closed loop on every family: build_profile (query statistics, sensitivities, the

@@ -49,9 +49,11 @@ is tested against the model's own eager attention in ``tests/test_calibration_ar
   and GQA/MQA need nothing (the recorded query is the one the model uses).
 * MLA (``kv_lora_rank``: the cache holds latents, not per-head K): no ``q_energy`` /
   ``q_sample`` (no estimate); sensitivities are taken with respect to the latents.
+* Learned attention sinks (GPT-OSS): the per-head sink logits the attention was called with
+  (``s_aux``) are recorded (``sinks``) and take part in the estimate's softmax, whose sink
+  share is then dropped, as the model does.
 * Not modelled by the estimate, which then steers steps less well (bits, never quality: the
-  closed loop scores the model's real KL): Llama 4's chunked attention (taken as full) and
-  GPT-OSS's learned attention sinks (the softmax's extra term left out). Models whose
+  closed loop scores the model's real KL): Llama 4's chunked attention (taken as full). Models whose
   attention transformers' attention interface does not run (GPT-Neo, BLOOM's ALiBi) record no
   queries: calibration stops with an error saying so.
 * Hybrid models (Qwen3.5 and Qwen3-Next's linear attention, LFM2's convolutions, Mamba layers
@@ -65,12 +67,13 @@ is tested against the model's own eager attention in ``tests/test_calibration_ar
   (:func:`~kvcodec.integrations.transformers.require_kv_layers`); Zamba's shared attention
   records no queries (an error).
 
-File metadata (``__metadata__``): ``format = "kvcodec.qstats/4"`` (``/1``-``/3`` still read),
+File metadata (``__metadata__``): ``format = "kvcodec.qstats/5"`` (``/1``-``/4`` still read),
 ``num_layers``, ``q_position``, ``rope_theta`` (the default RoPE base when the model has one, else
 0: what files before ``/4`` re-rotate every layer with), ``attention`` (JSON, one object per
-layer: ``rope``, ``window``, ``softcap`` and for rotary layers ``offset`` and ``style``; with a
-float32 tensor ``layers.<i>.rope_inv_freq`` per rotary layer), the model identity and optionally
-a ``profile``. Stored as safetensors (no pickle).
+layer: ``rope``, ``window``, ``softcap``, for rotary layers ``offset`` and ``style``, and
+``"sinks": true`` for layers with attention sinks (``/5``); with a float32 tensor
+``layers.<i>.rope_inv_freq`` per rotary layer and ``layers.<i>.attn_sinks`` ``[Hq]`` per layer with
+sinks), the model identity and optionally a ``profile``. Stored as safetensors (no pickle).
 
 Calibrate on text that is NOT the text you evaluate on (``skip_tokens`` skips the start of the
 text, where the built-in evaluation takes its context).
@@ -261,7 +264,7 @@ def layer_attention(model: Any, ids: torch.Tensor, store: dict[int, dict[str, An
         rec = store.get(i, {})
         window = int(rec.get("sliding_window") or 0)
         cap = float(rec.get("softcap") or 0.0)
-        out.append(LayerAttention(r.rope, r.inv_freq, r.offset, r.style, window, cap))
+        out.append(LayerAttention(r.rope, r.inv_freq, r.offset, r.style, window, cap, rec.get("sinks")))
     return out
 
 

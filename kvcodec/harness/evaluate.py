@@ -97,6 +97,9 @@ def record_queries(model: Any) -> Iterator[dict[int, dict[str, Any]]]:
                 "scaling": float(scaling),
                 "softcap": kwargs.get("softcap"),
                 "sliding_window": kwargs.get("sliding_window", getattr(module, "sliding_window", None)),
+                # GPT-OSS's learned sinks: one more logit per query head in the softmax
+                "sinks": (None if kwargs.get("s_aux") is None
+                          else kwargs["s_aux"].detach().float().cpu().reshape(-1).numpy().copy()),
             }
         if orig == "eager":
             fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)

@@ -32,10 +32,14 @@ import torch
 from ...errors import ConfigError, FormatError, InputError
 from ...format import safetensors_io as sio
 
-QSTATS_FORMAT = "kvcodec.qstats/4"
+QSTATS_FORMAT = "kvcodec.qstats/5"
 #: /1: no sensitivities; /2: no profile (``profile`` metadata, kvcodec.codecs.kvc.profile);
-#: /3: no per-layer attention facts (``attention`` metadata, ``layers.<i>.rope_inv_freq``)
-QSTATS_FORMATS = ("kvcodec.qstats/1", "kvcodec.qstats/2", "kvcodec.qstats/3", QSTATS_FORMAT)
+#: /3: no per-layer attention facts (``attention`` metadata, ``layers.<i>.rope_inv_freq``);
+#: /4: no attention sinks (``"sinks": true`` in a layer's attention metadata,
+#: ``layers.<i>.attn_sinks``)
+QSTATS_FORMATS = ("kvcodec.qstats/1", "kvcodec.qstats/2", "kvcodec.qstats/3", "kvcodec.qstats/4", QSTATS_FORMAT)
+#: the formats that carry per-layer attention facts
+_ATTENTION_FORMATS = ("kvcodec.qstats/4", QSTATS_FORMAT)
 
 #: ``LayerAttention.rope``: ``"rotary"`` (re-rotatable: angle linear in position, per-layer
 #: frequencies), ``"none"`` (the queries carry no rotation: no RoPE, or a NoPE layer),
@@ -63,6 +67,9 @@ class LayerAttention:
             ``p - window < j <= p`` (transformers' convention).
         softcap: logit soft-capping, 0 for none: ``logit -> softcap * tanh(logit / softcap)``
             (Gemma 2), applied to the scaled logits.
+        sinks: ``[Hq]`` float32 learned attention sinks (GPT-OSS), or None: one more logit per
+            query head that takes part in the softmax and whose probability is dropped, so the
+            cached keys share less than 1.
     """
 
     rope: str = "none"
@@ -71,6 +78,7 @@ class LayerAttention:
     style: str = "half"
     window: int = 0
     softcap: float = 0.0
+    sinks: np.ndarray | None = field(default=None, compare=False)
 
     def pairs(self) -> tuple[np.ndarray, np.ndarray]:
         """Channel indices ``(first, second)`` ``[R/2]`` of each rotation pair (empty without RoPE).
@@ -93,6 +101,8 @@ class LayerAttention:
         d: dict = {"rope": self.rope, "window": int(self.window), "softcap": float(self.softcap)}
         if self.rope == "rotary":
             d.update(offset=int(self.offset), style=self.style)
+        if self.sinks is not None:
+            d["sinks"] = True  # the values: tensor layers.<i>.attn_sinks
         return d
 
 
@@ -179,6 +189,8 @@ def save_query_statistics(stats: QueryStats, path: str | os.PathLike[str]) -> No
         for i, la in enumerate(stats.attention):
             if la.rope == "rotary":
                 tensors[f"layers.{i}.rope_inv_freq"] = np.ascontiguousarray(la.inv_freq, dtype=np.float32)
+            if la.sinks is not None:
+                tensors[f"layers.{i}.attn_sinks"] = np.ascontiguousarray(la.sinks, dtype=np.float32)
     if stats.xpred is not None:
         if len(stats.xpred) != stats.num_layers or stats.xpred[0] is not None:
             raise InputError(f"xpred needs one entry per layer ({stats.num_layers}), None for layer 0")
@@ -223,8 +235,8 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
         raise FormatError(f"{name}: not a safetensors file ({e})") from None
     if meta.get("format") not in QSTATS_FORMATS:
         raise FormatError(f"{name}: not a {QSTATS_FORMAT} file")
-    if "attention" in meta and meta["format"] != QSTATS_FORMAT:
-        raise FormatError(f"{name}: per-layer attention metadata needs {QSTATS_FORMAT}")
+    if "attention" in meta and meta["format"] not in _ATTENTION_FORMATS:
+        raise FormatError(f"{name}: per-layer attention metadata needs {' or '.join(_ATTENTION_FORMATS)}")
     try:
         n = int(meta["num_layers"])
         pos = int(meta["q_position"])
@@ -240,6 +252,7 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
     energy: list[np.ndarray | None] = [None] * n
     sample: list[np.ndarray | None] = [None] * n
     freqs: list[np.ndarray | None] = [None] * n
+    sinks: list[np.ndarray | None] = [None] * n
     sens: dict[str, list[np.ndarray | None]] = {"k": [None] * n, "v": [None] * n}
     xw: list[np.ndarray | None] = [None] * n
     xb: list[np.ndarray | None] = [None] * n
@@ -268,13 +281,16 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
             sens[parts[2][0]][i] = v
         elif parts[2] == "rope_inv_freq" and "attention" in meta and v.ndim == 1 and v.size and np.all(v >= 0):
             freqs[i] = v
+        elif parts[2] == "attn_sinks" and meta["format"] == QSTATS_FORMAT and "attention" in meta and v.ndim == 1 \
+                and v.size:
+            sinks[i] = v
         else:
             raise FormatError(f"{name}: unexpected tensor {k!r} {v.shape}")
     out = QueryStats(energy, sample, pos, theta, {str(a): str(b) for a, b in ident.items()},
                      sens["k"] if any(a is not None for a in sens["k"]) else None,
                      sens["v"] if any(a is not None for a in sens["v"]) else None, profile)
     if "attention" in meta:
-        out.attention = _parse_attention(meta["attention"], freqs, out, name)
+        out.attention = _parse_attention(meta["attention"], freqs, sinks, out, name)
     for i in range(n):
         if (xw[i] is None) != (xb[i] is None) or (xw[i] is not None and xb[i].shape != (xw[i].shape[1],)):
             raise FormatError(f"{name}: layer {i} predictor needs xpred_w [I, O] and xpred_b [O]")
@@ -283,9 +299,11 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
     return out
 
 
-def _parse_attention(text: str, freqs: list[np.ndarray | None], st: QueryStats, name: str) -> list[LayerAttention]:
+def _parse_attention(text: str, freqs: list[np.ndarray | None], sinks: list[np.ndarray | None], st: QueryStats,
+                     name: str) -> list[LayerAttention]:
     """The ``attention`` metadata (a JSON list, one object per layer) with the ``rope_inv_freq``
-    tensors, checked strictly: a ``"rotary"`` layer has its frequencies and they fit its width.
+    and ``attn_sinks`` tensors, checked strictly: a ``"rotary"`` layer has its frequencies and
+    they fit its width; a layer marked ``"sinks": true`` has one sink per query head.
 
     Raises:
         FormatError: anything else.
@@ -303,9 +321,14 @@ def _parse_attention(text: str, freqs: list[np.ndarray | None], st: QueryStats, 
     out = []
     for i, d in enumerate(items):
         rotary = isinstance(d, dict) and d.get("rope") == "rotary"
-        keys = {"rope", "window", "softcap"} | ({"offset", "style"} if rotary else set())
-        if not isinstance(d, dict) or set(d) != keys or d["rope"] not in ROPE_KINDS:
-            raise FormatError(f"{name}: layer {i} attention metadata {d!r} is malformed")
+        keys = {"rope", "window", "softcap"} | ({"offset", "style"} if rotary else set()) \
+            | ({"sinks"} if sinks[i] is not None else set())
+        if not isinstance(d, dict) or set(d) != keys or d["rope"] not in ROPE_KINDS or d.get("sinks", True) is not True:
+            raise FormatError(f"{name}: layer {i} attention metadata {d!r} is malformed (or its attn_sinks "
+                              f"{'present' if sinks[i] is not None else 'missing'})")
+        if sinks[i] is not None and st.q_sample[i] is not None and sinks[i].shape != (st.q_sample[i].shape[0],):
+            raise FormatError(f"{name}: layer {i} has {sinks[i].size} attention sinks for "
+                              f"{st.q_sample[i].shape[0]} query heads")
         cap = d["softcap"]
         if not is_int(d["window"]) or isinstance(cap, bool) or not isinstance(cap, (int, float)) \
                 or not (0 <= cap < float("inf")):
@@ -313,14 +336,14 @@ def _parse_attention(text: str, freqs: list[np.ndarray | None], st: QueryStats, 
         f = freqs[i]
         if rotary != (f is not None):
             raise FormatError(f"{name}: layer {i} rope {d['rope']!r} and its rope_inv_freq disagree")
-        la = LayerAttention(d["rope"], f, window=d["window"], softcap=float(cap))
+        la = LayerAttention(d["rope"], f, window=d["window"], softcap=float(cap), sinks=sinks[i])
         if rotary:
             if not is_int(d["offset"]) or d["style"] not in ROPE_STYLES:
                 raise FormatError(f"{name}: layer {i} rotary offset / style {d!r} malformed")
             src = st.q_sample[i] if st.q_sample[i] is not None else st.q_energy[i]
             if src is not None and d["offset"] + 2 * f.shape[0] > src.shape[-1]:
                 raise FormatError(f"{name}: layer {i} rotary channels exceed the query width")
-            la = LayerAttention("rotary", f, d["offset"], d["style"], d["window"], float(cap))
+            la = LayerAttention("rotary", f, d["offset"], d["style"], d["window"], float(cap), sinks[i])
         out.append(la)
     return out
 
@@ -440,7 +463,8 @@ def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: floa
     turned there with the layer's rotation (:func:`rotate_layer`; queries without RoPE are used as
     recorded), its logits against the cached keys ``k [T, Hkv, D]`` are soft-capped when the
     layer caps them, keys outside its sliding window are masked, and the softmax is taken over
-    the cached keys it sees (the queries' attention to each other is left out). The result is the
+    the cached keys it sees and the layer's attention sink, if it has one (whose share is dropped;
+    the queries' attention to each other is left out). The result is the
     mean over the queries and the query heads of each KV head; with a window, tokens no query
     sees get exactly 0 (and a query that sees no cached token adds 0 to every token).
     ``None`` when the statistics have nothing for this layer, the shapes differ (e.g. an MLA
@@ -476,9 +500,16 @@ def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: floa
     if la.window > 0:
         qpos = torch.arange(t, t + n).repeat(g)[:, None]  # row r = head r // N, query r % N
         logits.masked_fill_(qpos - torch.arange(lo, t)[None, :] >= la.window, float("-inf"))
-    p = torch.softmax(logits, dim=-1)
+    sinks = la.sinks
+    if sinks is not None and sinks.shape == (hq,):
+        # the sink logit of each row's query head takes part in the softmax; its share is dropped
+        s = torch.from_numpy(np.ascontiguousarray(sinks, dtype=np.float32)).reshape(hkv, g, 1)
+        s = s.expand(hkv, g, n).reshape(hkv, g * n, 1)
+        p = torch.softmax(torch.cat([logits, s], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(logits, dim=-1)
     if la.window > 0:
-        p.nan_to_num_(nan=0.0)  # a query that sees no cached key
+        p.nan_to_num_(nan=0.0)  # a query that sees no cached key (and no sink)
     if power != 1.0:
         p = p.pow(power)
     est = p.mean(dim=1).transpose(0, 1).double().numpy()
