@@ -350,18 +350,18 @@ int kvn_xpred_pass(int64_t r0, int64_t r1, int64_t n_in, const int64_t *in_ptr, 
 
 /* The encoder's closed loop around a prediction, one pass each (kvcodec.codecs.kvc.xpred
  * residual and XPredEncoder.store_sum; their references are the numpy / torch lines beside
- * them): values in blocks of XP_BLOCK through float32 scratch, converted with load_row /
+ * them): values in blocks of XP_CHUNK through float32 scratch, converted with load_row /
  * store_row (exact widening; rounding to nearest, ties to even). */
-#define XP_BLOCK 1024
+#define XP_CHUNK 1024
 
 /* r = kind(float32(x) - pred) for n values (x and r of element kind `kind`), and float32(x) into
  * x32 where it is not NULL. Returns 1 if every r is finite, else 0. */
 int kvn_xpred_residual(const void *x, int kind, const float *pred, int64_t n, void *r, float *x32)
 {
-    float buf[XP_BLOCK];
+    float buf[XP_CHUNK];
     int ok = 1;
-    for (int64_t o = 0; o < n; o += XP_BLOCK) {
-        const int64_t m = n - o < XP_BLOCK ? n - o : XP_BLOCK;
+    for (int64_t o = 0; o < n; o += XP_CHUNK) {
+        const int64_t m = n - o < XP_CHUNK ? n - o : XP_CHUNK;
         float *v = x32 ? x32 + o : buf;
         load_row(v, x, kind, o, m);
         if (x32) {
@@ -380,9 +380,9 @@ int kvn_xpred_residual(const void *x, int kind, const float *pred, int64_t n, vo
  * plus its prediction, as the decoder rounds it, widened for the next layer's prediction. */
 void kvn_xpred_sum(const void *d, int kind, const float *pred, int64_t n, float *out)
 {
-    uint16_t h[XP_BLOCK];
-    for (int64_t o = 0; o < n; o += XP_BLOCK) {
-        const int64_t m = n - o < XP_BLOCK ? n - o : XP_BLOCK;
+    uint16_t h[XP_CHUNK];
+    for (int64_t o = 0; o < n; o += XP_CHUNK) {
+        const int64_t m = n - o < XP_CHUNK ? n - o : XP_CHUNK;
         float *v = out + o;
         load_row(v, d, kind, o, m);
         for (int64_t i = 0; i < m; ++i) v[i] += pred[o + i];
