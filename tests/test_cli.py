@@ -115,6 +115,28 @@ def test_bench_interleaves_rounds_and_divides_by_the_reference(tmp_path, capsys,
     assert res["reference"] is None and "encode_x_ref" not in res["rows"][0]
 
 
+def test_bench_ratios_fastest_and_median_of_rounds(monkeypatch):
+    """``*_x_ref`` divides the fastest times, ``*_x_ref_med`` takes the median of each round's
+    ratio: scripted times where the two differ."""
+    from kvcodec.commands import bench
+
+    enc = {"cachegen": iter([1.0, 2.0, 2.0]), "raw": iter([2.5, 3.0, 3.0])}
+    dec = {"cachegen": iter([1.0, 1.0, 4.0]), "raw": iter([0.5, 3.0, 2.0])}
+    real = bench._timed_round_trip
+
+    def scripted(codec, cache):
+        _, _, blob, out = real(codec, cache)
+        return next(enc[codec.codec_id]), next(dec[codec.codec_id]), blob, out
+
+    monkeypatch.setattr(bench, "_timed_round_trip", scripted)
+    rows = bench.bench_interleaved([("cachegen", kvcodec.get_codec("cachegen")), ("raw", kvcodec.get_codec("raw"))],
+                                   make_cache(tokens=12), repeat=3)
+    r = {row["codec"]: row for row in rows}
+    assert r["raw"]["encode_x_ref"] == 2.5 and r["raw"]["encode_x_ref_med"] == 1.5  # ratios 2.5, 1.5, 1.5
+    assert r["raw"]["decode_x_ref"] == 0.5 and r["raw"]["decode_x_ref_med"] == 0.5  # ratios 0.5, 3.0, 0.5
+    assert r["cachegen"]["encode_x_ref_med"] == r["cachegen"]["decode_x_ref_med"] == 1.0
+
+
 def test_bench_with_a_calibration_file_encodes_the_cal_presets_with_it(tmp_path, capsys):
     import numpy as np
 
