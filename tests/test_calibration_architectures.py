@@ -9,7 +9,8 @@ head_dim 256, MQA, a different RoPE base on local and global layers), Mistral an
 OLMo 3 (sliding and full layers), Granite (attention scaled by a multiplier), GPT-J (interleaved
 partial rotary from a sine table, no ``inv_freq`` buffer), GLM-4 (interleaved partial rotary),
 Falcon (parallel attention), StableLM (per-head QK layer norm, a quarter rotated), OPT
-(learned positions) and GPT-OSS (learned attention sinks, sliding and full layers); and hybrids whose other layers keep a fixed-size state (kept as it is):
+(learned positions), GPT-OSS (learned attention sinks, sliding and full layers) and Llama 4
+(chunked attention on its RoPE layers, a NoPE layer); and hybrids whose other layers keep a fixed-size state (kept as it is):
 Qwen3.5 (linear attention, a quarter rotated), LFM2 (short convolutions), Granite 4.0-H and
 Jamba (Mamba layers), Nemotron-H (Mamba and MLP-only layers) and Falcon-H1 (attention and Mamba
 side by side in every layer); Gemma 3n (its last layers read the KV of earlier ones).
@@ -57,12 +58,27 @@ _COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_la
                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=0, pad_token_id=0)
 
 
-def _spec(rot="half", frac=1.0, offset="first", theta=(10000.0,), window=(), softcap=0.0, nope=(), sinks=False):
+def _spec(rot="half", frac=1.0, offset="first", theta=(10000.0,), window=(), softcap=0.0, nope=(), sinks=False,
+          chunked=()):
     """What the family does, written out by hand: rotary style, rotary fraction of the head,
     first/last channels, RoPE base per layer (cycled), sliding layers, softcap, layers without
-    RoPE (NoPE) in a rotary model, learned attention sinks (each attention module's ``sinks``)."""
+    RoPE (NoPE) in a rotary model, learned attention sinks (each attention module's ``sinks``),
+    layers with chunked attention (chunks of C positions)."""
     return dict(rot=rot, frac=frac, offset=offset, theta=theta, window=window, softcap=softcap, nope=nope,
-                sinks=sinks)
+                sinks=sinks, chunked=chunked)
+
+
+C = 16  # the chunk of Llama 4's chunked layers here
+
+
+def _llama4():
+    """Llama 4's text model: chunked attention on its RoPE layer (interleaved pairs, QK-norm), a
+    NoPE layer with full attention (temperature tuning off: with it, the NoPE queries' scale
+    moves with the position and calibration marks the layer "unknown")."""
+    return transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        **_COMMON, head_dim=16, intermediate_size_mlp=96, num_local_experts=2, num_experts_per_tok=1,
+        attention_chunk_size=C, no_rope_layers=[1, 0], attn_temperature_tuning=False, use_qk_norm=True,
+        interleave_moe_layer_step=1))
 
 
 def _gpt_oss():
@@ -187,6 +203,7 @@ FAMILIES = {
         activation_sparsity_pattern=[0.0] * 4)), _spec(theta=(10000.0, 1000000.0), window=(0,))),
     # MLA: q = [q_nope (16), q_pe (8)], the rotary part last (de-interleaved: rotate-half there)
     "gpt_oss": (_gpt_oss, _spec(theta=(150000.0,), window=(0,), sinks=True)),
+    "llama4": (_llama4, _spec(rot="interleaved", theta=(500000.0,), nope=(1,), chunked=(0,))),
     "deepseek_v3": (lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
         **{**_COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
@@ -283,6 +300,9 @@ def test_recorded_queries_reproduce_the_models_attention(name):
         vis = pos[:, None] >= pos[None, :]
         if win:
             vis &= pos[:, None] - pos[None, :] < win
+        if i in spec["chunked"]:
+            vis &= pos[:, None] // C == pos[None, :] // C
+        assert la.chunk == (C if i in spec["chunked"] else 0), (i, la)
         p = _softmax(logits.masked_fill(~vis, float("-inf")), _sink_logits(model, spec, i))
         torch.testing.assert_close(p, att[i][0].double(), atol=2e-5, rtol=0)
         assert (la.sinks is not None) == spec["sinks"]
@@ -339,12 +359,16 @@ def test_attention_estimate_equals_the_models_own_future_queries(name, tmp_path)
             logits = spec["softcap"] * torch.tanh(logits / spec["softcap"])
         if _is_sliding(spec, i):
             logits = logits.masked_fill(qpos[:, None] - kpos[None, :] >= W, float("-inf"))
+        if i in spec["chunked"]:
+            logits = logits.masked_fill(qpos[:, None] // C != kpos[None, :] // C, float("-inf"))
         p = torch.nan_to_num(_softmax(logits, _sink_logits(model, spec, i)), nan=0.0)
         ref = p.reshape(hkv, hq // hkv * n, t).mean(1).transpose(0, 1).numpy()
         est = attention_estimate(st, i, cache.layers[i]["k"].numpy())
         np.testing.assert_allclose(est, ref, atol=2e-6, rtol=1e-4)
         if _is_sliding(spec, i):
             assert np.all(est[: t - W + 1] == 0) and np.all(est[t - W + 1:].sum(0) > 0)
+        if i in spec["chunked"]:  # the queries' chunk starts at 32: earlier tokens get nothing
+            assert np.all(est[: t // C * C] == 0) and np.all(est[t // C * C:] > 0)
 
 
 def test_estimate_is_none_for_mla_latents_and_unknown_rotations():
@@ -355,6 +379,19 @@ def test_estimate_is_none_for_mla_latents_and_unknown_rotations():
     assert attention_estimate(st, 0, k) is None  # cannot be turned: no estimate
     assert attention_estimate(st, 1, k).shape == (9, 2)
     assert attention_estimate(st, 1, rng.normal(size=(9, 1, 40)).astype(np.float32)) is None  # a latent
+
+
+def test_chunked_estimate_places_the_cache_just_before_the_queries():
+    """With chunks of 4 and a cache of 10 tokens read by queries at 13 and 14 (``query_pos``), the
+    cache holds positions 3..12: only its last token shares the queries' chunk (12..15)."""
+    rng = np.random.default_rng(0)
+    st = QueryStats([np.ones((1, 8), np.float32)], [rng.normal(size=(2, 2, 8)).astype(np.float32)],
+                    q_position=5, attention=[LayerAttention("none", chunk=4)])
+    k = rng.normal(size=(10, 1, 8)).astype(np.float32)
+    est = attention_estimate(st, 0, k, query_pos=13)
+    assert np.array_equal(est[:9], np.zeros((9, 1))) and np.allclose(est[9], 1.0)
+    est = attention_estimate(st, 0, k)  # queries at 10, 11: the cache's 8, 9 share their chunk
+    assert np.all(est[:8] == 0) and np.isclose(est[8:].sum(), 1.0) and np.all(est[8:] > 0)
 
 
 # ------------------------------------------------------------------------------- 3. sensitivity
@@ -462,7 +499,7 @@ def test_attention_metadata_round_trips_and_is_parsed_strictly(tmp_path):
 
     rng = np.random.default_rng(1)
     att = [LayerAttention("rotary", default_inv_freq(8, 1e4)[:2], offset=4, style="interleaved", window=5, softcap=3.0),
-           LayerAttention("none", sinks=np.array([0.5, -1.5], np.float32)), LayerAttention("unknown")]
+           LayerAttention("none", sinks=np.array([0.5, -1.5], np.float32)), LayerAttention("unknown", chunk=16)]
     st = QueryStats([np.ones((2, 8), np.float32)] * 3, [rng.normal(size=(2, 3, 8)).astype(np.float32)] * 3,
                     q_position=4, attention=att)
     p = tmp_path / "q.safetensors"
@@ -470,6 +507,7 @@ def test_attention_metadata_round_trips_and_is_parsed_strictly(tmp_path):
     back = load_query_statistics(p)
     assert back.attention == att and np.array_equal(back.attention[0].inv_freq, att[0].inv_freq)
     assert np.array_equal(back.attention[1].sinks, att[1].sinks) and back.attention[0].sinks is None
+    assert [la.chunk for la in back.attention] == [0, 0, 16]
     tensors = load_file(str(p))
     meta = sio.read_raw_header(sio.as_source(p.read_bytes())).metadata
     items = json.loads(meta["attention"])
@@ -502,11 +540,21 @@ def test_attention_metadata_round_trips_and_is_parsed_strictly(tmp_path):
     bad(extra={"layers.2.attn_sinks": np.ones(2, np.float32)})  # values on a layer without the key
     bad(extra={"layers.1.attn_sinks": np.ones(3, np.float32)})  # 3 sinks for 2 query heads
     bad(extra={"layers.1.attn_sinks": np.full(2, np.inf, np.float32)})
+    bad(entry={**items[0], "chunk": 0})
+    bad(entry={**items[0], "chunk": 2.5})
+    bad(entry={**items[0], "chunk": True})
     m4 = {**meta, "format": "kvcodec.qstats/4", "attention": json.dumps([items[0], {k: v for k, v in items[1].items()
-                                                                                    if k != "sinks"}, items[2]])}
+                                                                                    if k != "sinks"},
+                                                                          {k: v for k, v in items[2].items()
+                                                                           if k != "chunk"}])}
     save_file({k: v for k, v in tensors.items() if k != "layers.1.attn_sinks"}, str(tmp_path / "v4.safetensors"),
               metadata=m4)
     assert load_query_statistics(tmp_path / "v4.safetensors").attention[1].sinks is None  # /4 files still read
+    save_file({k: v for k, v in tensors.items() if k != "layers.1.attn_sinks"}, str(tmp_path / "v4c.safetensors"),
+              metadata={**m4, "attention": json.dumps([items[0], {k: v for k, v in items[1].items() if k != "sinks"},
+                                                       items[2]])})
+    with pytest.raises(FormatError):  # chunked attention needs /5
+        load_query_statistics(tmp_path / "v4c.safetensors")
 
 
 # 4. The whole closed loop on every family: build_profile (query statistics, sensitivities, the

@@ -52,8 +52,9 @@ is tested against the model's own eager attention in ``tests/test_calibration_ar
 * Learned attention sinks (GPT-OSS): the per-head sink logits the attention was called with
   (``s_aux``) are recorded (``sinks``) and take part in the estimate's softmax, whose sink
   share is then dropped, as the model does.
-* Not modelled by the estimate, which then steers steps less well (bits, never quality: the
-  closed loop scores the model's real KL): Llama 4's chunked attention (taken as full). Models whose
+* Chunked attention (Llama 4's RoPE layers: a query sees the keys of its own chunk of
+  ``attention_chunk_size`` positions): recorded (``chunk``) and applied to the estimate, which
+  places the cache's tokens just before the future queries. Models whose
   attention transformers' attention interface does not run (GPT-Neo, BLOOM's ALiBi) record no
   queries: calibration stops with an error saying so.
 * Hybrid models (Qwen3.5 and Qwen3-Next's linear attention, LFM2's convolutions, Mamba layers
@@ -70,8 +71,9 @@ is tested against the model's own eager attention in ``tests/test_calibration_ar
 File metadata (``__metadata__``): ``format = "kvcodec.qstats/5"`` (``/1``-``/4`` still read),
 ``num_layers``, ``q_position``, ``rope_theta`` (the default RoPE base when the model has one, else
 0: what files before ``/4`` re-rotate every layer with), ``attention`` (JSON, one object per
-layer: ``rope``, ``window``, ``softcap``, for rotary layers ``offset`` and ``style``, and
-``"sinks": true`` for layers with attention sinks (``/5``); with a float32 tensor
+layer: ``rope``, ``window``, ``softcap``, for rotary layers ``offset`` and ``style``,
+``"sinks": true`` for layers with attention sinks and ``chunk`` for chunked layers (``/5``);
+with a float32 tensor
 ``layers.<i>.rope_inv_freq`` per rotary layer and ``layers.<i>.attn_sinks`` ``[Hq]`` per layer with
 sinks), the model identity and optionally a ``profile``. Stored as safetensors (no pickle).
 
@@ -264,7 +266,8 @@ def layer_attention(model: Any, ids: torch.Tensor, store: dict[int, dict[str, An
         rec = store.get(i, {})
         window = int(rec.get("sliding_window") or 0)
         cap = float(rec.get("softcap") or 0.0)
-        out.append(LayerAttention(r.rope, r.inv_freq, r.offset, r.style, window, cap, rec.get("sinks")))
+        out.append(LayerAttention(r.rope, r.inv_freq, r.offset, r.style, window, cap, rec.get("sinks"),
+                                  int(rec.get("chunk") or 0)))
     return out
 
 

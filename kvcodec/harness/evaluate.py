@@ -57,6 +57,17 @@ def _round(x: float, digits: int = 6) -> float | None:
     return float(f"{x:.{digits}g}")
 
 
+def _attention_chunk(module: Any) -> int:
+    """The chunk size of a layer whose attention is chunked (its config's ``layer_types`` entry
+    is ``"chunked_attention"``: Llama 4's RoPE layers), else 0."""
+    cfg = getattr(module, "config", None)
+    types = getattr(cfg, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if types is None or idx is None or not 0 <= int(idx) < len(types) or types[int(idx)] != "chunked_attention":
+        return 0
+    return int(getattr(cfg, "attention_chunk_size", 0) or 0)
+
+
 @contextlib.contextmanager
 def record_queries(model: Any) -> Iterator[dict[int, dict[str, Any]]]:
     """Record each attention layer's queries (``[Tq, Hq, D]``, batch 0) and scaling while the
@@ -100,6 +111,8 @@ def record_queries(model: Any) -> Iterator[dict[int, dict[str, Any]]]:
                 # GPT-OSS's learned sinks: one more logit per query head in the softmax
                 "sinks": (None if kwargs.get("s_aux") is None
                           else kwargs["s_aux"].detach().float().cpu().reshape(-1).numpy().copy()),
+                # chunked attention (Llama 4): a query sees the keys of its own chunk only
+                "chunk": _attention_chunk(module),
             }
         if orig == "eager":
             fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)

@@ -36,7 +36,7 @@ QSTATS_FORMAT = "kvcodec.qstats/5"
 #: /1: no sensitivities; /2: no profile (``profile`` metadata, kvcodec.codecs.kvc.profile);
 #: /3: no per-layer attention facts (``attention`` metadata, ``layers.<i>.rope_inv_freq``);
 #: /4: no attention sinks (``"sinks": true`` in a layer's attention metadata,
-#: ``layers.<i>.attn_sinks``)
+#: ``layers.<i>.attn_sinks``) and no chunked attention (``"chunk"``)
 QSTATS_FORMATS = ("kvcodec.qstats/1", "kvcodec.qstats/2", "kvcodec.qstats/3", "kvcodec.qstats/4", QSTATS_FORMAT)
 #: the formats that carry per-layer attention facts
 _ATTENTION_FORMATS = ("kvcodec.qstats/4", QSTATS_FORMAT)
@@ -70,6 +70,8 @@ class LayerAttention:
         sinks: ``[Hq]`` float32 learned attention sinks (GPT-OSS), or None: one more logit per
             query head that takes part in the softmax and whose probability is dropped, so the
             cached keys share less than 1.
+        chunk: chunked attention, 0 for none: the query at position ``p`` sees keys ``j <= p``
+            with ``j // chunk == p // chunk`` (Llama 4's RoPE layers).
     """
 
     rope: str = "none"
@@ -79,6 +81,7 @@ class LayerAttention:
     window: int = 0
     softcap: float = 0.0
     sinks: np.ndarray | None = field(default=None, compare=False)
+    chunk: int = 0
 
     def pairs(self) -> tuple[np.ndarray, np.ndarray]:
         """Channel indices ``(first, second)`` ``[R/2]`` of each rotation pair (empty without RoPE).
@@ -103,6 +106,8 @@ class LayerAttention:
             d.update(offset=int(self.offset), style=self.style)
         if self.sinks is not None:
             d["sinks"] = True  # the values: tensor layers.<i>.attn_sinks
+        if self.chunk:
+            d["chunk"] = int(self.chunk)
         return d
 
 
@@ -290,7 +295,8 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
                      sens["k"] if any(a is not None for a in sens["k"]) else None,
                      sens["v"] if any(a is not None for a in sens["v"]) else None, profile)
     if "attention" in meta:
-        out.attention = _parse_attention(meta["attention"], freqs, sinks, out, name)
+        out.attention = _parse_attention(meta["attention"], freqs, sinks, out, name,
+                                         newest=meta["format"] == QSTATS_FORMAT)
     for i in range(n):
         if (xw[i] is None) != (xb[i] is None) or (xw[i] is not None and xb[i].shape != (xw[i].shape[1],)):
             raise FormatError(f"{name}: layer {i} predictor needs xpred_w [I, O] and xpred_b [O]")
@@ -300,10 +306,11 @@ def parse_query_statistics(data: bytes, name: str) -> QueryStats:
 
 
 def _parse_attention(text: str, freqs: list[np.ndarray | None], sinks: list[np.ndarray | None], st: QueryStats,
-                     name: str) -> list[LayerAttention]:
+                     name: str, newest: bool = True) -> list[LayerAttention]:
     """The ``attention`` metadata (a JSON list, one object per layer) with the ``rope_inv_freq``
     and ``attn_sinks`` tensors, checked strictly: a ``"rotary"`` layer has its frequencies and
-    they fit its width; a layer marked ``"sinks": true`` has one sink per query head.
+    they fit its width; a layer marked ``"sinks": true`` has one sink per query head; ``chunk``
+    (``/5`` only) is a positive integer.
 
     Raises:
         FormatError: anything else.
@@ -321,8 +328,9 @@ def _parse_attention(text: str, freqs: list[np.ndarray | None], sinks: list[np.n
     out = []
     for i, d in enumerate(items):
         rotary = isinstance(d, dict) and d.get("rope") == "rotary"
+        chunked = newest and isinstance(d, dict) and "chunk" in d
         keys = {"rope", "window", "softcap"} | ({"offset", "style"} if rotary else set()) \
-            | ({"sinks"} if sinks[i] is not None else set())
+            | ({"sinks"} if sinks[i] is not None else set()) | ({"chunk"} if chunked else set())
         if not isinstance(d, dict) or set(d) != keys or d["rope"] not in ROPE_KINDS or d.get("sinks", True) is not True:
             raise FormatError(f"{name}: layer {i} attention metadata {d!r} is malformed (or its attn_sinks "
                               f"{'present' if sinks[i] is not None else 'missing'})")
@@ -331,19 +339,20 @@ def _parse_attention(text: str, freqs: list[np.ndarray | None], sinks: list[np.n
                               f"{st.q_sample[i].shape[0]} query heads")
         cap = d["softcap"]
         if not is_int(d["window"]) or isinstance(cap, bool) or not isinstance(cap, (int, float)) \
-                or not (0 <= cap < float("inf")):
-            raise FormatError(f"{name}: layer {i} window / softcap {d!r} out of range")
+                or not (0 <= cap < float("inf")) or (chunked and not (is_int(d["chunk"]) and d["chunk"] >= 1)):
+            raise FormatError(f"{name}: layer {i} window / softcap / chunk {d!r} out of range")
+        chunk = int(d["chunk"]) if chunked else 0
         f = freqs[i]
         if rotary != (f is not None):
             raise FormatError(f"{name}: layer {i} rope {d['rope']!r} and its rope_inv_freq disagree")
-        la = LayerAttention(d["rope"], f, window=d["window"], softcap=float(cap), sinks=sinks[i])
+        la = LayerAttention(d["rope"], f, window=d["window"], softcap=float(cap), sinks=sinks[i], chunk=chunk)
         if rotary:
             if not is_int(d["offset"]) or d["style"] not in ROPE_STYLES:
                 raise FormatError(f"{name}: layer {i} rotary offset / style {d!r} malformed")
             src = st.q_sample[i] if st.q_sample[i] is not None else st.q_energy[i]
             if src is not None and d["offset"] + 2 * f.shape[0] > src.shape[-1]:
                 raise FormatError(f"{name}: layer {i} rotary channels exceed the query width")
-            la = LayerAttention("rotary", f, d["offset"], d["style"], d["window"], float(cap), sinks[i])
+            la = LayerAttention("rotary", f, d["offset"], d["style"], d["window"], float(cap), sinks[i], chunk)
         out.append(la)
     return out
 
@@ -462,7 +471,9 @@ def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: floa
     before ``T``, i.e. measures distances from the cache's end). Each is
     turned there with the layer's rotation (:func:`rotate_layer`; queries without RoPE are used as
     recorded), its logits against the cached keys ``k [T, Hkv, D]`` are soft-capped when the
-    layer caps them, keys outside its sliding window are masked, and the softmax is taken over
+    layer caps them, keys outside its sliding window are masked (and, with chunked attention, those
+    outside each query's chunk, the cache's last token at the position before the first query),
+    and the softmax is taken over
     the cached keys it sees and the layer's attention sink, if it has one (whose share is dropped;
     the queries' attention to each other is left out). The result is the
     mean over the queries and the query heads of each KV head; with a window, tokens no query
@@ -497,9 +508,14 @@ def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: floa
     logits = torch.bmm(qt, kt.transpose(1, 2))  # [Hkv, g*N, T']
     if la.softcap > 0:  # in place: the logits are the big tensor here
         logits.div_(la.softcap).tanh_().mul_(la.softcap)
-    if la.window > 0:
+    if la.window > 0 or la.chunk > 0:
         qpos = torch.arange(t, t + n).repeat(g)[:, None]  # row r = head r // N, query r % N
-        logits.masked_fill_(qpos - torch.arange(lo, t)[None, :] >= la.window, float("-inf"))
+        kpos = torch.arange(lo, t)[None, :]
+        if la.window > 0:
+            logits.masked_fill_(qpos - kpos >= la.window, float("-inf"))
+        if la.chunk > 0:  # a query sees its own chunk; the cache's tokens end just before the queries
+            shift = (query_pos or t) - t  # absolute position minus the cache index
+            logits.masked_fill_((qpos + shift) // la.chunk != (kpos + shift) // la.chunk, float("-inf"))
     sinks = la.sinks
     if sinks is not None and sinks.shape == (hq,):
         # the sink logit of each row's query head takes part in the softmax; its share is dropped
@@ -508,7 +524,7 @@ def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: floa
         p = torch.softmax(torch.cat([logits, s], dim=-1), dim=-1)[..., :-1]
     else:
         p = torch.softmax(logits, dim=-1)
-    if la.window > 0:
+    if la.window > 0 or la.chunk > 0:
         p.nan_to_num_(nan=0.0)  # a query that sees no cached key (and no sink)
     if power != 1.0:
         p = p.pow(power)
