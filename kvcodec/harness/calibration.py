@@ -35,8 +35,11 @@ is tested against the model's own eager attention in ``tests/test_calibration_ar
   GPT-NeoX ``rotary_pct``) or the last (DeepSeek MLA). ``q_energy`` is averaged over exactly
   those pairs; the encoder turns the sampled queries with them. Frequencies that depend on the
   sequence length (``dynamic``, ``longrope``) are those of the calibration prefill; when a
-  layer's queries move in a way no candidate reproduces (e.g. Llama 4's position-scaled NoPE
-  queries) the layer is ``"unknown"`` and gets no attention estimate.
+  layer's queries move in a way no candidate reproduces the layer is ``"unknown"`` and gets no
+  attention estimate. (Llama 4's NoPE layers scale their queries by the cache position past
+  ``floor_scale`` = 8192 tokens, temperature tuning: the probe moves position ids, not cache
+  positions, so they fit as ``"none"``, and the estimate keeps the calibration prefill's scale,
+  1 below 8192 tokens: off for longer caches, which costs bits, not quality.)
 * RoPE computed without an ``inv_freq`` buffer (GPT-J and CodeGen build a sine table from
   ``rotary_dim``): the frequencies the config describes (:func:`config_frequencies`), kept
   only where they reproduce the model's shifted queries like any other candidate.
