@@ -105,7 +105,7 @@ def test_native_means_equal_the_reference_bit_for_bit(n, h, d, r2, off, style) -
     ref = R.rotated_means_reference(mu, pos, steps, off, style)
     assert np.array_equal(a.view(np.uint32), ref.view(np.uint32))
     y = (rng.normal(size=(n, h, d)) * np.exp(rng.uniform(-5, 5, (n, h, d)))).astype(np.float32)
-    z, rot = NR.rope_centre(y, mu, pos, steps, off, style, R.sin_table())
+    z, rot = NR.rope_centre(y, mu, pos, steps, off, style, True, R.sin_table())
     assert np.array_equal(rot.view(np.uint32), ref.view(np.uint32))
     assert np.array_equal(z.view(np.uint32), (y - ref).view(np.uint32))
     z2, none = R.rope_centred(y, mu, pos, steps, off, style, keep_rot=False)

@@ -98,8 +98,7 @@ def bench_interleaved(settings: list[tuple[str, Any]], cache, repeat: int = 3,
     cancels; the fastest times instead favour the codec that needs fewer cores when a shared
     machine lends its other cores now and then)."""
     rows: list[dict[str, Any]] = []
-    best: list[list[float]] = []
-    times: list[list[tuple[float, float]]] = []  # per setting, per round
+    times: list[list[tuple[float, float]]] = [[] for _ in settings]  # per setting, per round
     for rnd in range(max(1, repeat)):
         for i, (name, codec) in enumerate(settings):
             if progress is not None:
@@ -107,12 +106,9 @@ def bench_interleaved(settings: list[tuple[str, Any]], cache, repeat: int = 3,
             te, td, blob, out = _timed_round_trip(codec, cache)
             if rnd == 0:  # size and error from the first round (the output is the same every time)
                 rows.append(_row(name, codec, cache, blob, out, te, td))
-                best.append([te, td])
-                times.append([])
-            else:
-                best[i] = [min(best[i][0], te), min(best[i][1], td)]
             times[i].append((te, td))
             del blob, out
+    best = [(min(te for te, _ in t), min(td for _, td in t)) for t in times]
     mb = cache.fp16_bytes() / 1e6
     for row, (te, td) in zip(rows, best):
         row["encode_MBps"], row["decode_MBps"] = round(mb / te, 1), round(mb / td, 1)

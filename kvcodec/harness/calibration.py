@@ -76,9 +76,9 @@ File metadata (``__metadata__``): ``format = "kvcodec.qstats/5"`` (``/1``-``/4``
 0: what files before ``/4`` re-rotate every layer with), ``attention`` (JSON, one object per
 layer: ``rope``, ``window``, ``softcap``, for rotary layers ``offset`` and ``style``,
 ``"sinks": true`` for layers with attention sinks and ``chunk`` for chunked layers (``/5``);
-with a float32 tensor
-``layers.<i>.rope_inv_freq`` per rotary layer and ``layers.<i>.attn_sinks`` ``[Hq]`` per layer with
-sinks), the model identity and optionally a ``profile``. Stored as safetensors (no pickle).
+with a float32 tensor ``layers.<i>.rope_inv_freq`` per rotary layer and
+``layers.<i>.attn_sinks`` ``[Hq]`` per layer with sinks), the model identity and optionally a
+``profile``. Stored as safetensors (no pickle).
 
 Calibrate on text that is NOT the text you evaluate on (``skip_tokens`` skips the start of the
 text, where the built-in evaluation takes its context).

@@ -45,9 +45,10 @@ def rotated_means(mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offs
 
 
 def rope_centre(y: np.ndarray, mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offset: int, style: str,
-                table: np.ndarray, keep_rot: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+                keep_rot: bool, table: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """``(y - R(p) mu, R(p) mu or None)`` for float32 ``y`` ``[n, H, D]`` and ``mu`` ``[H, D]``
-    (float32 ``[n, H, D]`` each; the rotated means only with ``keep_rot``), in one pass."""
+    (float32 ``[n, H, D]`` each; the rotated means only with ``keep_rot``), in one pass, with the
+    sine ``table``."""
     lb = required()
     m = np.ascontiguousarray(mu, dtype=np.float32)
     h, d = m.shape

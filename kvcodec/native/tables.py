@@ -33,7 +33,8 @@ class ClusterUpdate:
     ``[R]``), :attr:`sums` (``[k, A]``), :attr:`used` (bool ``[k]``), :attr:`centers` and the
     next distributions :attr:`q` (``[k, A]``) as ``argmax``, :func:`member_sums`, ``np.where`` and
     ``centers / centers.sum(1)`` would; it returns whether the assignment changed (always True
-    with ``first``). :attr:`q` starts as the first centres' distributions.
+    with ``first``). :attr:`q` holds nothing before the first call (the caller makes the first
+    distributions, as without the native coder).
 
     Raises:
         Unsupported: without the native coder.
@@ -47,7 +48,7 @@ class ClusterUpdate:
         self.centers = np.array(centers, dtype=np.float64, order="C")
         if self.centers.shape != (self.k, self.a):
             raise ValueError(f"centers must be [{self.k}, {self.a}], got {list(self.centers.shape)}")
-        self.q = self.centers / self.centers.sum(1, keepdims=True)
+        self.q = np.empty((self.k, self.a), dtype=np.float64)
         self.assign = np.zeros(self.r, dtype=np.int64)
         self.sums = np.zeros((self.k, self.a), dtype=np.float64)
         self._used = np.zeros(self.k, dtype=np.uint8)

@@ -115,17 +115,16 @@ def rotated_means(mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offs
 def rope_centred(y: np.ndarray, mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offset: int,
                  style: str, keep_rot: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """``(y - R(p) mu, R(p) mu)`` for float32 ``y`` ``[n, H, D]``: the encoder's centring with
-    rotating means (the second None without ``keep_rot``), in one C pass where the native library
-    is built: the bits of :func:`rotated_means` and one float32 subtraction."""
+    rotating means (the second None without ``keep_rot``): :func:`rope_centred_reference`, in one
+    C pass where the native library is built (the same bits)."""
     if len(steps) and len(positions) and np.ndim(mu) == 2 and np.asarray(y).dtype == np.float32:
-        from .. import native
+        return _native_else("rope_centre", rope_centred_reference, y, mu, positions, steps, offset, style, keep_rot)
+    return rope_centred_reference(y, mu, positions, steps, offset, style, keep_rot)
 
-        try:
-            from ..native import rope as fast
 
-            return fast.rope_centre(y, mu, positions, steps, offset, style, sin_table(), keep_rot)
-        except native.Unsupported:
-            pass
+def rope_centred_reference(y: np.ndarray, mu: np.ndarray, positions: np.ndarray, steps: np.ndarray, offset: int,
+                           style: str, keep_rot: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`rope_centred` as two steps: :func:`rotated_means`, then one float32 subtraction."""
     rot = rotated_means(mu, positions, steps, offset, style)
     return np.subtract(np.asarray(y, dtype=np.float32), rot), (rot if keep_rot else None)
 
@@ -198,4 +197,4 @@ def unrotated_mean_reference(k: np.ndarray, positions: np.ndarray, steps: np.nda
 
 
 __all__ = ["SIN_BITS", "STYLES", "cos_sin", "layer_rotates", "pairs", "phase_steps", "rope_centred",
-           "rotated_means", "rotated_means_reference", "sin_table", "unrotated_mean", "unrotated_mean_reference"]
+           "rope_centred_reference", "rotated_means", "rotated_means_reference", "sin_table", "unrotated_mean", "unrotated_mean_reference"]
