@@ -20,7 +20,7 @@ from ._version import __version__
 # command line starts at once (``kvcodec --help``); ``kvcodec.get_codec`` and the rest work as if
 # imported here. Name -> the submodule that defines it.
 _LAZY = {
-    "KVCReader": "api", "decode": "api", "open": "api",  # kvcodec.open: lazy, validated decoding
+    "KVCReader": "api", "decode": "api", "decode_many": "api", "open": "api",  # kvcodec.open: lazy, validated decoding
     "KVCache": "cache", "LayerInfo": "cache", "ModelIdentity": "cache",
     "Codec": "codec", "EncodedTensor": "codec", "TensorContext": "codec", "codec_ids": "codec",
     "get_codec": "codec", "list_codecs": "codec", "register_codec": "codec", "register_preset": "codec",
@@ -29,7 +29,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports them
     from . import format  # noqa: F401, A004
-    from .api import KVCReader, decode, open  # noqa: F401, A004
+    from .api import KVCReader, decode, decode_many, open  # noqa: F401, A004
     from .cache import KVCache, LayerInfo, ModelIdentity  # noqa: F401
     from .codec import (  # noqa: F401
         Codec, EncodedTensor, TensorContext, codec_ids, get_codec, list_codecs, register_codec, register_preset,
@@ -85,6 +85,7 @@ __all__ = [
     "__version__",
     "codec_ids",
     "decode",
+    "decode_many",
     "get_codec",
     "list_codecs",
     "load",

@@ -242,21 +242,76 @@ class KVCReader(ContainerReader):
         that many threads (at most the CPUs) while this one finishes each layer; ``threads``
         caps that (1: everything on this thread, for callers that decode files side by side)."""
         todo = list(range(self.num_layers) if layers is None else layers)
-        n = min(int(getattr(self.codec, "decode_threads", 1)), os.cpu_count() or 1)
-        if threads is not None:
-            if type(threads) is not int or threads < 1:
-                raise InputError(f"threads must be an integer >= 1, got {threads!r}")
-            n = min(n, threads)
+        n = self._cpu_threads(threads)
         if device == "cpu" and n > 1 and len(todo) > 1:
             yield from self._read_layers_threaded(todo, n)
             return
         for i in todo:  # threads=1: the prediction pass (kvc xpred) too stays on this thread
             yield self._read_layer(i, None, device, split=threads != 1)
 
+    def _cpu_threads(self, threads: int | None) -> int:
+        """The CPU threads a decode uses: the codec's ``decode_threads``, at most the CPUs and
+        at most ``threads``."""
+        n = min(int(getattr(self.codec, "decode_threads", 1)), os.cpu_count() or 1)
+        if threads is not None:
+            if type(threads) is not int or threads < 1:
+                raise InputError(f"threads must be an integer >= 1, got {threads!r}")
+            n = min(n, threads)
+        return n
+
+    def staged_cache(self, split: bool = False) -> Callable[[], KVCache]:
+        """:meth:`read_cache` on one CPU thread, in two halves. This call reads and checks every
+        layer and queues the native decoders' work (:func:`kvcodec.native.kvc.deferred_decodes`;
+        checking is Python, which holds the interpreter's lock); the callable it returns runs
+        that work in one native call (which lets go of the lock) and builds the cache. A caller
+        with several small files checks the next file while another thread runs the last one's
+        call (:func:`kvcodec.decode_many`): per tensor, threads mostly waited for the lock. The
+        same values as :meth:`read_layers`, bit for bit; errors of checking come before errors
+        of decoding. Keep the reader open until the callable has run. ``split``: the prediction
+        pass (kvc xpred) may use a second thread.
+
+        Raises:
+            KVCodecError: as :meth:`read_cache` (this call: the checks; the callable: the decoding).
+        """
+        from .native.kvc import deferred_decodes, run_decodes
+
+        self.check_padding()
+        staged = []
+        with deferred_decodes() as jobs:
+            for i in range(self.num_layers):
+                planes = self.read_layer_planes(i)
+                parts = {role: [self._decode_chunk(i, role, j, enc, "cpu") for j, enc in encs]
+                         for role, encs in planes.items()}
+                staged.append((i, planes, parts))
+        m = self.manifest
+        info = [self.layer_info(i) for i in range(self.num_layers)]
+        token_ids, positions = self.token_ids(), self.positions()
+
+        def finish() -> KVCache:
+            try:
+                run_decodes(jobs)
+            except (KVCodecError, MemoryError):
+                raise
+            except Exception as e:  # noqa: BLE001 - hostile input must only ever raise our errors
+                raise FormatError(f"codec {self.codec.codec_id!r} failed to decode: {type(e).__name__}: "
+                                  f"{str(e)[:200]}") from None
+            self._own_layers = True  # every layer is ours until the cache is returned: no copies
+            try:
+                layers = [self._finish_layer(i, None, planes, parts, "cpu", split) for i, planes, parts in staged]
+            finally:
+                self._own_layers = False
+            return KVCache(layers=layers, layer_info=info, token_ids=token_ids, positions=positions,
+                           model=ModelIdentity.from_dict(m["model"]), rope_applied=bool(m["rope"]["applied"]),
+                           rope=dict(m["rope"]["params"]))
+
+        return finish
+
     def read_cache(self, device: str = "cpu", threads: int | None = None) -> KVCache:
         """Decode the whole file into a :class:`KVCache`, one layer at a time (``threads``: as
         for :meth:`read_layers`)."""
         m = self.manifest
+        if device == "cpu" and self._cpu_threads(threads) == 1:
+            return self.staged_cache(split=threads != 1)()
         self.check_padding()
         if device == "cpu":
             self._own_layers = True

@@ -111,3 +111,46 @@ def test_threads_one_keeps_everything_on_the_callers_thread(monkeypatch, tmp_pat
     for bad in (0, -1, 1.5, True):
         with pytest.raises(InputError, match="threads"):
             kvcodec.decode(blob, threads=bad)
+
+
+@pytest.mark.parametrize("threads", [0, 1, 2])
+def test_decode_many_gives_what_decode_gives(tmp_path, threads):
+    """kvcodec.decode_many: every file as kvcodec.decode gives it, bit for bit, whatever the
+    codec (kvc with and without prediction across layers, cachegen, raw), with the checks on
+    this thread and the decoding on ``threads`` others; a damaged, foreign or garbage file
+    gives its error in its place and the others still decode."""
+    cache = drifting_cache(layers=4, t=300, positions=torch.arange(40, 340))
+    prof = profile_file(tmp_path / "p.safetensors", cache, kind="random")
+    blobs = [kvcodec.get_codec(c).encode(cache) for c in ("kvc-near", cfg(prof), cfg(prof, xpred=0))]
+    blobs += kvcodec.get_codec("kvc-near").encode_parts(cache, 128)
+    blobs += [kvcodec.get_codec(c).encode(cache.tokens(0, 64)) for c in ("cachegen", "raw")]
+
+    def bump(m):
+        m["layers"][1]["tensors"]["v"]["chunks"][0]["params"]["step_base"] = [400] * 2
+    bad = rewrite(blobs[0], manifest=bump)
+    got = kvcodec.decode_many([*blobs, bad, b"KVC?", blobs[0]], threads=threads, profiles=[prof])
+    assert len(got) == len(blobs) + 3
+    for blob, out in zip([*blobs, blobs[0]], [*got[:len(blobs)], got[-1]]):
+        assert isinstance(out, kvcodec.KVCache)
+        _same(out, kvcodec.decode(blob, profiles=[prof]))
+        want = kvcodec.decode(blob, profiles=[prof])
+        for a, b in ((out.positions, want.positions), (out.token_ids, want.token_ids)):
+            assert (a is None and b is None) or torch.equal(a, b)
+        assert out.model == want.model and out.layer_info == want.layer_info and out.rope == want.rope
+    with pytest.raises(FormatError) as alone:
+        kvcodec.decode(bad)
+    assert type(got[-3]) is type(alone.value) and str(got[-3]) == str(alone.value)
+    assert isinstance(got[-2], FormatError)
+
+
+def test_decode_many_runs_its_threads_initializer_and_checks_its_threads():
+    from kvcodec.errors import InputError
+
+    blob = kvcodec.get_codec("kvc-near").encode(small_cache(layers=2, t=40))
+    names = []
+    got = kvcodec.decode_many([blob] * 3, threads=2, initializer=lambda: names.append(threading.current_thread().name))
+    assert all(isinstance(x, kvcodec.KVCache) for x in got)
+    assert names and all(n.startswith("kvcodec-decode") for n in names)
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(InputError, match="threads"):
+            kvcodec.decode_many([blob], threads=bad)

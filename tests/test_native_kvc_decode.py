@@ -92,7 +92,10 @@ COVERS = {"plain": {"esc", "delta", "k-side"}, "steps-per-token": {"k_tok"},
 
 
 def _both(blob: bytes) -> tuple[kvcodec.KVCache, kvcodec.KVCache]:
-    fast = kvcodec.decode(blob)
+    """The native decode (the file's jobs queued and run in one call on one thread, checked equal
+    to the threads decoding tensor by tensor) and the reference passes."""
+    fast = kvcodec.decode(blob, threads=1)
+    assert _same_bits(fast, kvcodec.decode(blob, threads=2))
     with native_mode("0"):
         ref = kvcodec.decode(blob)
     return fast, ref
@@ -120,26 +123,70 @@ def test_one_call_equals_the_passes(name: str, dtype: torch.dtype, calib: str) -
     assert _same_bits(fast, ref)
 
 
-def test_the_one_call_path_is_taken(monkeypatch: pytest.MonkeyPatch, calib: str) -> None:
-    """With the library built, decode makes one native call per tensor and none of the passes."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_one_call_path_is_taken(monkeypatch: pytest.MonkeyPatch, calib: str, threads: int) -> None:
+    """With the library built, decode lays out one native job per tensor and runs none of the
+    passes: on one thread, every job of the file in one batch; on two, each tensor's at once."""
+    import kvcodec.codecs.kvc.codec as kvc_codec
+    import kvcodec.native.kvc as nk
+
     blob = kvcodec.get_codec({"id": "kvc", "calibration": calib, "k_rope_mean": 1, "k_recon": 4,
                               "recent_ramp": 64}).encode(_cache(2))
-    calls = []
-    real = native.kvc_decode
+    jobs, batches = [], []
+    real_job, real_run = kvc_codec.kvc_decode_job, nk.run_decodes
 
     def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
+        jobs.append(1)
+        return real_job(*a, **k)
+
+    def batching(js):
+        batches.append(len(js))
+        return real_run(js)
 
     def refuse(*a, **k):
         raise AssertionError("a separate pass ran")
 
-    monkeypatch.setattr(native, "kvc_decode", counting)
+    monkeypatch.setattr(kvc_codec, "kvc_decode_job", counting)
+    monkeypatch.setattr(nk, "run_decodes", batching)
     monkeypatch.setattr(native, "escape_join_tokens", refuse)
     monkeypatch.setattr(native, "kvc_dequantize", refuse)
     monkeypatch.setattr(native, "decode_stage", refuse)
-    kvcodec.decode(blob)
-    assert len(calls) == 4  # 2 layers x (k, v)
+    kvcodec.decode(blob, threads=threads)
+    assert len(jobs) == 4  # 2 layers x (k, v)
+    assert batches == ([4] if threads == 1 else [1, 1, 1, 1])
+
+
+def test_a_batch_stops_at_its_first_bad_job(calib: str) -> None:
+    """run_decodes: the jobs before a damaged one are written (and their ``after`` run), the
+    damaged one raises its located error, the ones after it are not run."""
+    import kvcodec.native.kvc as nk
+
+    good = kvcodec.get_codec({"id": "kvc", "pack": 1}).encode(_cache(4))
+    bad = _damage_words(good)
+    with nk.deferred_decodes() as jobs:
+        with kvcodec.open(good) as r:
+            first = r.read_layer(0)
+        with kvcodec.open(bad) as r:
+            second = r.read_layer(0)
+        with kvcodec.open(good) as r:
+            third = r.read_layer(0)
+    assert len(jobs) == 6
+    for t in third.values():
+        t.fill_(float("nan"))
+    ran = []
+    for i, j in enumerate(jobs):
+        j.after = (lambda i=i: ran.append(i))
+    with pytest.raises(FormatError) as e:
+        nk.run_decodes(jobs)
+    with pytest.raises(FormatError) as alone:  # the error the file raises decoded tensor by tensor
+        kvcodec.decode(bad, threads=2)
+    assert type(e.value) is type(alone.value) and str(e.value) == str(alone.value)
+    assert str(e.value).startswith("layers.0.k: ")
+    assert ran == [0, 1]
+    want = kvcodec.decode(good, threads=2).layers[0]
+    assert all(torch.equal(first[r], want[r]) for r in ("k", "v"))
+    assert all(bool(torch.isnan(third[r]).all()) for r in ("k", "v"))  # never written
+    assert set(second) == {"k", "v"}
 
 
 def test_chunked_files_and_parts_agree(calib: str) -> None:
@@ -178,14 +225,15 @@ def _damage_words(blob: bytes) -> bytes:
     return rewrite(bytes(raw), manifest=fix)
 
 
-def test_damage_is_refused_alike() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_damage_is_refused_alike(threads: int) -> None:
     blob = kvcodec.get_codec({"id": "kvc", "pack": 1, "recent_ramp": 64}).encode(_cache(4))
     bad = _damage_words(blob)
     errs = []
     for mode in ("auto", "0"):
         with native_mode(mode):
             with pytest.raises(FormatError) as e:
-                kvcodec.decode(bad)
+                kvcodec.decode(bad, threads=threads)
             errs.append(type(e.value))
             assert "layers.0.k" in str(e.value)
     assert errs[0] is errs[1], errs  # the same error class on both paths
@@ -202,3 +250,19 @@ def test_a_step_code_out_of_range_is_refused_alike() -> None:
         with native_mode(mode):
             with pytest.raises(FormatError, match="step code outside"):
                 kvcodec.decode(bad)
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_decode_many_under_inference_mode(inference: bool) -> None:
+    """A caller under torch.inference_mode (vLLM's worker) gets inference tensors, which only that
+    mode may change in place: decode_many's threads decode under the caller's mode, tokens that
+    are not one run (a protected token in the middle: written after the native call) included."""
+    cache = _cache(7, sink_mid=True)
+    blob = kvcodec.get_codec(CONFIGS["sinks-mid"]).encode(cache)
+    assert "not-one-run" in _features(blob)
+    want = kvcodec.decode(blob, threads=1)
+    with torch.inference_mode(inference):
+        got = kvcodec.decode_many([blob, blob, blob], threads=2)
+    for x in got:
+        assert isinstance(x, kvcodec.KVCache), x
+        assert _same_bits(x, want)

@@ -32,9 +32,10 @@ class StageLayout:
         if m.dtype != np.uint32 or m.ndim != 1 or not 10 <= m.shape[0] <= 9 + MAX_CLASSES:
             raise FormatError(f"ANS meta plane must be uint32[10] (or [10 + Q - 1] with scope 2), "
                               f"got {m.dtype}{list(m.shape)}")
-        v, self.R, self.N, self.C, self.G, self.P, self.A, self.K, self.scope, self.flags = (int(x) for x in m[:10])
+        vals = m.tolist()  # Python ints
+        v, self.R, self.N, self.C, self.G, self.P, self.A, self.K, self.scope, self.flags = vals[:10]
         #: scope 2 (magnitude contexts): the class thresholds (eighths) and the class count Q
-        self.thresholds = tuple(int(x) for x in m[10:])
+        self.thresholds = tuple(vals[10:])
         self.Q = len(self.thresholds) + 1
         self.center = (self.A - 1) // 2
         if v != ANS_STAGE_VERSION:
@@ -94,7 +95,12 @@ def parse_planes(
     if offsets.dtype != np.uint32 or offsets.shape != (lay.n_streams + 1,):
         raise FormatError(f"ANS offsets must be uint32[{lay.n_streams + 1}], got {offsets.dtype}{list(offsets.shape)}")
     off = offsets.astype(np.int64)
-    if off[0] != 0 or off[-1] != len(words) or (np.diff(off) < 0).any():
+    if off.size <= 64:  # (a tensor's few streams: Python ints beat numpy's per-call cost)
+        ol = off.tolist()
+        bad = ol[0] != 0 or ol[-1] != len(words) or any(b < a for a, b in zip(ol, ol[1:]))
+    else:
+        bad = off[0] != 0 or off[-1] != len(words) or bool((np.diff(off) < 0).any())
+    if bad:
         raise FormatError("ANS offsets must start at 0, never decrease and end at len(words)")
     if lay.flags & FLAG_EXTERNAL_TABLES:
         if tables is None:

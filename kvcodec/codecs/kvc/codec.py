@@ -25,6 +25,7 @@ from ...codec import Codec, EncodedTensor, Prepared, TensorContext, register_cod
 from ...entropy import EntropyStage
 from ...errors import ConfigError, FormatError, StreamError
 from ...format.pack import pack_planes, unpack_planes
+from ...native.kvc import defer_or_run, kvc_decode_job
 from ...quant.deadzone import (
     STEP_CODE_MAX,
     STEP_CODE_MIN,
@@ -883,17 +884,21 @@ class KVCCodec(Codec):
         return v, out, keep
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
-        p = self.params
         v, out, keep = self._protected(enc, ctx)
-        where, n, mask = v.where, v.n, v.mask
-        if n == 0:
+        if v.n == 0:
             return out
-        lv = v.lv
-        free = np.flatnonzero(~mask)  # the coded tokens' positions
-        if v.tr == "none" and self._decode_native(v, ctx, out, free):
+        free = np.flatnonzero(~v.mask)  # the coded tokens' positions
+        if v.tr == "none" and self._decode_native(v, ctx, out, keep, free):
             return out
+        return self._decode_passes(v, ctx, out, keep, free)
+
+    def _decode_passes(self, v: SimpleNamespace, ctx: TensorContext, out: torch.Tensor, keep: torch.Tensor,
+                       free: np.ndarray) -> torch.Tensor:
+        """:meth:`decode_tensor`'s coded tokens by separate passes (the entropy stage, the escape
+        join and running sums, :meth:`_values`), written into ``out``."""
+        where, n, lv = v.where, v.n, v.lv
         try:  # the stage checks its geometry against ours before it allocates, then validates
-            sym = _stage(p).decode(v.stage_planes, layout="tokens", expected=(v.rows, n, 2 * lv))  # [n, R]
+            sym = _stage(self.params).decode(v.stage_planes, layout="tokens", expected=(v.rows, n, 2 * lv))  # [n, R]
         except FormatError as e:  # the same error class (StreamError, ...), located
             raise type(e)(f"{where}: kvc entropy stage: {e}") from None
         try:
@@ -956,10 +961,13 @@ class KVCCodec(Codec):
         out[~keep] = torch.from_numpy(np.ascontiguousarray(xh)).to(ctx.dtype)
         return out
 
-    def _decode_native(self, v: SimpleNamespace, ctx: TensorContext, out: torch.Tensor, free: np.ndarray) -> bool:
+    def _decode_native(self, v: SimpleNamespace, ctx: TensorContext, out: torch.Tensor, keep: torch.Tensor,
+                       free: np.ndarray) -> bool:
         """:meth:`decode_tensor`'s coded tokens in one native call (:func:`kvcodec.native.kvc_decode`:
         the same values as the passes below it, bit for bit), written into ``out``; False when
-        that call does not apply (no native library, or a code past int32: the passes handle it)."""
+        that call does not apply (no native library). Inside
+        :func:`kvcodec.native.kvc.deferred_decodes` the call is only queued: ``out`` holds the
+        values once the block's jobs have run (a code past int32 then takes the passes)."""
         where, n = v.where, v.n
         _, h, d = ctx.shape
         try:  # the stage checks its geometry against ours before it allocates, then validates
@@ -970,21 +978,22 @@ class KVCCodec(Codec):
         sc = v.sc_ch if v.per_channel else np.asarray(v.base, dtype=np.int64)
         run = _one_run(free)  # the coded tokens are one run: write them in place
         dst = out[run] if run is not None else torch.empty((n, h, d), dtype=ctx.dtype)
+        rope = None
+        if v.rope is not None:
+            off, style, steps = v.rope
+            rope = (off, STYLES.index(style), steps, sin_table())
         try:
-            rope = None
-            if v.rope is not None:
-                off, style, steps = v.rope
-                rope = (off, STYLES.index(style), steps, sin_table())
-            native.kvc_decode(stage, v.esc, v.lv, v.use, n, h, d, mode, sc,
-                              (STEP_MANTISSA, STEP_CODE_MIN, STEP_CODE_MAX), v.rc, v.mean, rope, free, ctx.dtype, dst)
+            job = kvc_decode_job(stage, v.esc, v.lv, v.use, n, h, d, mode, sc,
+                                 (STEP_MANTISSA, STEP_CODE_MIN, STEP_CODE_MAX), v.rc, v.mean, rope, free, ctx.dtype,
+                                 dst)
         except native.Unsupported:
             return False
-        except StreamError as e:
-            raise StreamError(f"{where}: kvc entropy stage: {e}") from None
-        except FormatError as e:
-            raise FormatError(f"{where}: {e}") from None
+        job.where = where
         if run is None:
-            out[torch.from_numpy(~v.mask)] = dst
+            job.after = lambda: out.__setitem__(torch.from_numpy(~v.mask), dst)
+        # a code past int32: the passes, which handle it
+        job.fallback = lambda: self._decode_passes(v, ctx, out, keep, free)
+        defer_or_run(job)
         return True
 
 
