@@ -145,6 +145,26 @@ def preset_bits(names: list[str] | None = None, context: int = 1536) -> dict[str
     return out
 
 
+def cache_sha256(cache: Any) -> str:
+    """SHA-256 of a cache's K/V bytes, layer by layer (and its token ids): two caches with the
+    same digest code to the same bytes. The reference cache of :func:`preset_bits` is a model's
+    forward pass, whose float32 kernels round differently on CPUs with other vector units
+    (AVX-512 or AVX2): eval/make_measured_bits.py records the digest it measured on."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for layer in cache.layers:
+        for role in sorted(layer):
+            t = layer[role].detach().cpu().contiguous()
+            h.update(role.encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.float32 else t.numpy().tobytes())
+    if cache.token_ids is not None:
+        h.update(cache.token_ids.cpu().to(torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
 def timed_encodes(runs: dict[Any, tuple[Any, int]], cache: Any, repeat: int) -> tuple[dict[Any, float], dict[Any, bytes]]:
     """Fastest encode time and the bytes of each run ``{key: (codec, kvc encode_threads)}`` on
     ``cache``, the runs alternating in ``repeat`` rounds (this machine's speed drifts; only ratios
