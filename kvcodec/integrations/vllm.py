@@ -567,8 +567,8 @@ class KVCodecConnector(KVConnectorBase_V1):
                 break
 
         t0 = time.perf_counter()
-        # this thread checks each chunk while a thread of its own (its affinity: decode_cpus)
-        # decodes the chunk before; a pool per load: no thread of ours outlives it (vLLM ends
+        # this thread checks each chunk while threads of its own (their affinity: decode_cpus)
+        # decode the chunks before; a pool per load: no thread of ours outlives it (vLLM ends
         # its worker processes without calling shutdown)
         workers = min(self.decode_threads, len(blobs)) if len(blobs) > 1 and self.decode_threads > 1 else 0
         try:
