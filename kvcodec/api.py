@@ -87,7 +87,7 @@ def decode_many(sources: Sequence[Any], max_elements_per_byte: int = MAX_ELEMENT
     from .errors import InputError
 
     if threads is None:
-        threads = min(2, os.cpu_count() or 1) if (os.cpu_count() or 1) > 1 else 0
+        threads = 2 if (os.cpu_count() or 1) > 1 else 0
     if type(threads) is not int or threads < 0:
         raise InputError(f"threads must be an integer >= 0, got {threads!r}")
     import torch

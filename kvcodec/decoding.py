@@ -283,9 +283,6 @@ class KVCReader(ContainerReader):
                 parts = {role: [self._decode_chunk(i, role, j, enc, "cpu") for j, enc in encs]
                          for role, encs in planes.items()}
                 staged.append((i, planes, parts))
-        m = self.manifest
-        info = [self.layer_info(i) for i in range(self.num_layers)]
-        token_ids, positions = self.token_ids(), self.positions()
 
         def finish() -> KVCache:
             try:
@@ -300,16 +297,13 @@ class KVCReader(ContainerReader):
                 layers = [self._finish_layer(i, None, planes, parts, "cpu", split) for i, planes, parts in staged]
             finally:
                 self._own_layers = False
-            return KVCache(layers=layers, layer_info=info, token_ids=token_ids, positions=positions,
-                           model=ModelIdentity.from_dict(m["model"]), rope_applied=bool(m["rope"]["applied"]),
-                           rope=dict(m["rope"]["params"]))
+            return self._cache_of(layers)
 
         return finish
 
     def read_cache(self, device: str = "cpu", threads: int | None = None) -> KVCache:
         """Decode the whole file into a :class:`KVCache`, one layer at a time (``threads``: as
         for :meth:`read_layers`)."""
-        m = self.manifest
         if device == "cpu" and self._cpu_threads(threads) == 1:
             return self.staged_cache(split=threads != 1)()
         self.check_padding()
@@ -324,6 +318,12 @@ class KVCReader(ContainerReader):
 
             with batched_decode(device):
                 layers = list(self.read_layers(device=device))
+        return self._cache_of(layers)
+
+    def _cache_of(self, layers: list[dict[str, torch.Tensor]]) -> KVCache:
+        """The file's :class:`KVCache` of its decoded ``layers`` (with its layer kinds, tokens,
+        positions, model and RoPE state)."""
+        m = self.manifest
         rope = m["rope"]
         return KVCache(
             layers=layers,

@@ -23,7 +23,7 @@ from ... import native
 from ...cache import KVCache
 from ...codec import Codec, EncodedTensor, Prepared, TensorContext, register_codec
 from ...entropy import EntropyStage
-from ...errors import ConfigError, FormatError, StreamError
+from ...errors import ConfigError, FormatError
 from ...format.pack import pack_planes, unpack_planes
 from ...native.kvc import defer_or_run, kvc_decode_job
 from ...quant.deadzone import (

@@ -125,15 +125,13 @@ done:
 int64_t kvn_kvc_decode_batch(int64_t j0, int64_t n, const int64_t* a, int64_t* st) {
   for (int64_t j = j0; j < n; ++j) {
     const int64_t* p = a + j * KVD_ARGS;
-    float fmax;
-    const uint32_t fb = (uint32_t)p[27];
-    memcpy(&fmax, &fb, sizeof fmax);
     int64_t bad = -1;
     const int rc = kvn_kvc_decode(
         (const int64_t*)p[0], (const uint32_t*)p[1], (const uint32_t*)p[2], (const uint32_t*)p[3],
         (const int32_t*)p[4], (const int64_t*)p[5], p[6], p[7], (const uint8_t*)p[8], p[9], p[10], p[11], (int)p[12],
         (const int64_t*)p[13], (const float*)p[14], p[15], p[16], (const float*)p[17], p[18], (const float*)p[19],
-        (const uint32_t*)p[20], p[21], p[22], (int)p[23], (const int64_t*)p[24], (const float*)p[25], p[26], fmax,
+        (const uint32_t*)p[20], p[21], p[22], (int)p[23], (const int64_t*)p[24], (const float*)p[25], p[26],
+        bits_f32((uint32_t)p[27]),
         (int)p[28], (void*)p[29], &bad);
     if (rc != KVN_OK) {
       st[0] = rc;
