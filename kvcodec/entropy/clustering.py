@@ -4,6 +4,7 @@ into shared tables (``tables="cluster"``).
 
 from __future__ import annotations
 
+import math
 
 import numpy as np
 
@@ -42,44 +43,59 @@ def _member_sums(h: np.ndarray, assign: np.ndarray, k: int) -> tuple[np.ndarray,
     return sums, np.bincount(assign, minlength=k) > 0
 
 
-def _native_step(h: np.ndarray, k: int, centers: np.ndarray) -> "object | None":
-    """:class:`kvcodec.native.tables.ClusterUpdate` for ``h``, ``k`` and the first ``centers``, or
-    None (no native coder: numpy's argmax, :func:`_member_sums` and division, the same result)."""
+def _native_run(h: np.ndarray, k: int, centers: np.ndarray, iters: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """:func:`kvcodec.native.tables.cluster_iterate`, or None (no native coder: the numpy loop
+    of :func:`_cluster_tables`, the same result)."""
     from .. import native
-    from ..native.tables import ClusterUpdate
+    from ..native.tables import cluster_iterate
 
     try:
-        return ClusterUpdate(h, k, centers)
+        return cluster_iterate(h, k, centers, iters)
     except native.Unsupported:
         return None
 
 
+#: passes of the table clustering (each never increases the total code length)
+CLUSTER_PASSES = 8
+
+
+def _gains(h: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``[R, k]``: minus each row's code length with each table (in nats), ``sum_c h[r, c] log
+    q[j, c]`` summed in ascending ``c`` with Python's (the C library's) log: one fixed order of
+    operations, so the clustering no longer depends on the BLAS build (a product's order does),
+    and the native pass matches it bit for bit (a column of zero counts adds nothing)."""
+    lq = np.array([[math.log(v) for v in row] for row in q.tolist()], dtype=np.float64).reshape(q.shape)
+    gain = np.zeros((h.shape[0], q.shape[0]), dtype=np.float64)
+    for c in np.flatnonzero(h.any(axis=0)):
+        gain += h[:, c : c + 1] * lq[:, c]
+    return gain
+
+
 def _cluster_tables(hist: np.ndarray, k: int, precision: int) -> tuple[np.ndarray, np.ndarray]:
-    """KL k-means of row histograms into ``k`` shared tables (deterministic).
+    """KL k-means of row histograms into ``k`` shared tables (deterministic; the gains in a fixed
+    order, :func:`_gains`).
 
     Cost of coding row ``r`` with distribution ``q`` is ``-Σ h[r,a] log q[a]`` (its code length),
     so assigning each row to the cheapest table and re-estimating tables from member histograms
-    never increases the total code length.
+    never increases the total code length. The passes run in C where built
+    (:func:`kvcodec.native.tables.cluster_iterate`), else here, with the same bits.
     """
     h = hist.astype(np.float64)
     r, a = h.shape
     # deterministic init: rows spread evenly over the order of their mean symbol and spread
+    # (integer sums: exact in any order)
     mean = (h @ np.arange(a, dtype=np.float64)) / np.maximum(h.sum(1), 1)
     order = np.lexsort((np.arange(r), mean))
     centers = h[order[np.linspace(0, r - 1, k).round().astype(int)]] + 0.5
-    step = _native_step(h, k, centers)
-    assign = np.zeros(r, dtype=np.int64)
-    q = centers / centers.sum(1, keepdims=True)
-    for _ in range(8):
-        # [r, k]: minus each row's code length with each table (in nats); the logs made a
-        # contiguous [a, k] first: BLAS then takes half the time of h @ log(q).T
-        gain = h @ np.ascontiguousarray(np.log(q).T)
-        if step is not None:  # argmax, the test, the member sums, the centres and q in one C call
-            if not step(gain, first=not _):
-                break
-            assign, sums, used, q = step.assign, step.sums, step.used, step.q
-        else:
-            new = gain.argmax(1)
+    got = _native_run(h, k, centers, CLUSTER_PASSES)
+    if got is not None:
+        assign, sums, used = got
+    else:
+        assign = np.zeros(r, dtype=np.int64)
+        q = centers / centers.sum(1, keepdims=True)
+        for _ in range(CLUSTER_PASSES):
+            new = _gains(h, q).argmax(1)
             if _ and (new == assign).all():
                 break
             assign = new

@@ -588,7 +588,7 @@ class KVCCodec(Codec):
                 f"{where}: kvc with sink detection (sink_v_ratio > 0) cannot code this cache in chunks of "
                 f"{t} tokens: a detected sink lies beyond the chunk; encode it unchunked, or with "
                 f"sink_v_ratio 0 (the -cal presets), or with longer chunks") from None
-        n = int((~mask).sum())
+        n = t - int(np.count_nonzero(mask))
         keep = torch.from_numpy(mask)
         # float16 and float32 on the CPU go through numpy: torch ops called from the writer's
         # threads (encode_threads) at once each start their own OpenMP team, whose spinning

@@ -92,9 +92,21 @@ def recency_factor(t: int, coded: np.ndarray, ramp: int, fine: float) -> np.ndar
     """
     if ramp <= 0 or fine <= 1.0:
         return None
-    pos = np.nonzero(np.asarray(coded, dtype=bool))[0]
-    d = (t - 1 - pos).astype(np.float64)
-    return np.clip(np.sqrt((d + 1.0) / ramp), 1.0 / fine, 1.0)
+    coded = np.asarray(coded, dtype=bool)
+    key = (t, ramp, fine, coded.tobytes())
+    got = _recency.get(key)  # every tensor of a cache asks for the same (read-only) factors
+    if got is None:
+        pos = np.nonzero(coded)[0]
+        d = (t - 1 - pos).astype(np.float64)
+        got = np.clip(np.sqrt((d + 1.0) / ramp), 1.0 / fine, 1.0)
+        got.setflags(write=False)
+        if len(_recency) >= 64:
+            _recency.clear()
+        _recency[key] = got
+    return got
+
+
+_recency: dict = {}
 
 
 def _attn_factor(a: np.ndarray, exponent: float, clip: float, coarse: float | None = None,
@@ -123,8 +135,14 @@ def _attn_factor(a: np.ndarray, exponent: float, clip: float, coarse: float | No
         [[0.595], [2.0], [2.0]]
     """
     a = np.maximum(np.asarray(a, dtype=np.float64), 1e-12)
-    m = np.stack([weighted_steps(1.0, a[:, j] ** exponent, None if norm is None else norm[j])
-                  for j in range(a.shape[1])], axis=1)
+    w = np.ascontiguousarray((a ** exponent).T)  # [H, n]: each head's weights contiguous
+    mean = w.mean(axis=1) if norm is None else np.asarray(norm, dtype=np.float64)  # (pairwise, as per head)
+    if w.shape[1] and (mean > 0).all() and (w > 0).all():
+        # weighted_steps(1, w_j, mean_j) of every head at once: the same operations, element by element
+        m = (1.0 / np.sqrt(w / mean[:, None])).T
+    else:  # zero weights (or none): weighted_steps' rules, head by head
+        m = np.stack([weighted_steps(1.0, w[j], None if norm is None else norm[j]) for j in range(a.shape[1])],
+                     axis=1)
     return np.clip(m, 1.0 / clip, clip if coarse is None else coarse)
 
 
