@@ -68,7 +68,9 @@ def _operands(t, n_in, n_out, rng):
     return x, w, rng.normal(size=n_out).astype(np.float32)
 
 
-SHAPES = ((1, 1, 1), (7, 33, 65), (130, 256, 128), (301, 40, 24), (9, 8, 96))  # 301: two threads
+# 301: two threads; rows past the six-row tiles of the AVX2 kernel: 4 (130, 10), 1 (7), 3 (9), 4 + 1 (17)
+SHAPES = ((1, 1, 1), (7, 33, 65), (130, 256, 128), (301, 40, 24), (9, 8, 96), (10, 24, 40), (17, 16, 17),
+          (64, 48, 48))
 
 
 def test_affine_reference_order_is_normative():
@@ -108,6 +110,23 @@ def test_affine_native_equals_reference_bit_for_bit():
         x, w, b = _operands(t, n_in, n_out, rng)
         ref = _every_kernel_equals_reference(x, w, b)
         assert np.array_equal(xpred.affine(x, w, b).view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.skipif(native.build._compiler() is None, reason="no C compiler on this machine")
+def test_affine_keeps_the_sign_of_zero_as_the_reference():
+    """-0 inputs stay -0 in every kernel, as in the reference: with a -0 bias and every product
+    zero, an output is -0 where the products are -0 and +0 where one is +0 (a kernel that made
+    its inputs +0 before multiplying turned those -0 outputs into +0)."""
+    rng = np.random.default_rng(5)
+    for t in (1, 6, 10, 13, 64):
+        n_in, n_out = 12, 40
+        x = np.where(rng.random((t, n_in)) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+        x[::3] = -0.0
+        w = (rng.normal(size=(n_in, n_out)) * 3).astype(np.float32)
+        w[:, ::4] = np.abs(w[:, ::4])  # columns where -0 inputs give -0 products only
+        b = np.full(n_out, -0.0, dtype=np.float32)
+        ref = _every_kernel_equals_reference(x, w, b)
+        assert np.signbit(ref[::3, ::4]).all() and (ref == 0).all()
 
 
 def _short(a, bits, rng):

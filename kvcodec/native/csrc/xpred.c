@@ -4,11 +4,13 @@
  * -ffp-contract=off, so no multiply-add is fused). Bit for bit what
  * kvcodec/codecs/kvc/xpred.py's affine_reference computes.
  *
- * Tiled for speed: groups of XP_GROUP rows (their inputs stay in cache), in each XP_RB rows by
- * two or four vectors of outputs, the accumulators in registers while the inputs run; the operations
- * on each output element keep their order. Vectors are GCC / Clang vector extensions
- * (elementwise IEEE operations on any target): 4 lanes everywhere, 8 lanes where the CPU has
- * AVX2 (x86, chosen at run time; no multiply-add is fused there), 16 where it has AVX-512.
+ * Tiled for speed: groups of XP_GROUP_TILES tiles of rows (their inputs stay in cache), each tile
+ * four rows (six with AVX2's 8 lanes) by two or four vectors of outputs, the accumulators in
+ * registers while the inputs run; the operations on each output element keep their order. Vectors
+ * are GCC / Clang vector extensions (elementwise IEEE operations on any target): 4 lanes
+ * everywhere, 8 lanes where the CPU has AVX2 (x86, chosen at run time), 16 where it has AVX-512. An input is broadcast as it is: -0 stays -0, as in the
+ * reference (before 2026-12-07 the kernels added +0, which made it +0; an output could then differ
+ * from the reference in the sign of a zero when the bias was -0 and every product zero).
  *
  * Exact products, fused: where a product x[i] * W[i] is exact in float32, rounding it changes
  * nothing, so y + x[i] * W[i] rounded once (a fused multiply-add) is bit for bit the separately
@@ -16,16 +18,18 @@
  * lie in [2^-62, 2^63) with at most 11 significant bits (float16 values, and bfloat16 values in
  * that range: the product then has at most 22 significant bits and lies in [2^-124, 2^126), a
  * normal float32). Every block of rows checks this on the values themselves (fusable), per
- * input part, against the check of W made once per call; the AVX-512 kernel then fuses those
- * inputs' multiply-adds (one instruction instead of two: the untuned V half of a predictor's
- * inputs, the K half too where K does not rotate), and the other kernels compute them as before. */
+ * input part, against the check of W made once per call; the AVX-512 kernels, and the AVX2 ones
+ * where the CPU has FMA, then fuse those inputs' multiply-adds (one instruction instead of two:
+ * the untuned V half of a predictor's inputs, the K half too where K does not rotate), and the
+ * 4-lane kernel computes them as before. */
 #include "kvn_common.h"
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-#define XP_RB 4
-#define XP_GROUP 32
+/* rows per group of the tiled kernels: their inputs stay in cache (a multiple of each kernel's
+ * rows per tile) */
+#define XP_GROUP_TILES 8
 
 /* rows [r0, r0 + nr) and outputs [o0, o0 + no), one element at a time */
 static void affine_tail(const float *x, int64_t r0, int64_t nr, int64_t n_in, const float *w, const float *b,
@@ -64,57 +68,62 @@ static int fusable(const float *v, int64_t n)
  * product exact) or not; nseg runs cover 0 .. n_in in order. */
 #define XP_MAXSEG 16
 
-/* The inputs [I_LO, I_HI) of XP_RB rows into the accumulators a (in XP_KERNEL's scope), each
+/* a vector of LANES copies of the float s (an initializer, not s + 0: that would turn -0 into
+ * +0, and the compiler would spend an add on every copy) */
+#define XP_SPLAT4(s) {(s), (s), (s), (s)}
+#define XP_SPLAT8(s) {(s), (s), (s), (s), (s), (s), (s), (s)}
+#define XP_SPLAT16(s) {(s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s)}
+
+/* The inputs [I_LO, I_HI) of RB rows into the accumulators a (in XP_KERNEL's scope), each
  * a[r][v] = OP(x, w, a[r][v]) in input order */
-#define XP_INPUTS(VT, LANES, NV, I_LO, I_HI, OP)                                                  \
+#define XP_INPUTS(VT, LANES, NV, RB, I_LO, I_HI, OP)                                              \
     for (int64_t i = (I_LO); i < (I_HI); i++) {                                                   \
         const float *wi = w + i * n_out + o0;                                                     \
         VT ww[NV];                                                                                \
         for (int v = 0; v < (NV); v++)                                                            \
             memcpy(&ww[v], wi + v * (LANES), sizeof ww[v]);                                       \
-        for (int r = 0; r < XP_RB; r++) {                                                         \
-            const VT xv = x[(r0 + r) * n_in + i] + (VT){0};                                       \
+        for (int r = 0; r < (RB); r++) {                                                          \
+            const float xs = x[(r0 + r) * n_in + i];                                              \
+            const VT xv = XP_SPLAT##LANES(xs);                                                    \
             for (int v = 0; v < (NV); v++)                                                        \
                 a[r][v] = OP(xv, ww[v], a[r][v]);                                                 \
         }                                                                                         \
     }
 
 /* The tiled kernel for vectors of LANES floats (VT): outputs in blocks of NV * LANES from o_lo on,
- * XP_RB rows at a time with XP_RB * NV accumulators in registers. FMA(x, w, a) computes a + x * w
- * for the runs marked exact (fused where the vector unit has it; the same bits either way).
- * Returns the end of the outputs it covered (every row); the caller does the rest. */
-#define XP_KERNEL(NAME, VT, LANES, NV, ATTR, FMA)                                                 \
+ * RB rows at a time with RB * NV accumulators in registers, on the rows [0, t - t % RB) (the
+ * caller does the rest). FMA(x, w, a) computes a + x * w for the runs marked exact (fused where
+ * the vector unit has it; the same bits either way). Returns the end of the outputs it covered. */
+#define XP_KERNEL(NAME, VT, LANES, NV, RB, ATTR, FMA)                                             \
     ATTR static int64_t NAME(const float *x, int64_t t, int64_t n_in, const float *w, const float *b, \
                              int64_t n_out, int64_t o_lo, float *out, const int64_t *seg, int nseg) \
     {                                                                                             \
-        const int64_t ob = (NV) * (LANES);                                                        \
-        const int64_t t_full = t - t % XP_RB, o_full = o_lo + (n_out - o_lo) / ob * ob;           \
-        for (int64_t g0 = 0; g0 < t_full; g0 += XP_GROUP) {                                       \
-            const int64_t g1 = g0 + XP_GROUP < t_full ? g0 + XP_GROUP : t_full;                   \
+        const int64_t ob = (NV) * (LANES), group = (RB) * XP_GROUP_TILES;                         \
+        const int64_t t_full = t - t % (RB), o_full = o_lo + (n_out - o_lo) / ob * ob;            \
+        for (int64_t g0 = 0; g0 < t_full; g0 += group) {                                          \
+            const int64_t g1 = g0 + group < t_full ? g0 + group : t_full;                         \
             for (int64_t o0 = o_lo; o0 < o_full; o0 += ob) {                                      \
                 VT bb[NV];                                                                        \
                 for (int v = 0; v < (NV); v++)                                                    \
                     memcpy(&bb[v], b + o0 + v * (LANES), sizeof bb[v]);                           \
-                for (int64_t r0 = g0; r0 < g1; r0 += XP_RB) {                                     \
-                    VT a[XP_RB][NV];                                                              \
-                    for (int r = 0; r < XP_RB; r++)                                               \
+                for (int64_t r0 = g0; r0 < g1; r0 += (RB)) {                                      \
+                    VT a[RB][NV];                                                                 \
+                    for (int r = 0; r < (RB); r++)                                                \
                         for (int v = 0; v < (NV); v++)                                            \
                             a[r][v] = bb[v];                                                      \
                     for (int sg = 0; sg < nseg; sg++) {                                           \
                         if (seg[3 * sg + 2]) {                                                    \
-                            XP_INPUTS(VT, LANES, NV, seg[3 * sg], seg[3 * sg + 1], FMA)           \
+                            XP_INPUTS(VT, LANES, NV, RB, seg[3 * sg], seg[3 * sg + 1], FMA)       \
                         } else {                                                                  \
-                            XP_INPUTS(VT, LANES, NV, seg[3 * sg], seg[3 * sg + 1], XP_MULADD)     \
+                            XP_INPUTS(VT, LANES, NV, RB, seg[3 * sg], seg[3 * sg + 1], XP_MULADD) \
                         }                                                                         \
                     }                                                                             \
-                    for (int r = 0; r < XP_RB; r++)                                               \
+                    for (int r = 0; r < (RB); r++)                                                \
                         for (int v = 0; v < (NV); v++)                                            \
                             memcpy(out + (r0 + r) * n_out + o0 + v * (LANES), &a[r][v], sizeof a[r][v]); \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
-        if (t_full < t && o_full > o_lo)                                                          \
-            affine_tail(x, t_full, t - t_full, n_in, w, b, n_out, o_lo, o_full - o_lo, out);      \
         return o_full;                                                                            \
     }
 
@@ -123,33 +132,45 @@ static int fusable(const float *v, int64_t n)
 #define XP_MULADD(X, W, A) ((A) + (X) * (W))
 
 typedef float xp_v4 __attribute__((vector_size(16)));
-XP_KERNEL(affine_v4, xp_v4, 4, 2, , XP_MULADD)
+XP_KERNEL(affine_v4, xp_v4, 4, 2, 4, , XP_MULADD)
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #define XP_AVX2 1
 typedef float xp_v8 __attribute__((vector_size(32)));
-XP_KERNEL(affine_v8, xp_v8, 8, 2, __attribute__((target("avx2"))), XP_MULADD)
+/* six rows of two vectors: 12 accumulators, two weight vectors and a broadcast in AVX2's 16
+ * registers (1.3x the four rows' speed on an AMD EPYC, scratch benchmark: 65 against 50 GFLOP/s
+ * on one core); the last rows of a block take four */
+XP_KERNEL(affine_v8x6, xp_v8, 8, 2, 6, __attribute__((target("avx2"))), XP_MULADD)
+XP_KERNEL(affine_v8, xp_v8, 8, 2, 4, __attribute__((target("avx2"))), XP_MULADD)
+/* with FMA (every AVX2 CPU but a few): the exact products' multiply-adds fused, one instruction
+ * instead of two (the same bits; 1.2-1.3x on those inputs, scratch benchmark) */
+#define XP_FMA8(X, W, A) ((xp_v8)_mm256_fmadd_ps((__m256)(X), (__m256)(W), (__m256)(A)))
+XP_KERNEL(affine_v8x6f, xp_v8, 8, 2, 6, __attribute__((target("avx2,fma"))), XP_FMA8)
+XP_KERNEL(affine_v8f, xp_v8, 8, 2, 4, __attribute__((target("avx2,fma"))), XP_FMA8)
 typedef float xp_v16 __attribute__((vector_size(64)));
 /* one vfmadd instruction (AVX-512F has it), for the exact products only */
 #define XP_FMA16(X, W, A) ((xp_v16)_mm512_fmadd_ps((__m512)(X), (__m512)(W), (__m512)(A)))
 /* 16 accumulators of 16 lanes (AVX-512 has 32 registers): 21 % faster than 8 on this machine's
  * 384 x 384 maps (scratch benchmark, 69 against 57 GFLOP/s on one core); outputs past the last
  * block of 64 take the 32-wide kernel */
-XP_KERNEL(affine_v16x4, xp_v16, 16, 4, __attribute__((target("avx512f"))), XP_FMA16)
-XP_KERNEL(affine_v16, xp_v16, 16, 2, __attribute__((target("avx512f"))), XP_FMA16)
+XP_KERNEL(affine_v16x4, xp_v16, 16, 4, 4, __attribute__((target("avx512f"))), XP_FMA16)
+XP_KERNEL(affine_v16, xp_v16, 16, 2, 4, __attribute__((target("avx512f"))), XP_FMA16)
 #endif
 
 /* The widest kernel this CPU runs, or the one asked for (lanes 4, 8, 16), over the input runs
  * seg (nseg of them, XP_MAXSEG at most; see XP_KERNEL); returns the lanes used, or 0 when the
- * CPU cannot run the kernel asked for. */
+ * CPU cannot run the kernel asked for. The rows past a kernel's last whole tile of rows, and the
+ * outputs past its last whole block, take the next smaller kernel, then affine_tail: every output
+ * element gets the same operations in the same order whichever code computes it. */
 static int affine_any(const float *x, int64_t t, int64_t n_in, const float *w, const float *b, int64_t n_out,
                       float *out, int lanes, const int64_t *seg, int nseg)
 {
-    int64_t done;
+    int64_t done, t4 = t - t % 4; /* rows [0, t4) of outputs [0, done) by four-row tiles */
     int used = 4;
 #ifdef XP_AVX2
     __builtin_cpu_init();
-    const int has16 = __builtin_cpu_supports("avx512f"), has8 = __builtin_cpu_supports("avx2");
+    const int has16 = __builtin_cpu_supports("avx512f"), has8 = __builtin_cpu_supports("avx2"),
+              fma = __builtin_cpu_supports("fma");
     if (lanes == 0)
         lanes = has16 ? 16 : has8 ? 8 : 4;
     if ((lanes == 16 && !has16) || (lanes == 8 && !has8))
@@ -159,7 +180,10 @@ static int affine_any(const float *x, int64_t t, int64_t n_in, const float *w, c
                           seg, nseg);
         used = 16;
     } else if (lanes == 8) {
-        done = affine_v8(x, t, n_in, w, b, n_out, 0, out, seg, nseg);
+        done = (fma ? affine_v8x6f : affine_v8x6)(x, t, n_in, w, b, n_out, 0, out, seg, nseg);
+        const int64_t t6 = t - t % 6; /* the rest of the rows: four-row tiles from t6 on */
+        (fma ? affine_v8f : affine_v8)(x + t6 * n_in, t - t6, n_in, w, b, n_out, 0, out + t6 * n_out, seg, nseg);
+        t4 = t6 + (t - t6) - (t - t6) % 4;
         used = 8;
     } else
 #else
@@ -167,6 +191,8 @@ static int affine_any(const float *x, int64_t t, int64_t n_in, const float *w, c
         return 0;
 #endif
         done = affine_v4(x, t, n_in, w, b, n_out, 0, out, seg, nseg);
+    if (t4 < t && done > 0)
+        affine_tail(x, t4, t - t4, n_in, w, b, n_out, 0, done, out);
     if (done < n_out)
         affine_tail(x, 0, t, n_in, w, b, n_out, done, n_out - done, out);
     return used;
@@ -249,7 +275,8 @@ static void turn_any(float *v, int64_t h, int64_t d, const float *c, const float
         turn_row(v, h, d, c, s, ia, ib, np, dir);
 }
 
-#define XP_BLOCK 64
+/* rows per block of the pass (a multiple of the kernels' six- and four-row tiles) */
+#define XP_BLOCK 60
 
 /* One layer's prediction pass (formats/codecs/kvc.md §13) on rows [r0, r1) of t-row tensors.
  * Inputs: n_in parts (layer l - 1 as decoded, role order), part k at address in_ptr[k], geometry
