@@ -100,7 +100,7 @@ def recency_factor(t: int, coded: np.ndarray, ramp: int, fine: float) -> np.ndar
         d = (t - 1 - pos).astype(np.float64)
         got = np.clip(np.sqrt((d + 1.0) / ramp), 1.0 / fine, 1.0)
         got.setflags(write=False)
-        if len(_recency) >= 64:
+        if len(_recency) >= 8:  # (a cache asks for one or two masks)
             _recency.clear()
         _recency[key] = got
     return got
