@@ -30,13 +30,8 @@ def _member_sums(h: np.ndarray, assign: np.ndarray, k: int) -> tuple[np.ndarray,
     """Per-cluster sums of the rows of ``h`` (float64 counts) and which clusters have members.
 
     One weighted bincount, not a matrix product: the sums of integer counts are exact in any
-    order, and a wide product would start BLAS threads that crawl on a busy machine."""
-    from .. import native
-
-    try:
-        return native.member_sums(h, assign, k)
-    except native.Unsupported:
-        pass
+    order, and a wide product would start BLAS threads that crawl on a busy machine. (The
+    native passes, :func:`kvcodec.native.tables.cluster_iterate`, take these sums themselves.)"""
     r, a = h.shape
     idx = (assign.astype(np.int64)[:, None] * a + np.arange(a)).ravel()
     sums = np.bincount(idx, weights=h.ravel(), minlength=k * a).reshape(k, a)

@@ -52,11 +52,10 @@ from .kvc import (
     kvc_decode,
     kvc_dequantize,
 )
-from .tables import member_sums
 from .tokens import rows_affine, token_quantize
 
 __all__ = ["ABI_VERSION", "CFLAGS", "F_BF16", "F_F16", "F_F32", "OUT_I32_RN", "OUT_U16_NR", "OUT_U8_NR",
            "available", "ctx_histograms", "deadzone_quantize", "deadzone_recon", "decode_stage", "delta_histograms",
            "encode_stage", "escape_join_tokens", "escape_split_ctx_tokens", "escape_split_tokens", "float_kind",
-           "histograms", "intq_dequantize", "intq_quantize", "kvc_decode", "kvc_dequantize", "lib", "member_sums",
+           "histograms", "intq_dequantize", "intq_quantize", "kvc_decode", "kvc_dequantize", "lib",
            "recon_sums", "rows_affine", "status", "symbol_view", "token_quantize", "Unsupported"]

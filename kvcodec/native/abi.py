@@ -72,7 +72,6 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "kvn_unrotated_mean": ([_p, _i, _i64, _i64, _i64, _p, _p, _i64, _i64, _i, _p, _i64, _p], None),
     "kvn_rope_centre": ([_p, _p, _i64, _i64, _i64, _p, _p, _i64, _i64, _i, _p, _i64, _p, _p], None),
     # tables.c
-    "kvn_member_sums": ([_p, _i64, _i64, _p, _i64, _p, _p], None),
     "kvn_cluster_iterate": ([_p, _i64, _i64, _i64, _i, _p, _p, _p, _p, _p], _i),
     # xpred.c
     "kvn_xpred_affine": ([_p, _i64, _i64, _p, _p, _i64, _p, _i], _i),

@@ -5,6 +5,7 @@ formats/codecs/kvc.md; how the rules were chosen: docs/kvc-design.md.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -92,21 +93,18 @@ def recency_factor(t: int, coded: np.ndarray, ramp: int, fine: float) -> np.ndar
     """
     if ramp <= 0 or fine <= 1.0:
         return None
-    coded = np.asarray(coded, dtype=bool)
-    key = (t, ramp, fine, coded.tobytes())
-    got = _recency.get(key)  # every tensor of a cache asks for the same (read-only) factors
-    if got is None:
-        pos = np.nonzero(coded)[0]
-        d = (t - 1 - pos).astype(np.float64)
-        got = np.clip(np.sqrt((d + 1.0) / ramp), 1.0 / fine, 1.0)
-        got.setflags(write=False)
-        if len(_recency) >= 8:  # (a cache asks for one or two masks)
-            _recency.clear()
-        _recency[key] = got
-    return got
+    # every tensor of a cache asks for the same factors: kept, read-only, for a few masks (a
+    # cache asks for one or two; a long one's factors are t floats)
+    return _recency(t, ramp, fine, np.asarray(coded, dtype=bool).tobytes())
 
 
-_recency: dict = {}
+@functools.lru_cache(maxsize=8)
+def _recency(t: int, ramp: int, fine: float, coded: bytes) -> np.ndarray:
+    pos = np.flatnonzero(np.frombuffer(coded, dtype=bool))
+    d = (t - 1 - pos).astype(np.float64)
+    out = np.clip(np.sqrt((d + 1.0) / ramp), 1.0 / fine, 1.0)
+    out.setflags(write=False)
+    return out
 
 
 def _attn_factor(a: np.ndarray, exponent: float, clip: float, coarse: float | None = None,

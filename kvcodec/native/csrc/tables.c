@@ -1,19 +1,14 @@
 /* tables.c -- the entropy stage's table clustering (kvcodec.entropy.stage). */
 #include "kvn_common.h"
 
-/* Cluster sums for the entropy stage's table clustering: sums[assign[i], :] += h[i, :] (float64
- * counts, exact in any order); used[j] = 1 if cluster j has a member. */
-void kvn_member_sums(const double* h, int64_t r, int64_t a, const int64_t* assign, int64_t k, double* sums,
-                     uint8_t* used) {
-  memset(sums, 0, sizeof(double) * (size_t)(k * a));
-  memset(used, 0, (size_t)k);
-  for (int64_t i = 0; i < r; ++i) {
-    const int64_t j = assign[i];
-    if (j < 0 || j >= k) continue;
-    used[j] = 1;
-    double* sj = sums + j * a;
-    const double* hi = h + i * a;
-    for (int64_t c = 0; c < a; ++c) sj[c] += hi[c];
+/* q[j] = centers[j] / sum(centers[j]) for k tables of a symbols (every value a multiple of 1/2
+ * below 2^52: the sums are exact in any order, as numpy's are) */
+static void next_q(const double* centers, int64_t k, int64_t a, double* q) {
+  for (int64_t j = 0; j < k; ++j) {
+    const double* cj = centers + j * a;
+    double tot = 0.0;
+    for (int64_t c = 0; c < a; ++c) tot += cj[c];
+    for (int64_t c = 0; c < a; ++c) q[j * a + c] = cj[c] / tot;
   }
 }
 
@@ -27,8 +22,7 @@ void kvn_member_sums(const double* h, int64_t r, int64_t a, const int64_t* assig
  *     finite); on a pass after the first, an assignment that stands ends the passes;
  *   - the member sums of the new assignment and which tables have members, the centres
  *     (sums + 0.5 where a table has members, else as they were) and the next distributions
- *     q[j] = centers[j] / sum(centers[j]) (every value a multiple of 1/2 below 2^52: the sums
- *     are exact in any order, as numpy's are).
+ *     (next_q).
  * Rows are read once into a list of their non-zero counts (most counts are zero), so a pass
  * costs the non-zero counts times k, not R * A * k. centers [k, a]: in, the first centres;
  * out, the last. assign [r], sums [k, a], used [k] out: those of the final assignment; q [k, a]
@@ -55,12 +49,7 @@ int kvn_cluster_iterate(const double* h, int64_t r, int64_t a, int64_t k, int it
       }
     start[i + 1] = at;
   }
-  for (int64_t j = 0; j < k; ++j) {
-    const double* cj = centers + j * a;
-    double tot = 0.0;
-    for (int64_t c = 0; c < a; ++c) tot += cj[c];
-    for (int64_t c = 0; c < a; ++c) q[j * a + c] = cj[c] / tot;
-  }
+  next_q(centers, k, a, q);
   int done = 0;
   for (int it = 0; it < iters; ++it) {
     for (int64_t j = 0; j < k; ++j)
@@ -87,14 +76,10 @@ int kvn_cluster_iterate(const double* h, int64_t r, int64_t a, int64_t k, int it
       used[assign[i]] = 1;
       for (int64_t e = start[i]; e < start[i + 1]; ++e) sj[col[e]] += val[e];
     }
-    for (int64_t j = 0; j < k; ++j) {
-      double* cj = centers + j * a;
+    for (int64_t j = 0; j < k; ++j)
       if (used[j])
-        for (int64_t c = 0; c < a; ++c) cj[c] = sums[j * a + c] + 0.5;
-      double tot = 0.0;
-      for (int64_t c = 0; c < a; ++c) tot += cj[c];
-      for (int64_t c = 0; c < a; ++c) q[j * a + c] = cj[c] / tot;
-    }
+        for (int64_t c = 0; c < a; ++c) centers[j * a + c] = sums[j * a + c] + 0.5;
+    next_q(centers, k, a, q);
   }
   free(gain);
   free(start);

@@ -8,9 +8,10 @@
  * four rows (six with AVX2's 8 lanes) by two or four vectors of outputs, the accumulators in
  * registers while the inputs run; the operations on each output element keep their order. Vectors
  * are GCC / Clang vector extensions (elementwise IEEE operations on any target): 4 lanes
- * everywhere, 8 lanes where the CPU has AVX2 (x86, chosen at run time), 16 where it has AVX-512. An input is broadcast as it is: -0 stays -0, as in the
- * reference (before 2026-12-07 the kernels added +0, which made it +0; an output could then differ
- * from the reference in the sign of a zero when the bias was -0 and every product zero).
+ * everywhere, 8 lanes where the CPU has AVX2 (x86, chosen at run time), 16 where it has
+ * AVX-512. An input is broadcast as it is: -0 stays -0, as in the reference (before 2026-12-07
+ * the kernels added +0, which made it +0; an output could then differ from the reference in the
+ * sign of a zero when the bias was -0 and every product zero).
  *
  * Exact products, fused: where a product x[i] * W[i] is exact in float32, rounding it changes
  * nothing, so y + x[i] * W[i] rounded once (a fused multiply-add) is bit for bit the separately
