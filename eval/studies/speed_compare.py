@@ -30,14 +30,28 @@ from kvcodec.harness.results import provenance, write_result
 CODECS = "fp8-e4m3,nvfp4,kivi-2,kivi-4-ans,cachegen,cachegen-lmcache,kvc-near,kvc-aggressive,kvc-near-cal,kvc-aggressive-cal"
 
 
+def _run_in(tree: str, cmd: list[str]) -> str:
+    """``cmd`` (a Python command) run with ``tree``'s kvcodec: from inside the tree, with it on
+    ``PYTHONPATH``. (``python -m`` puts the working directory first on the path: run from
+    another checkout, the "before" side imported that checkout's kvcodec instead of its own.)"""
+    root = str(Path(tree).resolve())
+    env = {**os.environ, "PYTHONPATH": root}
+    return subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=True).stdout
+
+
+def _check_import(tree: str) -> None:
+    """Raise unless a Python started as :func:`bench` starts it imports ``tree``'s kvcodec."""
+    got = Path(_run_in(tree, [sys.executable, "-c", "import kvcodec; print(kvcodec.__file__)"]).strip()).resolve()
+    if Path(tree).resolve() not in got.parents:
+        raise SystemExit(f"speed_compare: {tree} imports kvcodec from {got}, not its own")
+
+
 def bench(tree: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "kvcodec.cli", "bench", "--input", args.input, "--codecs", args.codecs,
            "--repeat", "1", "--json"]
     if args.calibration:
         cmd += ["--calibration", args.calibration]
-    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    return {r["codec"]: r for r in json.loads(out)["rows"]}
+    return {r["codec"]: r for r in json.loads(_run_in(tree, cmd))["rows"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         args.input = str(tmp / f"smollm2_{args.context}.safetensors")
         subprocess.run([sys.executable, "-m", "kvcodec.cli", "capture", "--context", str(args.context),
                         "--out", args.input], check=True)
+    args.input = str(Path(args.input).resolve())  # the benches run from inside each checkout
+    if args.calibration:
+        args.calibration = str(Path(args.calibration).resolve())
     try:
+        for side in ("before", "after"):
+            _check_import(getattr(args, side))
         return _run(args, prov)
     finally:
         for side in ("before", "after"):
