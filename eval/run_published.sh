@@ -95,6 +95,8 @@ kvc_xpred_r4|python eval/studies/kvc_xpred.py --rank 4 --targets 0.005,0.01,0.02
 kvc_xpred_clean|python eval/studies/kvc_xpred.py --fit-on clean --targets 0.005,0.01,0.02,0.05 --scales 1.25,1.5 --scale-targets 0.05 --out eval/results/kvc_xpred_clean
 kvc_xpred_fit001|python eval/studies/kvc_xpred.py --fit-on 0.01 --targets 0.005,0.01,0.02,0.05 --scales 1.25,1.5 --scale-targets 0.05 --out eval/results/kvc_xpred_fit001
 speed_kvc_decode|python eval/studies/speed_compare.py --before 2124778 --after . --context 1536 --calibration "$(cal 1536)" --rounds 5 --out eval/results/speed_kvc_decode
+speed_xpred_avx2_smollm2|python eval/studies/speed_compare.py --before deb209a --after . --context 1536 --codecs cachegen,kvc-transparent,kvc-near,kvc-aggressive --calibration "$HOME/.cache/kvcodec/profiles/smollm2-135m.profile.safetensors" --rounds 5 --out eval/results/speed_xpred_avx2_smollm2
+speed_xpred_avx2_qwen|kvcodec capture --model qwen2.5-coder-0.5b --context 1536 --out "${TMPDIR:-/tmp}/kvcodec_qwen2.5-coder-0.5b_1536.safetensors" && python eval/studies/speed_compare.py --before deb209a --after . --input "${TMPDIR:-/tmp}/kvcodec_qwen2.5-coder-0.5b_1536.safetensors" --codecs cachegen,kvc-transparent,kvc-near,kvc-aggressive --calibration "$HOME/.cache/kvcodec/profiles/qwen2.5-coder-0.5b.profile.safetensors" --rounds 5 --out eval/results/speed_xpred_avx2_qwen
 END
 )
 
