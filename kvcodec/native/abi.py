@@ -95,9 +95,21 @@ def apply(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+_char_at = ctypes.c_char.from_buffer
+_address = ctypes.addressof
+
+
 def ptr(a: np.ndarray) -> int:
-    """The address of a numpy array's first element, as the C functions take it."""
-    return a.ctypes.data
+    """The address of a numpy array's first element, as the C functions take it.
+
+    Read through the buffer protocol where the array lends a writable C-contiguous buffer (1 us
+    against ``a.ctypes.data``'s 3: an encode of Qwen2.5-Coder-0.5B makes ~2,900 of these calls,
+    each holding the GIL); else (read-only, strided or empty arrays) ``a.ctypes.data``. Both give
+    the same address."""
+    try:
+        return _address(_char_at(a))
+    except (TypeError, ValueError, BufferError):
+        return a.ctypes.data
 
 
 def float_kind(dtype) -> int:

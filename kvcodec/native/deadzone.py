@@ -52,7 +52,7 @@ def deadzone_recon(x: np.ndarray, step: np.ndarray, rho: float, out: np.ndarray 
         if (n1 * n2 > 1 and out.strides[1] != es) or (n0 > 1 and out.strides[0] % es):
             raise ValueError(f"deadzone out must be an int64 or int32 [{n0}, {n1 * n2}] view with contiguous rows")
         orow = out.strides[0] // es if n0 > 1 else n1 * n2
-    args = (ptr(x3), n0, n1, n2, st.ctypes.data, kind, *strides, float(rho), codes.ctypes.data,
+    args = (ptr(x3), n0, n1, n2, ptr(st), kind, *strides, float(rho), ptr(codes),
             code_kind(codes), orow)
     if not levels:
         if lb.kvn_deadzone(*args) != 0:
@@ -60,7 +60,7 @@ def deadzone_recon(x: np.ndarray, step: np.ndarray, rho: float, out: np.ndarray 
         return (codes if out is not None else codes.reshape(np.shape(x))), None
     sums = np.zeros(levels, dtype=np.int64)
     counts = np.zeros(levels, dtype=np.int64)
-    if lb.kvn_deadzone_recon(*args, int(levels), sums.ctypes.data, counts.ctypes.data) != 0:
+    if lb.kvn_deadzone_recon(*args, int(levels), ptr(sums), ptr(counts)) != 0:
         raise Unsupported("dead-zone: non-finite values or codes beyond the output type")
     return codes, ([int(v) for v in sums], [int(v) for v in counts])
 
@@ -114,7 +114,7 @@ def recon_sums(x: np.ndarray, step: np.ndarray, codes: np.ndarray, levels: int) 
     orow = c.strides[0] // 8 if n0 > 1 else n1 * n2
     sums = np.zeros(levels, dtype=np.int64)
     counts = np.zeros(levels, dtype=np.int64)
-    if lb.kvn_recon_sums(ptr(x3), n0, n1, n2, st.ctypes.data, kind, *strides,
-                         c.ctypes.data, orow, int(levels), sums.ctypes.data, counts.ctypes.data) != 0:
+    if lb.kvn_recon_sums(ptr(x3), n0, n1, n2, ptr(st), kind, *strides,
+                         ptr(c), orow, int(levels), ptr(sums), ptr(counts)) != 0:
         raise Unsupported(f"recon sums: {levels} levels")
     return [int(v) for v in sums], [int(v) for v in counts]

@@ -204,9 +204,9 @@ def kvc_dequantize(codes: np.ndarray, step: np.ndarray, mean: np.ndarray, dtype,
     fmax = float(torch.finfo(dtype).max)  # saturate (float32 too: an overflow to inf becomes its max)
     strides = [x // 4 for x in st.strides] if st.size else [0, 0, 0]
     rtab, rm = _recon_table(recon)
-    if lb.kvn_kvc_dequant(c.ctypes.data, code_kind(c), crow, n, h, d, st.ctypes.data, *strides,
+    if lb.kvn_kvc_dequant(ptr(c), code_kind(c), crow, n, h, d, ptr(st), *strides,
                           ptr(mu), ms0, fmax, float_kind(dtype),
-                          out.data_ptr(), None if rtab is None else rtab.ctypes.data, rm) == NOMEM:
+                          out.data_ptr(), None if rtab is None else ptr(rtab), rm) == NOMEM:
         raise MemoryError("native dequantization: out of memory")
     return out
 

@@ -92,7 +92,7 @@ def xpred_pass(rows: tuple[int, int], inputs: list, rot_in: tuple | None, w: np.
         ms = [np.ascontiguousarray(m, dtype=np.uint8) for m in masks]
         if len(ms) != len(outputs) or any(m.shape != (t_all,) for m in ms):
             raise ValueError("xpred_pass: one uint8 [T] mask per output")
-        mptr = np.array([m.ctypes.data for m in ms] or [0], dtype=np.int64)
+        mptr = np.array([ptr(m) for m in ms] or [0], dtype=np.int64)
     pi, gi, ci, si, ai, bi = side(inputs, rot_in)
     po, go, co, so, ao, bo = side(outputs, rot_out)
     r0, r1 = int(rows[0]), int(rows[1])
