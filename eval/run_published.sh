@@ -85,7 +85,7 @@ kvc_fisher|python eval/studies/kvc_fisher.py --out eval/results/kvc_fisher
 kvc_overhead|python eval/studies/kvc_overhead.py --context 1536 --out eval/results/kvc_overhead
 kvc_gpu_host|python eval/studies/kvc_gpu_host.py --context 1536 --repeat 3 --chunks 512,256,128 --out eval/results/kvc_gpu_host
 ctx_fallback_speed|KVCODEC_NATIVE=0 python eval/studies/ctx_fallback_speed.py --repeat 3 --out eval/results/ctx_fallback_speed
-speed_issue19|python eval/studies/speed_compare.py --before 8760b98 --after . --context 1536 --calibration "$(cal 1536)" --rounds 7 --out eval/results/speed_issue19
+speed_issue19|python eval/studies/speed_compare.py --before 8760b98 --after 7f35430 --context 1536 --codecs fp8-e4m3,nvfp4,kivi-2,kivi-4-ans,cachegen,cachegen-lmcache,kvc-near,kvc-aggressive --rounds 7 --out eval/results/speed_issue19
 encode_threads|python eval/studies/encode_threads.py --out eval/results/encode_threads
 kvc_xlayer|python eval/studies/kvc_xlayer.py --out eval/results/kvc_xlayer
 kvc_xpred|python eval/studies/kvc_xpred.py --out eval/results/kvc_xpred
@@ -94,7 +94,7 @@ kvc_xpred_v|python eval/studies/kvc_xpred.py --predict v --targets 0.005,0.01,0.
 kvc_xpred_r4|python eval/studies/kvc_xpred.py --rank 4 --targets 0.005,0.01,0.02,0.05 --scales '' --out eval/results/kvc_xpred_r4
 kvc_xpred_clean|python eval/studies/kvc_xpred.py --fit-on clean --targets 0.005,0.01,0.02,0.05 --scales 1.25,1.5 --scale-targets 0.05 --out eval/results/kvc_xpred_clean
 kvc_xpred_fit001|python eval/studies/kvc_xpred.py --fit-on 0.01 --targets 0.005,0.01,0.02,0.05 --scales 1.25,1.5 --scale-targets 0.05 --out eval/results/kvc_xpred_fit001
-speed_kvc_decode|python eval/studies/speed_compare.py --before 2124778 --after . --context 1536 --calibration "$(cal 1536)" --rounds 5 --out eval/results/speed_kvc_decode
+speed_kvc_decode|python eval/studies/speed_compare.py --before 2124778 --after 4e74ec8 --context 1536 --codecs fp8-e4m3,nvfp4,kivi-2,kivi-4-ans,cachegen,cachegen-lmcache,kvc-near,kvc-aggressive --rounds 5 --out eval/results/speed_kvc_decode
 speed_xpred_avx2_smollm2|python eval/studies/speed_compare.py --before deb209a --after . --context 1536 --codecs cachegen,kvc-transparent,kvc-near,kvc-aggressive --calibration "$HOME/.cache/kvcodec/profiles/smollm2-135m.profile.safetensors" --rounds 5 --out eval/results/speed_xpred_avx2_smollm2
 speed_xpred_avx2_qwen|kvcodec capture --model qwen2.5-coder-0.5b --context 1536 --out "${TMPDIR:-/tmp}/kvcodec_qwen2.5-coder-0.5b_1536.safetensors" && python eval/studies/speed_compare.py --before deb209a --after . --input "${TMPDIR:-/tmp}/kvcodec_qwen2.5-coder-0.5b_1536.safetensors" --codecs cachegen,kvc-transparent,kvc-near,kvc-aggressive --calibration "$HOME/.cache/kvcodec/profiles/qwen2.5-coder-0.5b.profile.safetensors" --rounds 5 --out eval/results/speed_xpred_avx2_qwen
 END
