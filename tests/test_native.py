@@ -160,28 +160,66 @@ def test_float16_conversion_exact_against_torch(f16_path):
     assert np.array_equal(gotb, torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
 
 
+def _clusterings(hist, k, p, monkeypatch):
+    """``_cluster_tables(hist, k, p)`` three ways: all in one C call (kvn_cluster_tables), the
+    numpy start with the C passes (kvn_cluster_iterate), and numpy alone (the reference)."""
+    from kvcodec.entropy import clustering
+    from kvcodec.native import tables as ntables
+
+    whole = clustering._cluster_tables(hist, k, p)
+    with monkeypatch.context() as m:
+        m.setattr(ntables, "cluster_tables", lambda *a: (_ for _ in ()).throw(native.Unsupported("off")))
+        passes = clustering._cluster_tables(hist, k, p)
+        m.setattr(clustering, "_native_run", lambda h, k, c, n: None)
+        ref = clustering._cluster_tables(hist, k, p)
+    return whole, passes, ref
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_table_clustering_passes_equal_numpy(seed, monkeypatch):
-    """kvn_cluster_iterate (the logs, the gains in ascending symbol order, argmax, the test for a
-    change, member sums, the next distributions, all passes in one call) gives the tables and
-    assignments of the numpy loop, ties included: duplicated rows make identical centres, whose
-    gains tie exactly (the first table wins); sparse rows (zero counts skipped in C, added as
-    -0 in numpy) and rows that converge before the last pass."""
-    from kvcodec.entropy import clustering
-
+    """kvn_cluster_tables (the first centres: rows by mean symbol, ties by index, picked at
+    numpy's linspace rounded half to even; kvn_cluster_iterate's passes: the logs, the gains in
+    ascending symbol order, argmax, the test for a change, member sums, the next distributions;
+    then the tables from integer counts) gives the tables and assignments of the numpy code, ties
+    included: duplicated rows make identical centres, whose gains tie exactly (the first table
+    wins); sparse rows (zero counts skipped in C, added as -0 in numpy) and rows that converge
+    before the last pass."""
     rng = np.random.default_rng(seed)
     r, a, k = int(rng.integers(3, 600)), int(rng.integers(2, 70)), int(rng.integers(1, 12))
     hist = rng.integers(0, 50, (r, a)) * (rng.random((r, a)) < (0.6 if seed % 2 else 0.08))
     hist[: r // 3] = hist[0]  # a third of the rows alike
     if seed == 7:
         hist[:, a // 2:] = 0  # whole columns of zeros
-    fast = clustering._cluster_tables(hist, min(k, r), 12)
-    assert clustering._native_run(hist.astype(np.float64), min(k, r), np.ones((min(k, r), a)), 1) is not None
-    monkeypatch.setattr(clustering, "_native_run", lambda h, k, c, n: None)
-    ref = clustering._cluster_tables(hist, min(k, r), 12)
-    assert np.array_equal(fast[0], ref[0]) and np.array_equal(fast[1], ref[1])
+    whole, passes, ref = _clusterings(hist, min(k, r), 12, monkeypatch)
+    for got in (whole, passes):
+        assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1]) and got[1].dtype == ref[1].dtype
     with pytest.raises(ValueError):
         native.tables.cluster_iterate(np.ones((r, a)), 2, np.ones((3, a)), 8)
+
+
+@pytest.mark.parametrize("r,k", [(4, 3), (6, 5), (2, 2), (1, 1), (1, 4), (3, 8), (10, 1), (9, 5), (102, 9), (130, 8)])
+def test_table_clustering_starts_as_numpy_on_halves_and_ties(r, k, monkeypatch):
+    """The first centres where numpy's linspace lands on halves (rounded to even: r 4, k 3 picks
+    the rows at 0, 2, 3), where rows tie on their mean (then the lower index), with fewer rows
+    than tables, and at each precision: the same tables and assignments as numpy's. Counts too
+    large for the C path's int64 products, and an alphabet too wide for the precision, are left
+    to numpy (Unsupported) and give what numpy gives."""
+    rng = np.random.default_rng(r * 31 + k)
+    a = 6
+    hist = rng.integers(0, 4, (r, a))
+    hist[::2] = hist[0]  # equal means
+    hist[1::3, :] = 0  # empty rows (mean 0, like a row of zeros and ones at the start)
+    for p in (3, 12, 16, 24):
+        whole, passes, ref = _clusterings(hist, k, p, monkeypatch)
+        assert np.array_equal(whole[0], ref[0]) and np.array_equal(whole[1], ref[1])
+        assert np.array_equal(passes[0], ref[0]) and (whole[0].sum(axis=1) == 1 << p).all()
+    with pytest.raises(native.Unsupported):
+        native.tables.cluster_tables(hist * (1 << 40), k, 24, 8)
+    with pytest.raises(native.Unsupported):
+        native.tables.cluster_tables(hist, k, 2, 8)  # 6 symbols in 2 bits
+    big = hist.astype(np.int64) * (1 << 36)
+    whole, _, ref = _clusterings(big, k, 20, monkeypatch)
+    assert np.array_equal(whole[0], ref[0]) and np.array_equal(whole[1], ref[1])
 
 
 def test_table_clustering_never_costs_more_than_one_table():

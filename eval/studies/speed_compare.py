@@ -11,8 +11,9 @@ temporary worktree, removed at the end). Without ``--input`` the built-in SmolLM
 ``--context`` tokens is captured once (loads the model).
 
 Usage (issue 19's before/after run):
-    python eval/studies/speed_compare.py --before 8760b98 --after . --context 1536 \
-        --calibration CAL --rounds 7 --out eval/results/speed_issue19
+    python eval/studies/speed_compare.py --before 8760b98 --after 7f35430 --context 1536 \
+        --codecs fp8-e4m3,nvfp4,kivi-2,kivi-4-ans,cachegen,cachegen-lmcache,kvc-near,kvc-aggressive \
+        --rounds 7 --out eval/results/speed_issue19
 """
 
 from __future__ import annotations

@@ -73,9 +73,19 @@ def _cluster_tables(hist: np.ndarray, k: int, precision: int) -> tuple[np.ndarra
 
     Cost of coding row ``r`` with distribution ``q`` is ``-Σ h[r,a] log q[a]`` (its code length),
     so assigning each row to the cheapest table and re-estimating tables from member histograms
-    never increases the total code length. The passes run in C where built
-    (:func:`kvcodec.native.tables.cluster_iterate`), else here, with the same bits.
+    never increases the total code length. The whole clustering runs in one C call where built
+    (:func:`kvcodec.native.tables.cluster_tables`: each call here held the GIL for ~0.2 ms of
+    numpy, 9 % of a calibrated Qwen2.5-Coder-0.5B encode's GIL time), else here, with the same
+    bits.
     """
+    from .. import native
+    from ..native.tables import cluster_tables
+
+    try:
+        tables, assign = cluster_tables(hist, k, precision, CLUSTER_PASSES)
+        return tables, assign.astype(np.uint8 if k <= 256 else np.uint16)
+    except native.Unsupported:
+        pass
     h = hist.astype(np.float64)
     r, a = h.shape
     # deterministic init: rows spread evenly over the order of their mean symbol and spread

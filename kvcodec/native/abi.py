@@ -18,7 +18,7 @@ import ctypes
 import numpy as np
 
 #: Version of the C library's ABI (``kvn_abi_version()``; KVN_ABI_VERSION in csrc/kvn_common.h).
-ABI_VERSION = 33
+ABI_VERSION = 34
 
 # status codes (KVN_* in kvn_common.h)
 OK, ZERO_WORD, NOT_CONSUMED, NOMEM, BAD_SYMBOL, OVERFLOW = range(6)
@@ -73,6 +73,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "kvn_rope_centre": ([_p, _p, _i64, _i64, _i64, _p, _p, _i64, _i64, _i, _p, _i64, _p, _p], None),
     # tables.c
     "kvn_cluster_iterate": ([_p, _i64, _i64, _i64, _i, _p, _p, _p, _p, _p], _i),
+    "kvn_cluster_tables": ([_p, _i64, _i64, _i64, _i, _i, _p, _p], _i),
     # xpred.c
     "kvn_xpred_affine": ([_p, _i64, _i64, _p, _p, _i64, _p, _i], _i),
     "kvn_xpred_pass": ([_i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _p, _p, _p, _p, _p,

@@ -85,3 +85,109 @@ int kvn_cluster_iterate(const double* h, int64_t r, int64_t a, int64_t k, int it
   free(start);
   return done;
 }
+
+/* The rows of the first centres (kvcodec.entropy.clustering._cluster_tables' init): rows in the
+ * order of their mean symbol, ties by row index (numpy's lexsort), then k rows spread evenly over
+ * that order at round(i * (r - 1) / (k - 1)) (numpy's linspace -- the last exactly r - 1 -- and
+ * round half to even). Means are integer sums (exact in any order) over max(count, 1). */
+typedef struct {
+  double mean;
+  int64_t row;
+} RowMean;
+
+static int by_mean(const void* x, const void* y) {
+  const RowMean *a = (const RowMean*)x, *b = (const RowMean*)y;
+  if (a->mean != b->mean) return a->mean < b->mean ? -1 : 1;
+  return (a->row > b->row) - (a->row < b->row);
+}
+
+/* A table of precision p from counts h[a] (entropy/tables.py build_tables, the reference): every
+ * symbol 1, then floor(h * free / total) of the free 2^p - a, the rest one each to the largest
+ * remainders (ties: the lower symbol); all-zero counts count as all ones. Products below 2^62 (the
+ * caller checks). rem: scratch [a]. */
+static void table_of_counts(const int64_t* h, int64_t a, int p, uint32_t* out, int64_t* rem) {
+  int64_t total = 0;
+  for (int64_t c = 0; c < a; ++c) total += h[c];
+  const int64_t free_ = ((int64_t)1 << p) - a;
+  int64_t left = free_;
+  for (int64_t c = 0; c < a; ++c) {
+    const int64_t v = total ? h[c] : 1, prod = v * free_, t = total ? total : a;
+    out[c] = (uint32_t)(prod / t + 1);
+    rem[c] = prod % t;
+    left -= prod / t;
+  }
+  for (int64_t n = 0; n < left; ++n) { /* the next largest remainder not yet given one */
+    int64_t best = -1;
+    for (int64_t c = 0; c < a; ++c)
+      if (rem[c] >= 0 && (best < 0 || rem[c] > rem[best])) best = c;
+    out[best] += 1;
+    rem[best] = -1;
+  }
+}
+
+/* The whole table clustering of kvcodec.entropy.clustering._cluster_tables (its numpy code is the
+ * reference, the same bits): the first centres, the passes (kvn_cluster_iterate, at most `iters`),
+ * and a table of precision p per cluster from its member counts (a cluster without members: from
+ * every row's). hist int64 [r, a] counts; tables uint32 [k, a] and assign int64 [r] out. Returns
+ * the passes made; -1 out of memory; -2 operands the reference handles on its own (negative
+ * counts, counts whose products could pass 2^62, a bad precision or alphabet). */
+int kvn_cluster_tables(const int64_t* hist, int64_t r, int64_t a, int64_t k, int iters, int p, uint32_t* tables,
+                       int64_t* assign) {
+  if (r < 1 || k < 1 || iters < 1 || p < 1 || p > 24 || a < 2 || a > ((int64_t)1 << p)) return -2;
+  int64_t big = 0;
+  for (int64_t e = 0; e < r * a; ++e) {
+    if (hist[e] < 0) return -2;
+    big = hist[e] > big ? hist[e] : big;
+  }
+  /* every row sum and member sum is at most r * a * big: keep its products with 2^p below 2^62 */
+  if (big > 0 && (double)big * (double)r * (double)a * (double)((int64_t)1 << p) >= 4.0e18) return -2;
+  const size_t nd = (size_t)(r * a + 3 * k * a + a + 1);
+  double* h = (double*)malloc(sizeof(double) * nd);
+  RowMean* rm = (RowMean*)malloc(sizeof(RowMean) * (size_t)r);
+  int64_t* th = (int64_t*)malloc(sizeof(int64_t) * (size_t)(k * a + a + 1));
+  uint8_t* used = (uint8_t*)malloc((size_t)k + 1);
+  if (!h || !rm || !th || !used) {
+    free(h); free(rm); free(th); free(used);
+    return -1;
+  }
+  double *centers = h + r * a, *sums = centers + k * a, *q = sums + k * a;
+  for (int64_t i = 0; i < r; ++i) {
+    double s = 0.0, w = 0.0;
+    for (int64_t c = 0; c < a; ++c) {
+      const double v = (double)hist[i * a + c];
+      h[i * a + c] = v;
+      s += v * (double)c;
+      w += v;
+    }
+    rm[i].mean = s / (w > 1.0 ? w : 1.0);
+    rm[i].row = i;
+  }
+  qsort(rm, (size_t)r, sizeof(RowMean), by_mean);
+  const double step = k > 1 ? (double)(r - 1) / (double)(k - 1) : 0.0;
+  for (int64_t j = 0; j < k; ++j) {
+    double y = step != 0.0 ? (double)j * step : 0.0;
+    if (k > 1 && j == k - 1) y = (double)(r - 1);
+    const int64_t row = rm[(int64_t)nearbyint(y)].row;
+    for (int64_t c = 0; c < a; ++c) centers[j * a + c] = h[row * a + c] + 0.5;
+  }
+  const int done = kvn_cluster_iterate(h, r, a, k, iters, centers, assign, sums, used, q);
+  if (done >= 0) {
+    int64_t* all = th + k * a; /* every row's counts: a cluster without members takes them */
+    for (int64_t c = 0; c < a; ++c) all[c] = 0;
+    for (int64_t e = 0; e < r * a; ++e) all[e % a] += hist[e];
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t c = 0; c < a; ++c) th[j * a + c] = used[j] ? (int64_t)sums[j * a + c] : all[c];
+    int64_t* rem = (int64_t*)malloc(sizeof(int64_t) * (size_t)a);
+    if (!rem) {
+      free(h); free(rm); free(th); free(used);
+      return -1;
+    }
+    for (int64_t j = 0; j < k; ++j) table_of_counts(th + j * a, a, p, tables + j * a, rem);
+    free(rem);
+  }
+  free(h);
+  free(rm);
+  free(th);
+  free(used);
+  return done;
+}
