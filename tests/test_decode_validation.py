@@ -315,6 +315,38 @@ def test_json_depth_check_ignores_brackets_in_strings():
         strict_json_loads(json.dumps({"b": _nested(MAX_JSON_DEPTH + 1)}), "x")
 
 
+def test_json_depth_fast_split_equals_the_string_pattern():
+    """json_depth drops strings by splitting on quotes when the text has no escape and whole
+    strings only; the depth it finds equals the string pattern's on texts with brackets inside
+    strings, escaped quotes, an unterminated string and unbalanced brackets."""
+    from kvcodec.format.safetensors_io import _JSON_STRING, json_depth
+
+    def by_pattern(text):
+        if text.count("[") + text.count("{") <= 1:  # json_depth's own shortcut
+            return text.count("[") + text.count("{")
+        depth = deepest = 0
+        for ch in _JSON_STRING.sub("", text):
+            depth += (ch in "[{") - (ch in "]}")
+            deepest = max(deepest, depth)
+        return deepest
+
+    rng = np.random.default_rng(5)
+    alphabet = list('[]{}",:ab \\')
+    texts = ['{"a": "[[[", "b": [[{"c": "]]"}]]}', '{"a": "x\\"[[[", "b": [1]}', '[["unterminated [[[ [',
+             '{"k": [[[[]]]], "s": "}}}}"}', json.dumps({"a": "[" * 70, "b": _nested(5)})]
+    texts += ["".join(rng.choice(alphabet, int(rng.integers(2, 80)))) for _ in range(400)]
+    for t in texts:
+        assert json_depth(t) == by_pattern(t), t
+
+
+def test_duplicate_keys_are_rejected_by_name_at_any_depth():
+    with pytest.raises(FormatError, match="duplicate key 'b'"):
+        strict_json_loads('{"a": 1, "b": 2, "c": {"d": 1}, "b": 3}', "x")
+    with pytest.raises(FormatError, match="duplicate key 'd'"):
+        strict_json_loads('{"a": [{"d": 1, "e": 2, "d": 1}]}', "x")
+    assert strict_json_loads('{"a": {"a": {"a": 1}}}', "x") == {"a": {"a": {"a": 1}}}
+
+
 def test_deep_manifest_agrees_on_every_path():
     res = decode_paths(_deep_manifest_file(900))
     assert disagreement(res) is None, res

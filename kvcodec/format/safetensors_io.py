@@ -190,12 +190,15 @@ class _Reject(Exception):
 
 
 def _pairs_no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    d: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in d:
+    d = dict(pairs)  # one C call; a key given twice leaves fewer entries than pairs
+    if len(d) == len(pairs):
+        return d
+    seen: set[str] = set()
+    for k, _ in pairs:
+        if k in seen:
             raise _Reject(f"duplicate key {k!r}")
-        d[k] = v
-    return d
+        seen.add(k)
+    raise AssertionError("unreachable: fewer keys than pairs without a repeated key")
 
 
 def _no_constant(name: str) -> Any:
@@ -228,7 +231,13 @@ def json_depth(text: str) -> int:
     """
     if text.count("[") + text.count("{") <= 1:
         return text.count("[") + text.count("{")
-    a = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "replace"), dtype=np.uint8)
+    if "\\" not in text and text.count('"') % 2 == 0:
+        # no escapes and whole strings only: every second piece between quotes is a string, and
+        # dropping those is what the pattern does (4x faster on a manifest)
+        bare = "".join(text.split('"')[::2])
+    else:
+        bare = _JSON_STRING.sub("", text)
+    a = np.frombuffer(bare.encode("utf-8", "replace"), dtype=np.uint8)
     step = np.zeros(256, dtype=np.int8)
     step[[ord("["), ord("{")]] = 1
     step[[ord("]"), ord("}")]] = -1

@@ -9,6 +9,31 @@ import numpy as np
 from .abi import ptr
 from .build import Unsupported, required
 
+#: addresses of the read-only rotation tables (kept per layer by the predictors, passed on every
+#: call; ptr() of a read-only array costs 3x a writable one's), each with its array, so that an
+#: address stays valid while it is remembered; all forgotten at once past _ADDR_MAX (a clear is
+#: one atomic step for the threads that share the memo) or past _ADDR_BYTES of arrays held
+_ADDR: dict[int, tuple[np.ndarray, int]] = {}
+_ADDR_MAX = 256
+_ADDR_BYTES = 16 << 20
+_held = [0]  # bytes of the arrays the memo holds (approximate under threads: it only bounds memory)
+
+
+def _table_ptr(a: np.ndarray) -> int:
+    """``ptr(a)``, remembered for a read-only array (the same array object, which the memo keeps
+    alive, so its id cannot be reused while the entry stands)."""
+    hit = _ADDR.get(id(a))
+    if hit is not None and hit[0] is a:
+        return hit[1]
+    p = ptr(a)
+    if not a.flags.writeable:
+        if len(_ADDR) >= _ADDR_MAX or _held[0] + a.nbytes > _ADDR_BYTES:
+            _ADDR.clear()
+            _held[0] = 0
+        _ADDR[id(a)] = (a, p)
+        _held[0] += a.nbytes
+    return p
+
 
 def affine(x: np.ndarray, w: np.ndarray, b: np.ndarray, lanes: int = 0) -> np.ndarray:
     """``b + x @ w`` in float32 with the normative order (x ``[T, I]``, w ``[I, O]``, b ``[O]``),
@@ -100,9 +125,10 @@ def xpred_pass(rows: tuple[int, int], inputs: list, rot_in: tuple | None, w: np.
         raise ValueError(f"xpred_pass: rows {rows} outside 0..{t_all}")
     if lanes not in (0, 4, 8, 16):
         raise ValueError(f"lanes must be 0, 4, 8 or 16, got {lanes}")
-    rc = lb.kvn_xpred_pass(r0, r1, len(inputs), ptr(pi), ptr(gi), ptr(ci), ptr(si), ptr(ai), ptr(bi),
+    tp = _table_ptr
+    rc = lb.kvn_xpred_pass(r0, r1, len(inputs), ptr(pi), ptr(gi), tp(ci), tp(si), tp(ai), tp(bi),
                            0 if rot_in is None else ai.size, ptr(w), ptr(b), w.shape[0], w.shape[1], len(outputs),
-                           ptr(po), ptr(go), ptr(mptr), ptr(co), ptr(so), ptr(ao), ptr(bo),
+                           ptr(po), ptr(go), ptr(mptr), tp(co), tp(so), tp(ao), tp(bo),
                            0 if rot_out is None else ao.size, 0 if masks is not None else 1, lanes)
     if rc == -1:
         raise MemoryError("xpred_pass: out of memory")
