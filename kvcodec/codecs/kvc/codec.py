@@ -12,6 +12,7 @@ docs/kvc-design.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextvars import ContextVar
 from types import SimpleNamespace
 from typing import Any
@@ -644,8 +645,7 @@ class KVCCodec(Codec):
             if is_k and p["k_qgamma"] > 0 and not use_h and n and "q_energy" in calib:
                 # calibrated: the logit error is sum_c q_c dk_c, so weight channel c by E[q_c^2]
                 # (exponent k_qgamma: 1.5 measured better than the MSE-exact 1)
-                energy = calib["q_energy"]
-                steps = np.stack([weighted_steps(1.0, energy[i] ** p["k_qgamma"]) for i in range(h)])
+                steps = _query_steps(calib["q_energy"], p["k_qgamma"])
             elif is_k and p["k_gamma"] > 0 and not use_h and n:
                 y64 = y.astype(np.float64)
                 energy = (y64 * y64).mean(axis=0)  # second moment per (head, channel), incl. mean
@@ -995,6 +995,23 @@ class KVCCodec(Codec):
         job.fallback = lambda: self._decode_passes(v, ctx, out, keep, free)
         defer_or_run(job)
         return True
+
+
+def _query_steps(energy: np.ndarray, gamma: float) -> np.ndarray:
+    """Per head, the relative channel steps that the query energy ``energy`` (float64 ``[H, D]``,
+    a profile's) asks for with exponent ``gamma`` (:func:`weighted_steps` of ``energy ** gamma``),
+    read-only: kept for the next encodes, as a profile's energies and its exponent are the same
+    for every cache (a list of small numpy calls per K tensor, each holding the GIL)."""
+    e = np.ascontiguousarray(energy, dtype=np.float64)
+    return _query_steps_kept(e.tobytes(), e.shape, float(gamma))
+
+
+@functools.lru_cache(maxsize=256)
+def _query_steps_kept(energy: bytes, shape: tuple[int, ...], gamma: float) -> np.ndarray:
+    e = np.frombuffer(energy, dtype=np.float64).reshape(shape)
+    out = np.stack([weighted_steps(1.0, e[i] ** gamma) for i in range(shape[0])])
+    out.setflags(write=False)
+    return out
 
 
 def _widen(a: np.ndarray) -> np.ndarray:
