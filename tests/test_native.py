@@ -705,3 +705,18 @@ def test_callers_reach_the_native_path_through_one_seam():
                 found.append(f"{p.relative_to(pkg)}:{i}")
     assert all(f.startswith("entropy/stage.py:") for f in found), found
     assert len(found) == 2, found
+
+
+def test_ptr_gives_each_arrays_own_address():
+    """native.abi.ptr reads a writable C-contiguous array's address through the buffer protocol
+    and falls back to ``a.ctypes.data`` for the rest: the same address either way, for views
+    with an offset, read-only, strided, transposed, broadcast, empty and 0-d arrays."""
+    from kvcodec.native.abi import ptr
+
+    base = np.arange(48, dtype=np.float32).reshape(6, 8)
+    ro = np.frombuffer(bytes(64), dtype=np.uint16)
+    kinds = [base, base[2:], base[1:3, 2:], base[:, 1], base.T, ro, ro[3:], np.broadcast_to(base[0], (4, 8)),
+             np.zeros(0, np.int64), np.array(5.0), np.zeros((3, 0), np.int32)]
+    for a in kinds:
+        assert ptr(a) == a.ctypes.data
+    assert ptr(base[2:]) == ptr(base) + 2 * 8 * 4  # a view's first element, not its base's
