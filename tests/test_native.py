@@ -720,3 +720,21 @@ def test_ptr_gives_each_arrays_own_address():
     for a in kinds:
         assert ptr(a) == a.ctypes.data
     assert ptr(base[2:]) == ptr(base) + 2 * 8 * 4  # a view's first element, not its base's
+
+
+def test_kept_ptr_remembers_live_arrays_within_its_bounds():
+    """native.abi.kept_ptr gives ptr's address, remembered with the array itself (so the id of a
+    remembered entry always names that array), and forgets everything past its bounds."""
+    from kvcodec.native import abi
+
+    ro = np.frombuffer(bytes(256), dtype=np.float32)
+    assert abi.kept_ptr(ro) == ro.ctypes.data == abi.kept_ptr(ro)
+    assert abi._KEPT[id(ro)][0] is ro
+    for _ in range(abi._KEPT_MAX + 1):
+        a = np.zeros(4)
+        assert abi.kept_ptr(a) == a.ctypes.data
+    assert len(abi._KEPT) <= abi._KEPT_MAX
+    big = np.zeros(abi._KEPT_BYTES // 8 + 1)
+    assert abi.kept_ptr(big) == big.ctypes.data and list(abi._KEPT) == [id(big)]
+    abi._KEPT.clear()
+    abi._kept_bytes[0] = 0

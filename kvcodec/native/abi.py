@@ -113,6 +113,32 @@ def ptr(a: np.ndarray) -> int:
         return a.ctypes.data
 
 
+#: addresses of the arrays callers pass on every call (module constants, tables kept per layer),
+#: each with its array: a remembered address stays valid while its entry stands, as the entry
+#: keeps the array alive (so its id cannot be reused). All forgotten at once past _KEPT_MAX
+#: arrays or _KEPT_BYTES bytes (a clear is one atomic step for the threads that share it).
+_KEPT: dict[int, tuple[np.ndarray, int]] = {}
+_KEPT_MAX = 256
+_KEPT_BYTES = 16 << 20
+_kept_bytes = [0]  # bytes the entries hold (approximate under threads: it only bounds memory)
+
+
+def kept_ptr(a: np.ndarray) -> int:
+    """:func:`ptr` of an array a caller passes on many calls, remembered (a read-only array's
+    :func:`ptr` takes the slow path, 3 us; a hit is one dict lookup). Only for arrays that live
+    on: the memo keeps each one alive until it is cleared."""
+    hit = _KEPT.get(id(a))
+    if hit is not None and hit[0] is a:
+        return hit[1]
+    p = ptr(a)
+    if len(_KEPT) >= _KEPT_MAX or _kept_bytes[0] + a.nbytes > _KEPT_BYTES:
+        _KEPT.clear()
+        _kept_bytes[0] = 0
+    _KEPT[id(a)] = (a, p)
+    _kept_bytes[0] += a.nbytes
+    return p
+
+
 def float_kind(dtype) -> int:
     """The C element kind (:data:`F_F32`, :data:`F_F16`, :data:`F_BF16`) of a torch float dtype."""
     import torch

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..errors import FormatError
-from .abi import NOMEM, OK, code_kind, float_kind, ptr
+from .abi import NOMEM, OK, code_kind, float_kind, kept_ptr, ptr
 from .ans import _flat_tables
 from .build import Unsupported, required
 
@@ -408,7 +408,6 @@ KVD_ARGS = 30
 
 # Arrays that every job passes (the step mantissas, the sine table) and reconstruction tables,
 # with their addresses: laying out a job's arguments is most of a small tensor's Python time.
-_PINNED: dict[int, tuple[Any, np.ndarray, int]] = {}
 _RECON: dict[tuple[int, ...], tuple[np.ndarray | None, int, int]] = {}
 _KINDS: dict[Any, tuple[int, int]] = {}
 
@@ -416,14 +415,9 @@ _KINDS: dict[Any, tuple[int, int]] = {}
 def _pinned(a: np.ndarray, dtype: Any) -> tuple[np.ndarray, int]:
     """``a`` as a contiguous array of ``dtype`` and its address, remembered for an array that
     already is one (the module constants passed on every call; an array's address never
-    changes while it lives, and the cache keeps it alive)."""
-    hit = _PINNED.get(id(a))
-    if hit is not None and hit[0] is a:
-        return hit[1], hit[2]
+    changes while it lives, and :func:`~kvcodec.native.abi.kept_ptr` keeps it alive)."""
     c = np.ascontiguousarray(a, dtype=dtype)
-    if c is a and len(_PINNED) < 16:
-        _PINNED[id(a)] = (a, c, ptr(c))
-    return c, ptr(c)
+    return c, (kept_ptr(c) if c is a else ptr(c))
 
 
 def _recon_pinned(recon: list[int] | None) -> tuple[np.ndarray | None, int, int]:

@@ -6,33 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .abi import ptr
+from .abi import kept_ptr, ptr
 from .build import Unsupported, required
 
-#: addresses of the read-only rotation tables (kept per layer by the predictors, passed on every
-#: call; ptr() of a read-only array costs 3x a writable one's), each with its array, so that an
-#: address stays valid while it is remembered; all forgotten at once past _ADDR_MAX (a clear is
-#: one atomic step for the threads that share the memo) or past _ADDR_BYTES of arrays held
-_ADDR: dict[int, tuple[np.ndarray, int]] = {}
-_ADDR_MAX = 256
-_ADDR_BYTES = 16 << 20
-_held = [0]  # bytes of the arrays the memo holds (approximate under threads: it only bounds memory)
-
-
-def _table_ptr(a: np.ndarray) -> int:
-    """``ptr(a)``, remembered for a read-only array (the same array object, which the memo keeps
-    alive, so its id cannot be reused while the entry stands)."""
-    hit = _ADDR.get(id(a))
-    if hit is not None and hit[0] is a:
-        return hit[1]
-    p = ptr(a)
-    if not a.flags.writeable:
-        if len(_ADDR) >= _ADDR_MAX or _held[0] + a.nbytes > _ADDR_BYTES:
-            _ADDR.clear()
-            _held[0] = 0
-        _ADDR[id(a)] = (a, p)
-        _held[0] += a.nbytes
-    return p
+#: the rotation operands of a pass whose parts do not turn (read-only: passed by address)
+_NO_TURN_F = np.zeros(1, np.float32)
+_NO_TURN_I = np.zeros(1, np.int32)
+_NO_TURN_F.setflags(write=False)
+_NO_TURN_I.setflags(write=False)
 
 
 def affine(x: np.ndarray, w: np.ndarray, b: np.ndarray, lanes: int = 0) -> np.ndarray:
@@ -94,12 +75,11 @@ def xpred_pass(rows: tuple[int, int], inputs: list, rot_in: tuple | None, w: np.
             ptrs[k] = t.data_ptr()
             geo[4 * k:4 * k + 4] = (float_kind(t.dtype), t.shape[1], t.shape[2], int(bool(turned)))
         if rot is None:
-            z = np.zeros(1, np.float32)
-            zi = np.zeros(1, np.int32)
-            rot = (z, z, zi, zi)
-        c, s, ia, ib = (np.ascontiguousarray(rot[0], np.float32), np.ascontiguousarray(rot[1], np.float32),
-                        np.ascontiguousarray(rot[2], np.int32), np.ascontiguousarray(rot[3], np.int32))
-        return ptrs, geo, c, s, ia, ib
+            rot = (_NO_TURN_F, _NO_TURN_F, _NO_TURN_I, _NO_TURN_I)
+        tabs = [np.ascontiguousarray(r, dt) for r, dt in zip(rot, (np.float32, np.float32, np.int32, np.int32))]
+        # the caller's own tables (kept per layer by the predictors, passed on every call): their
+        # addresses remembered; a converted copy: its own (tabs keeps it alive until the call)
+        return ptrs, geo, tabs, [kept_ptr(x) if x is r else ptr(x) for x, r in zip(tabs, rot)]
 
     t_all = inputs[0][0].shape[0] if inputs else 0
     for t, _ in [*inputs, *outputs]:
@@ -118,18 +98,17 @@ def xpred_pass(rows: tuple[int, int], inputs: list, rot_in: tuple | None, w: np.
         if len(ms) != len(outputs) or any(m.shape != (t_all,) for m in ms):
             raise ValueError("xpred_pass: one uint8 [T] mask per output")
         mptr = np.array([ptr(m) for m in ms] or [0], dtype=np.int64)
-    pi, gi, ci, si, ai, bi = side(inputs, rot_in)
-    po, go, co, so, ao, bo = side(outputs, rot_out)
+    pi, gi, tabs_in, at_in = side(inputs, rot_in)
+    po, go, tabs_out, at_out = side(outputs, rot_out)
     r0, r1 = int(rows[0]), int(rows[1])
     if not 0 <= r0 <= r1 <= t_all:
         raise ValueError(f"xpred_pass: rows {rows} outside 0..{t_all}")
     if lanes not in (0, 4, 8, 16):
         raise ValueError(f"lanes must be 0, 4, 8 or 16, got {lanes}")
-    tp = _table_ptr
-    rc = lb.kvn_xpred_pass(r0, r1, len(inputs), ptr(pi), ptr(gi), tp(ci), tp(si), tp(ai), tp(bi),
-                           0 if rot_in is None else ai.size, ptr(w), ptr(b), w.shape[0], w.shape[1], len(outputs),
-                           ptr(po), ptr(go), ptr(mptr), tp(co), tp(so), tp(ao), tp(bo),
-                           0 if rot_out is None else ao.size, 0 if masks is not None else 1, lanes)
+    rc = lb.kvn_xpred_pass(r0, r1, len(inputs), ptr(pi), ptr(gi), *at_in,
+                           0 if rot_in is None else tabs_in[2].size, ptr(w), ptr(b), w.shape[0], w.shape[1],
+                           len(outputs), ptr(po), ptr(go), ptr(mptr), *at_out,
+                           0 if rot_out is None else tabs_out[2].size, 0 if masks is not None else 1, lanes)
     if rc == -1:
         raise MemoryError("xpred_pass: out of memory")
     if rc == -2:
