@@ -16,6 +16,7 @@ Rooms:
     deadzone  dead-zone quantization and reconstruction sums
     tokens    CacheGen's per-token quantization and row-affine dequantization
     rope      kvc's rotating means (turned and unturned channel means)
+    attention kvc's attention estimate (the mean of each query row's softmax)
     xpred     kvc's prediction across layers (the affine pass) and the encoder's closed loop
               around it (residual, decoded plus prediction)
     kvc       kvc's escape split/join, dequantization and token-delta statistics, and

@@ -18,7 +18,7 @@ import ctypes
 import numpy as np
 
 #: Version of the C library's ABI (``kvn_abi_version()``; KVN_ABI_VERSION in csrc/kvn_common.h).
-ABI_VERSION = 34
+ABI_VERSION = 35
 
 # status codes (KVN_* in kvn_common.h)
 OK, ZERO_WORD, NOT_CONSUMED, NOMEM, BAD_SYMBOL, OVERFLOW = range(6)
@@ -36,6 +36,8 @@ _i32, _i64, _f32, _f64 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.
 SIGNATURES: dict[str, tuple[list, type | None]] = {
     # abi.c
     "kvn_abi_version": ([], _i),
+    # attention.c
+    "kvn_softmax_mean": ([_p, _i64, _i64, _i64, _p, _p, _i], _i),
     # ans_decode.c
     "kvn_ans_decode": ([_p, _p, _p, _p, _p, _p, _i, _p], _i),
     # ans_encode.c

@@ -459,6 +459,111 @@ def rotate_layer(q: np.ndarray, delta: float, la: LayerAttention) -> np.ndarray:
     return out
 
 
+#: exp_neg's constants (csrc/attention.c): the cut, log2(e), 1.5 * 2^23 (adding and subtracting
+#: it rounds to an integer, half to even), ln 2 in two parts, Cephes' expf polynomial
+_SM_LO, _SM_LOG2E, _SM_MAGIC = np.float32(-86.0), np.float32(1.44269504088896341), np.float32(12582912.0)
+_SM_C1, _SM_C2 = np.float32(0.693359375), np.float32(-2.12194440e-4)
+_SM_P = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                                      1.6666665459e-1, 5.0000001201e-1))
+
+
+def exp_neg(d: np.ndarray) -> np.ndarray:
+    """``exp(d)`` for float32 ``d <= 0`` (or -inf), as :func:`softmax_mean` takes it: 0 below
+    -86, else Cephes' expf (``n = round(d log2 e)``, ``r = (d - n C1) - n C2``, its degree-5
+    polynomial ``P`` by Estrin's scheme, ``(P z + r) + 1`` with ``z = r^2``, times ``2^n``), every
+    operation a separately rounded float32 one. Within 2 ulp of the true value (tests).
+
+    Example:
+        >>> float(exp_neg(np.array([0.0], np.float32))[0]), float(exp_neg(np.array([-90.0], np.float32))[0])
+        (1.0, 0.0)
+    """
+    d = np.asarray(d, dtype=np.float32)
+    under = d < _SM_LO
+    d = np.where(under, _SM_LO, d).astype(np.float32)
+    n = (d * _SM_LOG2E + _SM_MAGIC) - _SM_MAGIC
+    r = (d - n * _SM_C1) - n * _SM_C2
+    z = r * r
+    p0, p1, p2, p3, p4, p5 = _SM_P  # by Estrin's scheme
+    y = ((r * p0 + p1) * (z * z) + (r * p2 + p3) * z) + (r * p4 + p5)
+    y = (y * z + r) + np.float32(1.0)
+    scale = ((n.astype(np.int32) + np.int32(127)) << np.int32(23)).view(np.float32)
+    return np.where(under, np.float32(0.0), y * scale).astype(np.float32)
+
+
+def softmax_mean(logits: np.ndarray, sinks: np.ndarray | None = None) -> np.ndarray | None:
+    """Per KV head, the mean over its query rows of each row's softmax: ``logits`` float32
+    ``[B, R, T]`` (finite or -inf: masked keys), ``sinks`` float32 ``[B, R]`` (each row's sink
+    logit: it takes part in the row's softmax and its share is dropped) or None. Returns float64
+    ``[T, B]``, or None when a logit is NaN or +inf. The reference of csrc/attention.c, bit for
+    bit: per row, ``m`` its largest logit (or sink), ``e = exp_neg(x - m)``, ``Z`` the sum of
+    ``e`` in eight lanes (element ``j`` into lane ``j % 8``, in order; the lanes added 0 to 7;
+    then the sink's ``e``), ``p = e * (1 / Z)`` in float32; per head the float64 sum of ``p``
+    over its rows in order, over the number of rows. A row that sees no key and has no sink
+    adds 0.
+
+    Example:
+        >>> softmax_mean(np.log(np.array([[[1.0, 3.0]]], np.float32))).round(6).tolist()
+        [[0.25], [0.75]]
+    """
+    x = np.asarray(logits, dtype=np.float32)
+    b, r, t = x.shape
+    sk = None if sinks is None else np.asarray(sinks, dtype=np.float32).reshape(b, r)
+    if np.isnan(x).any() or np.isposinf(x).any() or (sk is not None and (np.isnan(sk).any() or np.isposinf(sk).any())):
+        return None
+    out = np.zeros((t, b), dtype=np.float64)
+    t8 = -(-t // 8) * 8
+    for h in range(b):
+        m = x[h].max(axis=1) if t else np.full(r, -np.inf, np.float32)
+        if sk is not None:
+            m = np.maximum(m, sk[h])
+        live = m != -np.inf
+        m = np.where(live, m, np.float32(0.0)).astype(np.float32)
+        e = exp_neg(x[h] - m[:, None])
+        lanes = np.zeros((r, 8), dtype=np.float32)
+        padded = np.zeros((r, t8), dtype=np.float32)
+        padded[:, :t] = e
+        for j in range(0, t8, 8):
+            lanes = lanes + padded[:, j:j + 8]
+        z = lanes[:, 0]
+        for lane in range(1, 8):
+            z = z + lanes[:, lane]
+        if sk is not None:
+            z = z + exp_neg(sk[h] - m)
+        z = np.where(live, z, np.float32(1.0))  # (a row that adds 0)
+        p = e * (np.float32(1.0) / z)[:, None]
+        acc = np.zeros(t, dtype=np.float64)
+        for row in np.flatnonzero(live):
+            acc = acc + p[row].astype(np.float64)
+        out[:, h] = acc / r
+    return out
+
+
+#: turned queries kept per statistics object: at most this many (layer, delta) entries
+_TURNED_KEPT = 96
+_TURNED_LOCK = threading.Lock()
+
+
+def _turned_queries(stats: QueryStats, layer: int, delta: float, la: LayerAttention) -> torch.Tensor:
+    """``stats.q_sample[layer]`` turned by ``delta`` positions (:func:`rotate_layer`, or
+    :func:`rotate_queries` for files before ``qstats/4``) as a float32 tensor, kept on the
+    statistics object: an encode turns every layer's queries by the same delta, and the next
+    encode of a cache as long does it again (a profile's sampled queries are not changed in
+    place). Not to be written to."""
+    key = (layer, delta)
+    with _TURNED_LOCK:
+        kept = stats.__dict__.setdefault("_turned", {})
+        q = kept.get(key)
+    if q is None:
+        qs = stats.q_sample[layer]
+        q = rotate_queries(qs, delta, stats.rope_theta) if stats.attention is None else rotate_layer(qs, delta, la)
+        q = torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
+        with _TURNED_LOCK:
+            while len(kept) >= _TURNED_KEPT:
+                kept.pop(next(iter(kept)))
+            kept[key] = q
+    return q
+
+
 def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: float = 1.0,
                        query_pos: int = 0) -> np.ndarray | None:
     """Estimated attention each cached token will receive: ``[T, Hkv]``.
@@ -495,15 +600,11 @@ def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: floa
         raise ConfigError(f"kvc query_pos {query_pos} lies inside the cache's {t} tokens; the next queries "
                           "come after its last token")
     delta = float((query_pos or t) - stats.q_position)
-    if stats.attention is None:  # files before qstats/4: today's float64 default RoPE, bit for bit
-        q = rotate_queries(qs, delta, stats.rope_theta)  # [Hq, N, D] at t..t+N-1
-    else:
-        q = rotate_layer(qs, delta, la)
     g = hq // hkv
+    qt = _turned_queries(stats, layer, delta, la).reshape(hkv, g * n, d)  # float32 at t..t+N-1
     # keys some query sees: the query at t sees j > t - window
     lo = max(0, t - la.window + 1) if la.window > 0 else 0
-    # float32 and one batched softmax: this runs on every calibrated encode
-    qt = torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32)).reshape(hkv, g * n, d)
+    # float32, one batched product: this runs on every calibrated encode
     kt = torch.from_numpy(np.ascontiguousarray(k[lo:], dtype=np.float32)).transpose(0, 1)  # [Hkv, T', D]
     logits = torch.bmm(qt, kt.transpose(1, 2))  # [Hkv, g*N, T']
     if la.softcap > 0:  # in place: the logits are the big tensor here
@@ -517,18 +618,31 @@ def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: floa
             shift = (query_pos or t) - t  # absolute position minus the cache index
             logits.masked_fill_((qpos + shift) // la.chunk != (kpos + shift) // la.chunk, float("-inf"))
     sinks = la.sinks
+    s = None
     if sinks is not None and sinks.shape == (hq,):
         # the sink logit of each row's query head takes part in the softmax; its share is dropped
         s = torch.from_numpy(np.ascontiguousarray(sinks, dtype=np.float32)).reshape(hkv, g, 1)
         s = s.expand(hkv, g, n).reshape(hkv, g * n, 1)
-        p = torch.softmax(torch.cat([logits, s], dim=-1), dim=-1)[..., :-1]
-    else:
-        p = torch.softmax(logits, dim=-1)
-    if la.window > 0 or la.chunk > 0:
-        p.nan_to_num_(nan=0.0)  # a query that sees no cached key (and no sink)
-    if power != 1.0:
-        p = p.pow(power)
-    est = p.mean(dim=1).transpose(0, 1).double().numpy()
+    est = None
+    if power == 1.0 and n and t > lo:
+        from ... import native
+        from ...native.attention import softmax_mean as native_softmax_mean
+
+        sk = None if s is None else s.reshape(hkv, g * n).numpy()
+        try:  # the softmax and the mean in one pass per row, in C; else its reference
+            est = native_softmax_mean(logits.numpy(), sk)
+        except native.Unsupported:
+            est = softmax_mean(logits.numpy(), sk)
+    if est is None:  # a NaN or +inf logit, or a power: torch, as before
+        if s is not None:
+            p = torch.softmax(torch.cat([logits, s], dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(logits, dim=-1)
+        if la.window > 0 or la.chunk > 0:
+            p.nan_to_num_(nan=0.0)  # a query that sees no cached key (and no sink)
+        if power != 1.0:
+            p = p.pow(power)
+        est = p.mean(dim=1).transpose(0, 1).double().numpy()
     if lo == 0:
         return est
     full = np.zeros((t, hkv), np.float64)
@@ -537,5 +651,5 @@ def attention_estimate(stats: QueryStats, layer: int, k: np.ndarray, power: floa
 
 
 __all__ = ["QSTATS_FORMAT", "QSTATS_FORMATS", "ROPE_KINDS", "ROPE_STYLES", "Calibration", "LayerAttention",
-           "QueryStats", "attention_estimate", "default_inv_freq", "load_query_statistics",
-           "parse_query_statistics", "rotate_layer", "rotate_queries", "save_query_statistics"]
+           "QueryStats", "attention_estimate", "default_inv_freq", "exp_neg", "load_query_statistics",
+           "parse_query_statistics", "rotate_layer", "rotate_queries", "save_query_statistics", "softmax_mean"]
