@@ -9,7 +9,8 @@ encode in the same rounds, and reports for each:
 * the wall time (fastest round; the median in brackets) and the process's CPU time over it
   (``getrusage``): how many CPUs the encode keeps busy;
 * the CPU time of every native call (each ``kvn_*`` function, timed on its own thread), of the
-  attention estimates (their own thread) and the rest (Python and numpy between the calls);
+  attention estimates (their own thread; their native softmax counts as native) and the rest
+  (Python and numpy between the calls);
 * the share of the wall time with 0, 1, 2 or 3 threads runnable: the writer threads that are
   coding a tensor and not waiting for the layer before (prediction across layers) or for an
   attention estimate, plus the attention thread while it estimates (sampled every 0.1 ms).
@@ -45,8 +46,14 @@ from kvcodec.harness.results import provenance, write_result
 SAMPLE_S = 1e-4
 
 
+#: set on a thread while it runs an attention estimate (its native calls are native time, not
+#: attention time)
+_IN_ATTENTION = threading.local()
+
+
 class _TimedLib:
-    """The native library with every function call's thread CPU time added to ``acc``."""
+    """The native library with every function call's thread CPU time added to ``acc`` (and, when
+    an attention estimate makes the call, to ``acc["native in attention"]`` too)."""
 
     def __init__(self, lib: Any, acc: collections.Counter, lock: threading.Lock) -> None:
         self._lib, self._acc, self._lock = lib, acc, lock
@@ -64,6 +71,8 @@ class _TimedLib:
                 d = time.thread_time() - t
                 with self._lock:
                     self._acc[name] += d
+                    if getattr(_IN_ATTENTION, "on", False):
+                        self._acc["native in attention"] += d
 
         setattr(self, name, timed)
         return timed
@@ -95,9 +104,11 @@ def instrumented(acc: collections.Counter, events: list) -> Iterator[None]:
 
     def attention(*a: Any, **k: Any) -> Any:
         t0, c0 = time.perf_counter(), time.thread_time()
+        _IN_ATTENTION.on = True
         try:
             return saved[1](*a, **k)
         finally:
+            _IN_ATTENTION.on = False
             with lock:
                 acc["attention estimates"] += time.thread_time() - c0
             note(t0, "attention")
@@ -196,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         acc = per[m]["acc"]
         cpu = sum(per[m]["cpu"]) / n
         native = {k: v / n for k, v in acc.items() if k.startswith("kvn_")}
-        attention = acc["attention estimates"] / n
+        attention = (acc["attention estimates"] - acc["native in attention"]) / n  # its native calls: native
         shares = {k: round(statistics.median(s[k] for s in per[m]["shares"]), 3) for k in range(4)}
         rows.append({"mode": m, "wall_s": min(walls[m]), "wall_median_s": statistics.median(walls[m]),
                      "x_cachegen": round(min(walls[m]) / cg_best, 3), "cpu_s": cpu,
@@ -210,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
           f"`{args.codec}` with the profile `{args.calibration}` on `{args.input}` ({cache.num_layers} layers, "
           f"{cache.num_tokens} tokens); torch on one thread; {n} alternating rounds. CacheGen's one-thread "
           f"encode in the same rounds: {ms(cg_best)} ms (fastest). Wall: fastest round (median). CPU: the "
-          "process's user + system time per encode, the mean over the rounds; CPUs used: that over the mean wall. Native, attention and rest: CPU time per encode, "
+          "process's user + system time per encode, the mean over the rounds; CPUs used: that over the mean wall. Native, attention (less its native calls) and rest: CPU time per encode, "
           "the mean over the rounds too (rest = CPU - native - attention: Python and numpy). Runnable: share of "
           "the wall time with 0 / 1 / 2 / 3+ threads runnable (writers coding and not waiting for the layer "
           "before or an attention estimate, plus the attention thread while it estimates; a runnable thread "

@@ -57,9 +57,10 @@ static inline int32_t sym_at(const void* sym, int kind, int64_t i) {
     const uint64_t* ir_ = (INVR);                                    \
     const uint64_t f_ = fr_[2 * s_], c_ = fr_[2 * s_ + 1];           \
     const uint64_t e_ = (x[L] >> 40) >= f_; /* emit a word: branch-free */ \
+    const uint64_t xs_ = x[L] >> 32;                                 \
     *o[L] = (uint32_t)x[L];                                          \
     o[L] += e_;                                                      \
-    x[L] >>= (e_ << 5);                                              \
+    x[L] = e_ ? xs_ : x[L]; /* a select: shorter than a shift by e*32 */ \
     uint64_t q_ = mulhi64(x[L], ir_[s_]);                            \
     uint64_t r_ = x[L] - q_ * f_;                                    \
     if (r_ >= f_) {                                                  \
