@@ -530,6 +530,31 @@ def test_escape_split_with_ctx_statistics_equals_the_two_calls():
                 s2, e2, l2, h2, c2 = native.escape_split_ctx_tokens(codes.astype(dtype), max_level, dl, g, th)
                 assert l2 == lv and np.array_equal(s2, sym) and np.array_equal(e2, esc)
                 assert np.array_equal(h2, hist) and np.array_equal(c2, cls)
+    # the AVX2 pass (eight tokens a block; blocks with codes of 2**30 or more, and the last n % 8
+    # tokens, scalar) against the scalar pass, bit for bit: token deltas at token 0 and across
+    # blocks, escapes of every row in token order, int32 extremes, streams of every width
+    lb = native.lib()
+    for n, r, g, th, max_level in [(8, 5, 2, [3], 8), (23, 130, 64, [3, 8, 20], 32), (64, 195, 64, [2, 5, 12], 16),
+                                   (41, 17, 5, [1, 3, 8, 20], 48), (7, 9, 4, [3, 8], 16), (33, 12, 64, [3, 8], 32)]:
+        codes = np.clip(np.round(rng.laplace(0, 1.5, size=(n, r))), -(max_level - 2), max_level - 2).astype(np.int32)
+        hit = rng.random((n, r)) < 0.01
+        codes[hit] = rng.integers(-4 * max_level, 4 * max_level, size=int(hit.sum()))
+        if n > 20:  # a block past the vector pass's range, and extremes its deltas must not wrap
+            codes[17, 3] = 2**31 - 1
+            codes[18, 3] = -2**31
+            codes[9, 0] = 2**30 - 1
+            codes[10, 0] = -(2**30 - 1)
+        for dl in (None, rng.random(r) < 0.5, np.ones(r, bool)):
+            outs = []
+            for on in (1, 0):
+                was = lb.kvn_esc_vector(on)
+                try:
+                    outs.append(native.escape_split_ctx_tokens(codes, max_level, dl, g, th))
+                finally:
+                    lb.kvn_esc_vector(was)
+            (s1, e1, l1, h1, c1), (s0, e0, l0, h0, c0) = outs
+            assert l1 == l0 and np.array_equal(s1, s0) and np.array_equal(e1, e0)
+            assert np.array_equal(h1, h0) and np.array_equal(c1, c0), (n, r, g, th)
     many = np.full((50, 10), 100, dtype=np.int64)  # every code escapes: beyond the 1/16 scratch
     with pytest.raises(native.Unsupported):
         native.escape_split_ctx_tokens(many, 16, None, 4, [3, 8])

@@ -166,19 +166,19 @@ int kvn_escape_split1(const void* codes, int ckind, int64_t n, int64_t R, int64_
  * the magnitudes |symbol - center| -- |c| for a regular code, L for an escape -- which do not
  * depend on the final L (when it ends below max_level nothing escaped), so only the histogram's
  * columns move with it. Returns as kvn_escape_split1, or KVN_BAD_SYMBOL for bad arguments (nthr
- * outside [0, 16), G < 1, n >= 2^31). scratch: int32 [R * Q * 2 max_level] counts. */
+ * outside [0, 16), G < 1, n >= 2^31). scratch: int32 [R * Q * 2 max_level] counts. The pass
+ * below covers tokens [tb, n) and goes on from ne escapes and the largest magnitude *top_out. */
 #define KVN_ESC_CTX_PASS(SUF, CT, NTHR)                                                                  \
-  static int64_t esc_ctx_pass##SUF(const CT* codes, int64_t n, int64_t R, int64_t ml, const uint8_t* delta, \
-                                   uint16_t* sym, int32_t* etok, int32_t* erow, int64_t cap,             \
-                                   uint64_t* top_out, int64_t G, int64_t nthr_, const int64_t* bk,       \
-                                   int32_t* h, uint8_t* cls) {                                           \
+  static int64_t esc_ctx_pass##SUF(const CT* codes, int64_t tb, int64_t n, int64_t R, int64_t ml,      \
+                                   const uint8_t* delta, uint16_t* sym, int32_t* etok, int32_t* erow,    \
+                                   int64_t cap, int64_t ne, uint64_t* top_out, int64_t G, int64_t nthr_, \
+                                   const int64_t* bk, int32_t* h, uint8_t* cls) {                        \
     /* a constant threshold count (NTHR >= 0) lets the inlined ctx_class drop its switch */              \
     const int64_t nthr = (NTHR) >= 0 ? (NTHR) : nthr_;                                                  \
     const uint16_t e = (uint16_t)(2 * ml - 1);                                                          \
     const int64_t Q = nthr + 1, A = 2 * ml;                                                             \
-    uint64_t top = 0;                                                                                   \
-    int64_t ne = 0;                                                                                     \
-    for (int64_t t = 0; t < n; ++t) {                                                                   \
+    uint64_t top = *top_out;                                                                            \
+    for (int64_t t = tb; t < n; ++t) {                                                                  \
       const CT* ct = codes + t * R;                                                                     \
       uint16_t* st = sym + t * R;                                                                       \
       uint8_t* qt = cls + t * R;                                                                        \
@@ -210,6 +210,104 @@ KVN_ESC_CTX_PASS(_i32_2, int32_t, 2)
 KVN_ESC_CTX_PASS(_i32_3, int32_t, 3)
 KVN_ESC_CTX_PASS(_i32_4, int32_t, 4)
 
+/* 0: the one pass with contexts stays scalar (tests compare the two; kvn_esc_vector) */
+static int esc_vector = 1;
+
+int kvn_esc_vector(int on) {
+  const int was = esc_vector;
+  if (on >= 0) esc_vector = on != 0;
+  return was;
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define ESC_AVX2 1
+/* Tokens [t0, t0 + 8) of esc_ctx_pass_i32 in AVX2 lanes, one token a lane: the codes of a row
+ * gathered down the tokens, the split, magnitude, class and running sum as vectors, the symbols,
+ * classes, counts and escapes written lane by lane. For int32 codes of magnitude below 2^30 at
+ * these tokens and the one before (their token deltas fit int32), 1 to 4 thresholds, 8 R < 2^31
+ * and a stream's magnitude sum below 2^31 (the caller checks): then the same outputs as the scalar
+ * pass. Escapes are recorded row by row within the block, each row's in token order: the counting
+ * sort by row that orders them (esc_finish) gives the same list. bm1: per row of a stream
+ * (k < G), the class bounds minus one clamped to int32 (int32 [G][4]). */
+__attribute__((target("avx2"))) static int64_t esc_ctx_block8(const int32_t* codes, int64_t t0, int64_t R, int64_t ml,
+                                                           const uint8_t* delta, uint16_t* sym, int32_t* etok,
+                                                           int32_t* erow, int64_t cap, int64_t ne, uint64_t* top_out,
+                                                           int64_t G, int64_t nthr, const int32_t* bm1, int32_t* h,
+                                                           uint8_t* cls) {
+  const int64_t Q = nthr + 1, A = 2 * ml;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i idx = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int32_t)R));
+  const __m256i idxp = _mm256_sub_epi32(idx, _mm256_set1_epi32((int32_t)R)); /* the token before */
+  /* lane 0 at token 0 has no token before: its delta is the code itself */
+  const __m256i pmask = t0 ? _mm256_set1_epi32(-1) : _mm256_cmpgt_epi32(lane, _mm256_setzero_si256());
+  const __m256i vml = _mm256_set1_epi32((int32_t)ml), vml1 = _mm256_set1_epi32((int32_t)(ml - 1));
+  const __m256i ve = _mm256_set1_epi32((int32_t)(2 * ml - 1));
+  __m256i top = _mm256_setzero_si256();
+  int32_t svb[8] __attribute__((aligned(32))), qb[8] __attribute__((aligned(32))), cb[8] __attribute__((aligned(32)));
+  for (int64_t r0 = 0; r0 < R; r0 += G) {
+    const int64_t r1 = r0 + G < R ? r0 + G : R;
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t r = r0; r < r1; ++r) {
+      const int32_t* base = codes + t0 * R + r;
+      __m256i c = _mm256_i32gather_epi32((const int*)base, idx, 4);
+      if (delta && delta[r])
+        c = _mm256_sub_epi32(c, _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int*)base, idxp, pmask, 4));
+      const __m256i a = _mm256_abs_epi32(c);
+      top = _mm256_max_epu32(top, a);
+      const __m256i esc = _mm256_cmpgt_epi32(a, vml1); /* |c| >= ml */
+      const __m256i sv = _mm256_blendv_epi8(_mm256_add_epi32(c, vml1), ve, esc);
+      const int32_t* b = bm1 + (r - r0) * 4;
+      __m256i q = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_cmpgt_epi32(acc, _mm256_set1_epi32(b[0])));
+      if (nthr > 1) q = _mm256_sub_epi32(q, _mm256_cmpgt_epi32(acc, _mm256_set1_epi32(b[1])));
+      if (nthr > 2) q = _mm256_sub_epi32(q, _mm256_cmpgt_epi32(acc, _mm256_set1_epi32(b[2])));
+      if (nthr > 3) q = _mm256_sub_epi32(q, _mm256_cmpgt_epi32(acc, _mm256_set1_epi32(b[3])));
+      acc = _mm256_add_epi32(acc, _mm256_min_epi32(a, vml)); /* an escape counts ml */
+      _mm256_store_si256((__m256i*)svb, sv);
+      _mm256_store_si256((__m256i*)qb, q);
+      const int m = _mm256_movemask_ps(_mm256_castsi256_ps(esc));
+      int32_t* hr = h + r * Q * A;
+      for (int j = 0; j < 8; ++j) {
+        const int64_t at = (t0 + j) * R + r;
+        sym[at] = (uint16_t)svb[j];
+        cls[at] = (uint8_t)qb[j];
+        hr[qb[j] * A + svb[j]] += 1;
+      }
+      if (m) {
+        _mm256_store_si256((__m256i*)cb, c);
+        for (int j = 0; j < 8; ++j)
+          if ((m >> j) & 1) {
+            if (ne < cap) {
+              etok[ne] = cb[j];
+              erow[ne] = (int32_t)r;
+            }
+            ++ne;
+          }
+      }
+    }
+  }
+  uint32_t tb[8];
+  memcpy(tb, &top, sizeof tb);
+  for (int j = 0; j < 8; ++j) *top_out = tb[j] > *top_out ? tb[j] : *top_out;
+  return ne;
+}
+
+/* 1 when every code of rows [t0, t1) of the token-major int32 matrix has magnitude below 2^30 */
+__attribute__((target("avx2"))) static int esc_small_rows(const int32_t* codes, int64_t t0, int64_t t1, int64_t R) {
+  const int32_t* p = codes + t0 * R;
+  const int64_t m = (t1 - t0) * R, m8 = m - m % 8;
+  const __m256i off = _mm256_set1_epi32(1 << 30);
+  __m256i big = _mm256_setzero_si256();
+  for (int64_t i = 0; i < m8; i += 8) { /* c + 2^30 outside [0, 2^31): |c| >= 2^30 */
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + i));
+    big = _mm256_or_si256(big, _mm256_add_epi32(v, off));
+  }
+  uint32_t any = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(big));
+  for (int64_t i = m8; i < m; ++i) any |= (uint32_t)(p[i] + (int64_t)(1 << 30)) >> 31 | (p[i] < -(1 << 30));
+  return any == 0;
+}
+#endif
+
 int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int64_t max_level, const uint8_t* delta,
                          uint16_t* sym, int32_t* esc, int32_t* etok, int32_t* erow, int64_t cap, int64_t* n_esc,
                          int64_t* lv, int64_t G, int64_t nthr, const int64_t* thr, int64_t* hist, uint8_t* cls) {
@@ -228,13 +326,40 @@ int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int
   uint64_t top = 0;
   int64_t ne;
   if (ckind == C_I32) {
-    int64_t (*pass)(const int32_t*, int64_t, int64_t, int64_t, const uint8_t*, uint16_t*, int32_t*, int32_t*, int64_t,
-                    uint64_t*, int64_t, int64_t, const int64_t*, int32_t*, uint8_t*) =
+    int64_t (*pass)(const int32_t*, int64_t, int64_t, int64_t, int64_t, const uint8_t*, uint16_t*, int32_t*, int32_t*,
+                    int64_t, int64_t, uint64_t*, int64_t, int64_t, const int64_t*, int32_t*, uint8_t*) =
         nthr == 1 ? esc_ctx_pass_i32_1 : nthr == 2 ? esc_ctx_pass_i32_2 : nthr == 3 ? esc_ctx_pass_i32_3
         : nthr == 4 ? esc_ctx_pass_i32_4 : esc_ctx_pass_i32;
-    ne = pass((const int32_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls);
+    const int32_t* c32 = (const int32_t*)codes;
+    int64_t done = 0;
+    ne = 0;
+#ifdef ESC_AVX2
+    /* eight tokens at a time in AVX2 lanes where the block's codes allow it (esc_ctx_block8),
+       else the scalar pass on those tokens; the last n % 8 tokens scalar */
+    __builtin_cpu_init();
+    if (esc_vector && __builtin_cpu_supports("avx2") && nthr >= 1 && nthr <= 4 && R < ((int64_t)1 << 28) &&
+        gk * ml < ((int64_t)1 << 30) && n >= 8) {
+      int32_t* bm1 = (int32_t*)malloc(sizeof(int32_t) * (size_t)(gk * 4));
+      if (bm1) {
+        for (int64_t k = 0; k < gk; ++k)
+          for (int64_t i = 0; i < 4; ++i) {
+            const int64_t b = i < nthr ? bk[k * MAXQ + i] : INT64_MAX;
+            bm1[k * 4 + i] = b > INT32_MAX ? INT32_MAX : b <= INT32_MIN ? INT32_MIN : (int32_t)(b - 1);
+          }
+        for (; done + 8 <= n; done += 8) {
+          if (esc_small_rows(c32, done ? done - 1 : 0, done + 8, R))
+            ne = esc_ctx_block8(c32, done, R, ml, delta, sym, etok, erow, cap, ne, &top, gk, nthr, bm1, h, cls);
+          else
+            ne = pass(c32, done, done + 8, R, ml, delta, sym, etok, erow, cap, ne, &top, G, nthr, bk, h, cls);
+        }
+        free(bm1);
+      }
+    }
+#endif
+    ne = pass(c32, done, n, R, ml, delta, sym, etok, erow, cap, ne, &top, G, nthr, bk, h, cls);
   } else {
-    ne = esc_ctx_pass_i64((const int64_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top, G, nthr, bk, h, cls);
+    ne = esc_ctx_pass_i64((const int64_t*)codes, 0, n, R, ml, delta, sym, etok, erow, cap, 0, &top, G, nthr, bk, h,
+                          cls);
   }
   free(bk);
   if (ne > cap) {
