@@ -509,6 +509,33 @@ def test_escape_join_narrow_and_dequantize_int32_codes_are_the_same_integers():
                                b.view(torch.int16 if dtype != torch.float32 else torch.int32))
 
 
+def test_dequantize_rows_vector_equals_plain():
+    """kvc's dequantization rows in AVX2 (dq_row_i32_avx2: kvc_dequantize and kvc_decode's rows)
+    give the plain loop's bits: every step layout, reconstruction offsets with codes past their
+    table, clamps at the dtype's max, means per token, NaN and infinite steps, rows of 1 to 70."""
+    lb = native.lib()
+    rng = np.random.default_rng(47)
+    for n, h, d in [(5, 1, 1), (9, 2, 7), (17, 3, 8), (33, 2, 64), (12, 1, 70)]:
+        codes = rng.integers(-40, 41, size=(n, h, d)).astype(np.int32)
+        codes[rng.random(codes.shape) < 0.05] = 2**30 + 7
+        for step in (np.float32(0.37), rng.uniform(0.01, 3, size=(1, h, d)).astype(np.float32),
+                     rng.uniform(0.01, 3, size=(n, h, 1)).astype(np.float32),
+                     rng.uniform(0.01, 3, size=(n, h, d)).astype(np.float32),
+                     np.array([[[np.inf]], [[np.nan]]] * (n // 2) + [[[1.0]]] * (n % 2), np.float32)):
+            for mean in (rng.normal(size=(h, d)).astype(np.float32), rng.normal(size=(n, h, d)).astype(np.float32)):
+                for recon in (None, [40, 20, 9]):
+                    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                        got = []
+                        for on in (1, 0):
+                            was = lb.kvn_dq_vector(on)
+                            try:
+                                got.append(native.kvc_dequantize(codes, step, mean, dtype, recon=recon))
+                            finally:
+                                lb.kvn_dq_vector(was)
+                        a, b = (x.view(torch.int16 if dtype != torch.float32 else torch.int32) for x in got)
+                        assert torch.equal(a, b), (n, h, d, np.shape(step), dtype, recon)
+
+
 def test_escape_split_with_ctx_statistics_equals_the_two_calls():
     """The fused split (kvc's -cal presets) returns the split of escape_split_tokens and the
     counts and classes ctx_histograms takes of its symbols, for int64 and int32 codes, with and
