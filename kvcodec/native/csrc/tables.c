@@ -27,14 +27,14 @@ static void next_q(const double* centers, int64_t k, int64_t a, double* q) {
  * costs the non-zero counts times k, not R * A * k. centers [k, a]: in, the first centres;
  * out, the last. assign [r], sums [k, a], used [k] out: those of the final assignment; q [k, a]
  * scratch. Returns the passes made, or -1 when out of memory. */
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-/* built twice, for AVX2 (chosen at load where the CPU has it) and plain x86-64: the gains' loop
- * over the tables vectorises four doubles wide instead of two; the same operations (no
- * multiply-add is fused: -ffp-contract=off) */
-__attribute__((target_clones("avx2", "default")))
+#if defined(__GNUC__) || defined(__clang__)
+#define KVN_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define KVN_ALWAYS_INLINE inline
 #endif
-int kvn_cluster_iterate(const double* h, int64_t r, int64_t a, int64_t k, int iters, double* centers,
-                        int64_t* assign, double* sums, uint8_t* used, double* q) {
+static KVN_ALWAYS_INLINE int cluster_iterate(const double* h, int64_t r, int64_t a, int64_t k, int iters,
+                                             double* centers, int64_t* assign, double* sums, uint8_t* used,
+                                             double* q) {
   int64_t nnz = 0;
   for (int64_t e = 0; e < r * a; ++e) nnz += h[e] != 0.0;
   double* gain = (double*)malloc(sizeof(double) * (size_t)(r * k + a * k + k + nnz + 1));
@@ -90,6 +90,26 @@ int kvn_cluster_iterate(const double* h, int64_t r, int64_t a, int64_t k, int it
   free(gain);
   free(start);
   return done;
+}
+
+/* The passes built twice, for AVX2 (chosen at run time where the CPU has it) and plain: the gains'
+ * loop over the tables vectorises four doubles wide instead of two; the same operations (no
+ * multiply-add is fused: -ffp-contract=off). */
+#if defined(__GNUC__) && defined(__x86_64__)
+__attribute__((target("avx2"))) static int cluster_iterate_avx2(const double* h, int64_t r, int64_t a, int64_t k,
+                                                                int iters, double* centers, int64_t* assign,
+                                                                double* sums, uint8_t* used, double* q) {
+  return cluster_iterate(h, r, a, k, iters, centers, assign, sums, used, q);
+}
+#endif
+
+int kvn_cluster_iterate(const double* h, int64_t r, int64_t a, int64_t k, int iters, double* centers,
+                        int64_t* assign, double* sums, uint8_t* used, double* q) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2")) return cluster_iterate_avx2(h, r, a, k, iters, centers, assign, sums, used, q);
+#endif
+  return cluster_iterate(h, r, a, k, iters, centers, assign, sums, used, q);
 }
 
 /* The rows of the first centres (kvcodec.entropy.clustering._cluster_tables' init): rows in the
