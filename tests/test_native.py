@@ -574,14 +574,17 @@ def test_escape_split_with_ctx_statistics_equals_the_two_calls():
         for dl in (None, rng.random(r) < 0.5, np.ones(r, bool)):
             outs = []
             for on in (1, 0):
-                was = lb.kvn_esc_vector(on)
-                try:
-                    outs.append(native.escape_split_ctx_tokens(codes, max_level, dl, g, th))
-                finally:
-                    lb.kvn_esc_vector(was)
-            (s1, e1, l1, h1, c1), (s0, e0, l0, h0, c0) = outs
-            assert l1 == l0 and np.array_equal(s1, s0) and np.array_equal(e1, e0)
-            assert np.array_equal(h1, h0) and np.array_equal(c1, c0), (n, r, g, th)
+                for rows in (False, True):  # token-major outputs, or row-major ones seen as [n, R]
+                    was = lb.kvn_esc_vector(on)
+                    try:
+                        outs.append(native.escape_split_ctx_tokens(codes, max_level, dl, g, th, rows=rows))
+                    finally:
+                        lb.kvn_esc_vector(was)
+            assert outs[1][0].strides[0] == 2 and outs[1][4].strides[0] == 1  # row-major underneath
+            s0, e0, l0, h0, c0 = outs[2]  # scalar, token-major
+            for s1, e1, l1, h1, c1 in outs:
+                assert l1 == l0 and np.array_equal(s1, s0) and np.array_equal(e1, e0)
+                assert np.array_equal(h1, h0) and np.array_equal(c1, c0), (n, r, g, th)
     many = np.full((50, 10), 100, dtype=np.int64)  # every code escapes: beyond the 1/16 scratch
     with pytest.raises(native.Unsupported):
         native.escape_split_ctx_tokens(many, 16, None, 4, [3, 8])

@@ -75,17 +75,31 @@ def decode_stage(lay, words: np.ndarray, offsets: np.ndarray, tsets: np.ndarray,
 _SYM_KIND = {np.dtype(np.int32): OUT_I32_RN, np.dtype(np.uint16): OUT_U16_NR, np.dtype(np.uint8): OUT_U8_NR}
 
 
+def _padded_rows(x: np.ndarray) -> bool:
+    """A 2-D array with unit stride along its rows, rows a whole number of elements apart and at
+    least a row's length (and more than one row and column: size-1 axes have arbitrary strides)."""
+    if x.ndim != 2 or x.shape[0] < 2 or x.shape[1] < 2 or x.flags.c_contiguous:
+        return False
+    s0, s1 = x.strides
+    return s1 == x.itemsize and s0 > 0 and s0 % x.itemsize == 0 and s0 >= x.shape[1] * x.itemsize
+
+
 def symbol_view(symbols: np.ndarray, layout: str = "rows") -> tuple[np.ndarray, int, int, int]:
     """``(array, kind, row_stride, token_stride)`` of a symbol matrix for the C functions:
     ``layout="rows"`` is ``[R, N]``, ``"tokens"`` is ``[N, R]``; int32, uint16 and uint8 are
-    passed as they are, other integer dtypes are converted to int32 first."""
+    passed as they are, other integer dtypes are converted to int32 first. A 2-D array whose
+    rows lie apart by more than their length (unit stride within a row: a view of the first
+    columns of a wider one) is passed as it lies, the row stride its own."""
     x = np.asarray(symbols)
     if x.dtype not in _SYM_KIND:
         if x.size and (x.dtype.kind not in "iu" or int(x.min()) < 0 or int(x.max()) >= 2**31):
             raise StreamError("symbols must be non-negative integers below 2**31")
         x = x.astype(np.int32)
-    x = np.ascontiguousarray(x)
-    n_cols = x.shape[1] if x.ndim == 2 else 0
+    if _padded_rows(x):
+        n_cols = x.strides[0] // x.itemsize
+    else:
+        x = np.ascontiguousarray(x)
+        n_cols = x.shape[1] if x.ndim == 2 else 0
     return (x, _SYM_KIND[x.dtype], n_cols, 1) if layout == "rows" else (x, _SYM_KIND[x.dtype], 1, n_cols)
 
 
@@ -148,7 +162,14 @@ def encode_stage(lay, symbols: np.ndarray, tsets: np.ndarray, rts: np.ndarray,
     x, kind, sr, st = symbol_view(symbols, layout)
     cls = None
     if classes is not None and lay.scope == 2:
-        cls = np.ascontiguousarray(classes, dtype=np.uint8)
+        cls = np.asarray(classes)
+        # read with the symbols' element strides: laid out as they are, or a contiguous copy
+        if not (cls.dtype == np.uint8 and cls.shape == x.shape
+                and tuple(s // cls.itemsize for s in cls.strides) == tuple(s // x.itemsize for s in x.strides)
+                and all(s % x.itemsize == 0 for s in x.strides)):
+            cls = np.ascontiguousarray(classes, dtype=np.uint8)
+            if _padded_rows(x):
+                raise ValueError("classes must lie as the symbols do")
         if cls.shape != x.shape:
             raise ValueError(f"classes must have the symbols' shape {x.shape}, got {cls.shape}")
     cap = lay.R * lay.N + 2 * lay.n_streams + 1

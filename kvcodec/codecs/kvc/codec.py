@@ -562,7 +562,15 @@ class KVCCodec(Codec):
         """``enc`` with its entropy stage's planes (``stage`` from :meth:`_symbols`)."""
         if stage is not None:
             p, sym, lv, stats, ctx_thr = stage
-            for k, v in _stage({**p, "ctx": ctx_thr}).encode(sym, alphabet=2 * lv, layout="tokens",
+            if sym.ndim == 2 and sym.strides[0] == sym.itemsize and not sym.flags.c_contiguous:
+                # token-major views of row-major symbols (and classes): the stage reads those rows
+                # as they lie (the same planes either way)
+                sym, layout = sym.T, "rows"
+                if stats is not None:
+                    stats = (stats[0], stats[1].T)
+            else:
+                layout = "tokens"
+            for k, v in _stage({**p, "ctx": ctx_thr}).encode(sym, alphabet=2 * lv, layout=layout,
                                                              ctx_stats=stats).items():
                 enc.planes[_STAGE_PREFIX + k] = v
         return enc

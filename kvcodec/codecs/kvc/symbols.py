@@ -64,8 +64,9 @@ def split_tokens(tok: np.ndarray, max_level: int, use: np.ndarray | None, rows_p
     the split (``ctx`` thresholds given), else None. The native passes and the numpy reference
     give the same symbols."""
     if ctx:
-        try:
-            sym, esc, lv, hist, cls = native.escape_split_ctx_tokens(tok, max_level, use, rows_per_stream, ctx)
+        try:  # row-major underneath (the symbols are views [n, R]): what the stage reads fastest
+            sym, esc, lv, hist, cls = native.escape_split_ctx_tokens(tok, max_level, use, rows_per_stream, ctx,
+                                                                     rows=True)
             return sym, esc, lv, (hist, cls)
         except native.Unsupported:  # no native coder, or more escapes than the one pass holds
             pass

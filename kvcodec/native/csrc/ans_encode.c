@@ -207,15 +207,26 @@ int kvn_ans_encode(const int64_t* geom, const uint32_t* tables, const int32_t* t
       /* token-major uint16 symbols (kvc's), with the classes given when there are classes: read
          in place (the lanes' loads do not wait on the coder's state, so the stride costs little;
          the transposing copy and the class pass measured ~40 % of the encoder) */
-      const int direct = kind == OUT_U16_NR && st != 1 && (g.Q == 1 || cls_in);
+      const int direct = kind == OUT_U16_NR && (g.Q == 1 || cls_in);
       if (direct) {
         uint32_t top = 0, qtop = 0;
-        for (int64_t t = t0; t < t1; ++t) {
-          const uint16_t* xr = (const uint16_t*)sym + t * st;
-          for (int64_t r = rb0; r < rb1; ++r) top = xr[r * sr] > top ? xr[r * sr] : top;
-          if (g.Q > 1) {
-            const uint8_t* qr = cls_in + t * st;
-            for (int64_t r = rb0; r < rb1; ++r) qtop = qr[r * sr] > qtop ? qr[r * sr] : qtop;
+        if (st == 1) { /* row-major: along the rows */
+          for (int64_t r = rb0; r < rb1; ++r) {
+            const uint16_t* xr = (const uint16_t*)sym + r * sr;
+            for (int64_t t = t0; t < t1; ++t) top = xr[t] > top ? xr[t] : top;
+            if (g.Q > 1) {
+              const uint8_t* qr = cls_in + r * sr;
+              for (int64_t t = t0; t < t1; ++t) qtop = qr[t] > qtop ? qr[t] : qtop;
+            }
+          }
+        } else {
+          for (int64_t t = t0; t < t1; ++t) {
+            const uint16_t* xr = (const uint16_t*)sym + t * st;
+            for (int64_t r = rb0; r < rb1; ++r) top = xr[r * sr] > top ? xr[r * sr] : top;
+            if (g.Q > 1) {
+              const uint8_t* qr = cls_in + t * st;
+              for (int64_t r = rb0; r < rb1; ++r) qtop = qr[r * sr] > qtop ? qr[r * sr] : qtop;
+            }
           }
         }
         if ((int64_t)top >= A || (g.Q > 1 && (int64_t)qtop >= g.Q)) {

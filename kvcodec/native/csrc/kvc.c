@@ -118,13 +118,17 @@ static inline int64_t esc_level(uint64_t top, int64_t ml) {
  * the symbols shifted down to the smaller alphabet, else the escapes put in row order (a stable
  * counting sort of the token-order scratch). */
 static int esc_finish(uint16_t* sym, int64_t n, int64_t R, int64_t ml, uint64_t top, int64_t ne, int32_t* esc,
-                      const int32_t* etok, const int32_t* erow, int64_t* n_esc, int64_t* lv) {
+                      const int32_t* etok, const int32_t* erow, int64_t* n_esc, int64_t* lv, int64_t orow) {
   const int64_t L = esc_level(top, ml);
   *lv = L;
   *n_esc = ne;
   if (L < ml) {
     const uint16_t d = (uint16_t)(ml - L);
-    for (int64_t i = 0; i < n * R; ++i) sym[i] = (uint16_t)(sym[i] - d);
+    if (orow) /* row-major rows orow apart: their first n */
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t t = 0; t < n; ++t) sym[r * orow + t] = (uint16_t)(sym[r * orow + t] - d);
+    else
+      for (int64_t i = 0; i < n * R; ++i) sym[i] = (uint16_t)(sym[i] - d);
     return KVN_OK;
   }
   if (!ne) return KVN_OK;
@@ -156,7 +160,7 @@ int kvn_escape_split1(const void* codes, int ckind, int64_t n, int64_t R, int64_
   const int64_t ne = ckind == C_I32 ? esc_pass_i32((const int32_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top)
                                 : esc_pass_i64((const int64_t*)codes, n, R, ml, delta, sym, etok, erow, cap, &top);
   if (ne > cap) return KVN_OVERFLOW;
-  return esc_finish(sym, n, R, ml, top, ne, esc, etok, erow, n_esc, lv);
+  return esc_finish(sym, n, R, ml, top, ne, esc, etok, erow, n_esc, lv, 0);
 }
 
 /* kvn_escape_split1 that also takes a scope-2 entropy stage's statistics of the symbols it writes,
@@ -166,13 +170,17 @@ int kvn_escape_split1(const void* codes, int ckind, int64_t n, int64_t R, int64_
  * the magnitudes |symbol - center| -- |c| for a regular code, L for an escape -- which do not
  * depend on the final L (when it ends below max_level nothing escaped), so only the histogram's
  * columns move with it. Returns as kvn_escape_split1, or KVN_BAD_SYMBOL for bad arguments (nthr
- * outside [0, 16), G < 1, n >= 2^31). scratch: int32 [R * Q * 2 max_level] counts. The pass
- * below covers tokens [tb, n) and goes on from ne escapes and the largest magnitude *top_out. */
+ * outside [0, 16), G < 1, n >= 2^31, 0 < orow < n). scratch: int32 [R * Q * 2 max_level] counts.
+ * orow > 0: sym and cls are written row-major, rows orow >= n elements apart ([R, orow] arrays,
+ * what the entropy stage reads fastest) instead. The pass
+ * below covers tokens [tb, n) and goes on from ne escapes and the largest magnitude *top_out; the
+ * symbol and class of (t, r) go to t * ot + r * orr. */
 #define KVN_ESC_CTX_PASS(SUF, CT, NTHR)                                                                  \
   static int64_t esc_ctx_pass##SUF(const CT* codes, int64_t tb, int64_t n, int64_t R, int64_t ml,      \
                                    const uint8_t* delta, uint16_t* sym, int32_t* etok, int32_t* erow,    \
                                    int64_t cap, int64_t ne, uint64_t* top_out, int64_t G, int64_t nthr_, \
-                                   const int64_t* bk, int32_t* h, uint8_t* cls) {                        \
+                                   const int64_t* bk, int32_t* h, uint8_t* cls, int64_t ot,             \
+                                   int64_t orr) {                                                        \
     /* a constant threshold count (NTHR >= 0) lets the inlined ctx_class drop its switch */              \
     const int64_t nthr = (NTHR) >= 0 ? (NTHR) : nthr_;                                                  \
     const uint16_t e = (uint16_t)(2 * ml - 1);                                                          \
@@ -180,8 +188,8 @@ int kvn_escape_split1(const void* codes, int ckind, int64_t n, int64_t R, int64_
     uint64_t top = *top_out;                                                                            \
     for (int64_t t = tb; t < n; ++t) {                                                                  \
       const CT* ct = codes + t * R;                                                                     \
-      uint16_t* st = sym + t * R;                                                                       \
-      uint8_t* qt = cls + t * R;                                                                        \
+      uint16_t* st = sym + t * ot;                                                                      \
+      uint8_t* qt = cls + t * ot;                                                                       \
       for (int64_t r0 = 0; r0 < R; r0 += G) {                                                           \
         const int64_t r1 = r0 + G < R ? r0 + G : R;                                                     \
         int64_t acc = 0; /* the stream's running magnitude sum at token t */                            \
@@ -190,9 +198,9 @@ int kvn_escape_split1(const void* codes, int ckind, int64_t n, int64_t R, int64_
           int64_t sv;                                                                                   \
           ESC_SYMBOL(c, r, sv);                                                                         \
           const int64_t mag = sv == e ? ml : (c < 0 ? -c : c); /* |symbol - center| */                  \
-          st[r] = (uint16_t)sv;                                                                         \
+          st[r * orr] = (uint16_t)sv;                                                                   \
           const int q = ctx_class(acc, bk + (r - r0) * MAXQ, nthr);                                     \
-          qt[r] = (uint8_t)q;                                                                           \
+          qt[r * orr] = (uint8_t)q;                                                                     \
           h[(r * Q + q) * A + sv] += 1;                                                                 \
           acc += mag;                                                                                   \
         }                                                                                               \
@@ -227,14 +235,14 @@ int kvn_esc_vector(int on) {
  * classes, counts and escapes written lane by lane. For int32 codes of magnitude below 2^30 at
  * these tokens and the one before (their token deltas fit int32), 1 to 4 thresholds, 8 R < 2^31
  * and a stream's magnitude sum below 2^31 (the caller checks): then the same outputs as the scalar
- * pass. Escapes are recorded row by row within the block, each row's in token order: the counting
+ * pass. orr: 1 for token-major outputs, else the row stride of row-major ones. Escapes are recorded row by row within the block, each row's in token order: the counting
  * sort by row that orders them (esc_finish) gives the same list. bm1: per row of a stream
  * (k < G), the class bounds minus one clamped to int32 (int32 [G][4]). */
 __attribute__((target("avx2"))) static int64_t esc_ctx_block8(const int32_t* codes, int64_t t0, int64_t R, int64_t ml,
                                                            const uint8_t* delta, uint16_t* sym, int32_t* etok,
                                                            int32_t* erow, int64_t cap, int64_t ne, uint64_t* top_out,
                                                            int64_t G, int64_t nthr, const int32_t* bm1, int32_t* h,
-                                                           uint8_t* cls) {
+                                                           uint8_t* cls, int64_t orr) {
   const int64_t Q = nthr + 1, A = 2 * ml;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i idx = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int32_t)R));
@@ -267,11 +275,19 @@ __attribute__((target("avx2"))) static int64_t esc_ctx_block8(const int32_t* cod
       _mm256_store_si256((__m256i*)qb, q);
       const int m = _mm256_movemask_ps(_mm256_castsi256_ps(esc));
       int32_t* hr = h + r * Q * A;
-      for (int j = 0; j < 8; ++j) {
-        const int64_t at = (t0 + j) * R + r;
-        sym[at] = (uint16_t)svb[j];
-        cls[at] = (uint8_t)qb[j];
-        hr[qb[j] * A + svb[j]] += 1;
+      if (orr == 1) { /* token-major: a lane a token row */
+        for (int j = 0; j < 8; ++j) {
+          const int64_t at = (t0 + j) * R + r;
+          sym[at] = (uint16_t)svb[j];
+          cls[at] = (uint8_t)qb[j];
+          hr[qb[j] * A + svb[j]] += 1;
+        }
+      } else { /* row-major: the eight tokens side by side */
+        const __m128i s16 = _mm_packus_epi32(_mm256_castsi256_si128(sv), _mm256_extracti128_si256(sv, 1));
+        const __m128i q16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storeu_si128((__m128i*)(sym + r * orr + t0), s16);
+        _mm_storel_epi64((__m128i*)(cls + r * orr + t0), _mm_packus_epi16(q16, q16));
+        for (int j = 0; j < 8; ++j) hr[qb[j] * A + svb[j]] += 1;
       }
       if (m) {
         _mm256_store_si256((__m256i*)cb, c);
@@ -310,7 +326,10 @@ __attribute__((target("avx2"))) static int esc_small_rows(const int32_t* codes, 
 
 int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int64_t max_level, const uint8_t* delta,
                          uint16_t* sym, int32_t* esc, int32_t* etok, int32_t* erow, int64_t cap, int64_t* n_esc,
-                         int64_t* lv, int64_t G, int64_t nthr, const int64_t* thr, int64_t* hist, uint8_t* cls) {
+                         int64_t* lv, int64_t G, int64_t nthr, const int64_t* thr, int64_t* hist, uint8_t* cls,
+                         int64_t orow) {
+  if (orow != 0 && orow < n) return KVN_BAD_SYMBOL;
+  const int64_t ot = orow ? 1 : R, orr = orow ? orow : 1; /* where (t, r) goes */
   if (nthr < 0 || nthr >= MAXQ || G < 1 || n >= ((int64_t)1 << 31)) return KVN_BAD_SYMBOL;
   const int64_t ml = max_level > 0 ? max_level : 1;
   const int64_t Q = nthr + 1, A = 2 * ml;
@@ -327,7 +346,8 @@ int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int
   int64_t ne;
   if (ckind == C_I32) {
     int64_t (*pass)(const int32_t*, int64_t, int64_t, int64_t, int64_t, const uint8_t*, uint16_t*, int32_t*, int32_t*,
-                    int64_t, int64_t, uint64_t*, int64_t, int64_t, const int64_t*, int32_t*, uint8_t*) =
+                    int64_t, int64_t, uint64_t*, int64_t, int64_t, const int64_t*, int32_t*, uint8_t*, int64_t,
+                    int64_t) =
         nthr == 1 ? esc_ctx_pass_i32_1 : nthr == 2 ? esc_ctx_pass_i32_2 : nthr == 3 ? esc_ctx_pass_i32_3
         : nthr == 4 ? esc_ctx_pass_i32_4 : esc_ctx_pass_i32;
     const int32_t* c32 = (const int32_t*)codes;
@@ -348,18 +368,18 @@ int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int
           }
         for (; done + 8 <= n; done += 8) {
           if (esc_small_rows(c32, done ? done - 1 : 0, done + 8, R))
-            ne = esc_ctx_block8(c32, done, R, ml, delta, sym, etok, erow, cap, ne, &top, gk, nthr, bm1, h, cls);
+            ne = esc_ctx_block8(c32, done, R, ml, delta, sym, etok, erow, cap, ne, &top, gk, nthr, bm1, h, cls, orr);
           else
-            ne = pass(c32, done, done + 8, R, ml, delta, sym, etok, erow, cap, ne, &top, G, nthr, bk, h, cls);
+            ne = pass(c32, done, done + 8, R, ml, delta, sym, etok, erow, cap, ne, &top, G, nthr, bk, h, cls, ot, orr);
         }
         free(bm1);
       }
     }
 #endif
-    ne = pass(c32, done, n, R, ml, delta, sym, etok, erow, cap, ne, &top, G, nthr, bk, h, cls);
+    ne = pass(c32, done, n, R, ml, delta, sym, etok, erow, cap, ne, &top, G, nthr, bk, h, cls, ot, orr);
   } else {
     ne = esc_ctx_pass_i64((const int64_t*)codes, 0, n, R, ml, delta, sym, etok, erow, cap, 0, &top, G, nthr, bk, h,
-                          cls);
+                          cls, ot, orr);
   }
   free(bk);
   if (ne > cap) {
@@ -372,7 +392,7 @@ int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int
     for (int64_t q = 0; q < Q; ++q)
       for (int64_t s2 = 0; s2 < A2; ++s2) hist[(q * R + r) * A2 + s2] = h[(r * Q + q) * A + s2 + d];
   free(h);
-  return esc_finish(sym, n, R, ml, top, ne, esc, etok, erow, n_esc, lv);
+  return esc_finish(sym, n, R, ml, top, ne, esc, etok, erow, n_esc, lv, orow);
 }
 
 /* kvn_escape_join's int32 output (its status codes: 1 escape count, 2 an escape inside the

@@ -48,7 +48,7 @@ typedef struct {
 
 /* Version of the functions' signatures; kvcodec/native/abi.py's ABI_VERSION must equal it (the
  * loader checks kvn_abi_version()). Bump both when a signature changes. */
-#define KVN_ABI_VERSION 37
+#define KVN_ABI_VERSION 38
 
 /* Functions shared between units but not part of the ABI: hidden from the library's exports. */
 #if defined(__GNUC__) || defined(__clang__)
