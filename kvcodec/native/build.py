@@ -47,9 +47,27 @@ class Unsupported(Exception):
     :class:`~kvcodec.errors.KVCodecError`: it is no user's error and never leaves kvcodec."""
 
 
+#: CPython's own mapping behind os.environ (bytes keys on POSIX), read directly: the mode is read
+#: on every native call (~600 an encode) and os.environ.get costs ~1 us; None elsewhere
+_ENV_DATA = getattr(os.environ, "_data", None)
+try:
+    _ENV_KEY = os.environ.encodekey("KVCODEC_NATIVE")  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover - not CPython's os._Environ
+    _ENV_DATA = _ENV_KEY = None
+_MODES: dict = {}  # raw value -> mode
+
+
 def _mode() -> str:
+    if _ENV_DATA is not None:
+        raw = _ENV_DATA.get(_ENV_KEY)
+        got = _MODES.get(raw)
+        if got is not None:
+            return got
     m = os.environ.get("KVCODEC_NATIVE", "auto").strip().lower()
-    return m if m in ("0", "1") else "auto"
+    m = m if m in ("0", "1") else "auto"
+    if _ENV_DATA is not None and len(_MODES) < 16:
+        _MODES[_ENV_DATA.get(_ENV_KEY)] = m
+    return m
 
 
 def _compiler() -> str | None:
@@ -132,13 +150,14 @@ def lib() -> ctypes.CDLL | None:
     mode = _mode()
     if mode == "0":
         return None
-    with _lock:
-        if not _state["tried"]:
-            _state["tried"] = True
-            try:
-                _state["lib"] = _build()
-            except (DependencyError, OSError) as e:
-                _state["error"] = str(e)
+    if not _state["tried"]:  # (set only once the build is over: later calls skip the lock)
+        with _lock:
+            if not _state["tried"]:
+                try:
+                    _state["lib"] = _build()
+                except (DependencyError, OSError) as e:
+                    _state["error"] = str(e)
+                _state["tried"] = True
     if _state["lib"] is None and mode == "1":
         raise DependencyError(f"KVCODEC_NATIVE=1 but the native CPU coder is unavailable: {_state['error']}")
     return _state["lib"]
