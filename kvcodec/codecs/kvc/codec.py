@@ -524,12 +524,12 @@ class KVCCodec(Codec):
                 s = min(p["sinks"], t)
                 pred[self._mask(ctx, s, min(p["recent"], t - s), where)] = 0.0
             if pred is None:
-                planes, codes, stage, means, steps = self._symbols(x, ctx)
+                planes, codes, stage, means, steps = self._symbols(x, ctx, split=False)
             else:  # the residual, at the steps the tensor itself would get (its RMS, not the residual's)
                 x32 = np.empty(tuple(x.shape), dtype=np.float32)  # x widened, from the residual's pass
                 r = residual(x, pred, where, x32)
                 planes, codes, stage, means, steps = self._symbols(
-                    r, dataclasses.replace(ctx, state={**ctx.state, "scale_of": x32}))
+                    r, dataclasses.replace(ctx, state={**ctx.state, "scale_of": x32}), split=False)
             # the values the decoder will have, from the codes (what decoding the planes gives)
             dec = xp.decoder.reconstruct(planes, codes, TensorContext(ctx.layer, ctx.role, ctx.shape, ctx.dtype,
                                                                       ctx.layer_kind, ctx.globals), means, steps)
@@ -537,7 +537,9 @@ class KVCCodec(Codec):
                 xp.store(ctx.layer, ctx.role, rows, as_float32(dec))  # the next layer may start
             else:  # dtype(residual + prediction), as the decoder rounds it
                 xp.store_sum(ctx.layer, ctx.role, rows, dec, pred)
-            enc = self._packed(self._staged(planes, stage))
+            # the symbols and their coding after the store: the next layer's tensors wait for the
+            # store, not for these
+            enc = self._packed(self._staged(planes, self._split(planes, stage)))
             if pred is not None:
                 enc.params["xp"] = 1
         return enc
@@ -575,14 +577,17 @@ class KVCCodec(Codec):
                 enc.planes[_STAGE_PREFIX + k] = v
         return enc
 
-    def _symbols(self, x: torch.Tensor, ctx: TensorContext
+    def _symbols(self, x: torch.Tensor, ctx: TensorContext, split: bool = True
                  ) -> tuple[EncodedTensor, np.ndarray | None, Any, np.ndarray | None, np.ndarray]:
         """:meth:`encode_planes` up to the entropy stage: the tensor's planes and params but the
         stage's, the integer codes the stage will code (token-major ``[n, R]``, what the
         decoder's escape join gives back; None without coded tokens), what :meth:`_staged`
         needs to code them, the rotating means subtracted (float32 ``[n, H, D]``, or None) and
         the steps of the codes (broadcasting to ``[n, H, D]``: the values the decoder derives
-        from the planes and codes, which :meth:`reconstruct` then need not derive again)."""
+        from the planes and codes, which :meth:`reconstruct` then need not derive again). With
+        ``split`` False the symbols wait: the third value is then what :meth:`_split` takes, and
+        the params hold a provisional ``L`` (the encoder's closed loop reconstructs first and
+        splits off the layers' critical path)."""
         p = (ctx.state or {}).get("params", self.params)  # a profile's settings, else the codec's
         t, h, d = x.shape
         where = f"layers.{ctx.layer}.{ctx.role}"
@@ -709,25 +714,36 @@ class KVCCodec(Codec):
             tok[:, h * d:] = sc - base[None]
         if self._per_channel(ctx, p) or p["v_center"]:
             planes["side"] = side  # token-mode V without centring has no side data: no plane
+        # magnitude contexts only where the recency ramp makes the steps vary along the tokens:
+        # without it (a part of a sequence that does not end it) they cost up to 2.5 % of the file
+        # at 256-1024 tokens, with it they save 1.9-5.2 %, on SmolLM2 and Qwen2.5-Coder alike
+        # (eval/results/kvc_ctx_parts.md)
+        ctx_thr = list(p["ctx"]) if n and rec is not None else []
+        enc = EncodedTensor(planes, params)
+        if not split:  # the symbols later (:meth:`_split`); reconstruct reads none of them
+            params["L"] = max(1, min(int(p["max_level"]), 1024))  # a valid L until then
+            return enc, (tok if n else None), _Deferred(p, tok, n, ctx_thr), rot, step
+        return enc, (tok if n else None), self._split(enc, _Deferred(p, tok, n, ctx_thr)), rot, step
+
+    def _split(self, enc: EncodedTensor, d: "_Deferred") -> Any:
+        """The symbols of the codes ``d.tok``: the token-delta rows and the escape split, their
+        planes (``pred``, ``esc``) and params (``pred``, ``L``) put into ``enc``; returns what
+        :meth:`_staged` codes (None without coded tokens)."""
+        p, tok, n, ctx_thr = d.p, d.tok, d.n, d.ctx_thr
+        planes, params = enc.planes, enc.params
+        params.pop("L", None)  # (set last, as it always was)
         use = delta_rows(tok, min_gain_bits=1024.0 if p["delta"] == 1 else 0.0) if p["delta"] and n > 1 else None
         if use is not None and use.any():  # rows coded as token deltas (lossless, see delta_rows)
             params["pred"] = 1
             planes["pred"] = np.packbits(use)
         else:
             use = None
-        # the stage's rows are the H*D channels (then the step rows) over the tokens; it reads the
-        # token-major matrix as is
-        # magnitude contexts only where the recency ramp makes the steps vary along the tokens:
-        # without it (a part of a sequence that does not end it) they cost up to 2.5 % of the file
-        # at 256-1024 tokens, with it they save 1.9-5.2 %, on SmolLM2 and Qwen2.5-Coder alike
-        # (eval/results/kvc_ctx_parts.md)
-        ctx_thr = list(p["ctx"]) if n and rec is not None else []
+        # the stage's rows are the H*D channels (then the step rows) over the tokens
         sym, esc, lv, stats = split_tokens(tok, p["max_level"], use, p["rows_per_stream"], ctx_thr)
         params["L"] = lv
         if esc.size:  # no escapes: no plane (each plane costs its header entry)
             planes["esc"] = _narrowest(esc)
-        return (EncodedTensor(planes, params), (tok if n else None), ((p, sym, lv, stats, ctx_thr) if n else None),
-                rot, step)
+        return (p, sym, lv, stats, ctx_thr) if n else None
 
     # ------------------------------------------------------------------ decode
     def parse_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> SimpleNamespace:
@@ -1041,6 +1057,17 @@ def _one_run(free: np.ndarray) -> slice | None:
     if int(free[-1]) - int(free[0]) + 1 == free.size:
         return slice(int(free[0]), int(free[-1]) + 1)
     return None
+
+
+@dataclasses.dataclass
+class _Deferred:
+    """What :meth:`KVCCodec._split` needs to make a tensor's symbols later: the settings, the
+    token-major codes, the coded token count and the magnitude-context thresholds."""
+
+    p: dict
+    tok: np.ndarray
+    n: int
+    ctx_thr: list
 
 
 def _centre(y: np.ndarray, mask: np.ndarray, rope: Any, centre: bool, float32_diff: bool, keep_rot: bool = True
