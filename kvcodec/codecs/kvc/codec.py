@@ -904,7 +904,14 @@ class KVCCodec(Codec):
         out = torch.empty(ctx.shape, dtype=ctx.dtype)
         keep = torch.from_numpy(v.mask)
         if v.prot.shape[0]:  # (a masked write of nothing still costs a pass over the mask)
-            out[keep] = torch.from_numpy(v.prot.copy()).view(ctx.dtype)
+            iv = _INT_VIEW.get(ctx.dtype)
+            prot = v.prot
+            if iv is not None and prot.dtype.itemsize == out.element_size():
+                # numpy's masked write of the bits: ~2x faster than torch's for a few tokens
+                o = out.view(iv).numpy()
+                o[v.mask] = prot.view(o.dtype)
+            else:
+                out[keep] = torch.from_numpy(prot.copy()).view(ctx.dtype)
         return v, out, keep
 
     def decode_tensor(self, enc: EncodedTensor, ctx: TensorContext) -> torch.Tensor:
