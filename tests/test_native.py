@@ -320,6 +320,47 @@ def test_rows_affine_matches_torch(dtype, f16_path):
         native.rows_affine(codes, orow, scale, 15, out, max_code=29)
 
 
+def test_row_strided_symbols_give_what_a_contiguous_copy_gives():
+    """symbol_view passes a view of a wider array's first columns as it lies (kvc's row-major
+    symbols, rows a padded length apart): histograms, context counts with classes, the stage
+    encoder and CacheGen's row dequantization give what they give on a contiguous copy."""
+    from kvcodec.entropy import StageLayout
+
+    rng = np.random.default_rng(53)
+    r, n, a = 9, 37, 12
+    wide = rng.integers(0, a, size=(r, n + 27)).astype(np.uint16)
+    view, copy = wide[:, :n], np.ascontiguousarray(wide[:, :n])
+    x, _, sr, st = native.ans.symbol_view(view, "rows")
+    assert x.base is not None and (sr, st) == (n + 27, 1)  # not copied
+    assert np.array_equal(native.histograms(view, a), native.histograms(copy, a))
+    for got, want in zip(native.ctx_histograms(view, a, "rows", 4, [3, 8], classes=True),
+                         native.ctx_histograms(copy, a, "rows", 4, [3, 8], classes=True)):
+        assert np.array_equal(got, want)
+    st_ = EntropyStage(precision=12, rows_per_stream=4, tables="cluster", n_tables=3, scope="ctx", thresholds=[3, 8])
+    assert all(np.array_equal(u, v) for u, v in zip(st_.encode(view, alphabet=a, layout="rows").values(),
+                                                   st_.encode(copy, alphabet=a, layout="rows").values()))
+    # classes that lie otherwise than the symbols: both read alike (the same words)
+    _, cls = native.ctx_histograms(copy, a, "rows", 4, [3, 8], classes=True)
+    lay = StageLayout(st_.encode(copy, alphabet=a, layout="rows")["meta"])
+    tabs, rts = np.full((1, 3, a), (1 << 12) // a, np.uint32), np.zeros((3, r), np.int64)
+    tabs[0, :, 0] += (1 << 12) - a * ((1 << 12) // a)
+    wide_cls = np.zeros((r, n + 27), np.uint8)
+    wide_cls[:, :n] = cls
+    for c in (cls, wide_cls[:, :n]):
+        for sym in (view, copy):
+            got = native.encode_stage(lay, sym, tabs, rts, layout="rows", classes=c)
+            want = native.encode_stage(lay, copy, tabs, rts, layout="rows", classes=cls)
+            assert all(np.array_equal(u, v) for u, v in zip(got, want))
+    # CacheGen's rows: token-major [n, C] codes, a view of wider rows
+    codes_wide = rng.integers(0, 31, size=(20, 17)).astype(np.uint16)
+    scale = rng.uniform(0, 3, size=20).astype(np.float32)
+    outs = []
+    for c in (codes_wide[:, :12], np.ascontiguousarray(codes_wide[:, :12])):
+        out = torch.empty((20, 12), dtype=torch.float32)
+        outs.append(native.rows_affine(c, np.arange(20), scale, 15, out, max_code=30))
+    assert torch.equal(outs[0], outs[1])
+
+
 ENTROPY_CODECS = ["kivi-4-ans", "kivi-2-ans", "kivi-4-delta-ans", "cachegen", "cachegen-lmcache", "kvc-near",
                   {"id": "kivi-ans", "bits": 8, "delta": 3, "chunk": 7}, {"id": "cachegen", "group": 1},
                   {"id": "kvc-near", "delta": 2}, {"id": "kvc-near", "k_recon": 6},

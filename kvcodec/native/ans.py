@@ -132,6 +132,8 @@ def ctx_histograms(symbols: np.ndarray, alphabet: int, layout: str, g: int, thre
     """
     lb = required()
     x, kind, sr, st = symbol_view(symbols, layout)
+    if classes and not x.flags.c_contiguous:  # the classes are written with the symbols' strides
+        x, kind, sr, st = symbol_view(np.ascontiguousarray(x), layout)
     r, n = (x.shape if layout == "rows" else x.shape[::-1])
     q = len(thresholds) + 1
     hist = np.zeros((q * r, alphabet), dtype=np.int64)
@@ -168,8 +170,8 @@ def encode_stage(lay, symbols: np.ndarray, tsets: np.ndarray, rts: np.ndarray,
                 and tuple(s // cls.itemsize for s in cls.strides) == tuple(s // x.itemsize for s in x.strides)
                 and all(s % x.itemsize == 0 for s in x.strides)):
             cls = np.ascontiguousarray(classes, dtype=np.uint8)
-            if _padded_rows(x):
-                raise ValueError("classes must lie as the symbols do")
+            if _padded_rows(x):  # the encoder reads both with the symbols' strides
+                x, kind, sr, st = symbol_view(np.ascontiguousarray(x), layout)
         if cls.shape != x.shape:
             raise ValueError(f"classes must have the symbols' shape {x.shape}, got {cls.shape}")
     cap = lay.R * lay.N + 2 * lay.n_streams + 1

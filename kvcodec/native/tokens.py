@@ -54,6 +54,7 @@ def rows_affine(codes: np.ndarray, orow: np.ndarray, scale: np.ndarray, mid: int
     """
     lb = required()
     x, kind, _, _ = symbol_view(codes, "tokens")
+    x = np.ascontiguousarray(x)  # read as [n, C] rows back to back
     n, c = x.shape
     orow = np.ascontiguousarray(orow, dtype=np.int64)
     sc = np.ascontiguousarray(scale, dtype=np.float32)
