@@ -231,12 +231,14 @@ int kvn_esc_vector(int on) {
 #include <immintrin.h>
 #define ESC_AVX2 1
 /* Tokens [t0, t0 + 8) of esc_ctx_pass_i32 in AVX2 lanes, one token a lane: the codes of a row
- * gathered down the tokens, the split, magnitude, class and running sum as vectors, the symbols,
- * classes, counts and escapes written lane by lane. For int32 codes of magnitude below 2^30 at
+ * gathered down the tokens, the split, magnitude, class and running sum as vectors; the symbols
+ * and classes stored (lane by lane, or eight side by side for row-major outputs), the counts and
+ * escapes lane by lane. For int32 codes of magnitude below 2^30 at
  * these tokens and the one before (their token deltas fit int32), 1 to 4 thresholds, 8 R < 2^31
  * and a stream's magnitude sum below 2^31 (the caller checks): then the same outputs as the scalar
- * pass. orr: 1 for token-major outputs, else the row stride of row-major ones. Escapes are recorded row by row within the block, each row's in token order: the counting
- * sort by row that orders them (esc_finish) gives the same list. bm1: per row of a stream
+ * pass. orr: 1 for token-major outputs, else the row stride of row-major ones. Escapes are
+ * recorded row by row within the block, each row's in token order: the counting sort by row that
+ * orders them (esc_finish) gives the same list. bm1: per row of a stream
  * (k < G), the class bounds minus one clamped to int32 (int32 [G][4]). */
 __attribute__((target("avx2"))) static int64_t esc_ctx_block8(const int32_t* codes, int64_t t0, int64_t R, int64_t ml,
                                                            const uint8_t* delta, uint16_t* sym, int32_t* etok,
