@@ -97,8 +97,7 @@ def escape_split_ctx_tokens(codes: np.ndarray, max_level: int, delta: np.ndarray
     ml = max(1, int(max_level))
     # row-major rows a padded length apart: 32 times an odd number of symbols, so that the rows
     # of one block of tokens do not crowd a few cache sets (1536 apart they did)
-    orow = (n + 31) // 32 | 1 if rows else 0
-    orow *= 32
+    orow = 32 * ((n + 31) // 32 | 1) if rows else 0
     shape = (r, orow) if rows else (n, r)
     sym = np.empty(shape, dtype=np.uint16)
     cls = np.empty(shape, dtype=np.uint8)

@@ -176,8 +176,7 @@ typedef double sm_d4 __attribute__((vector_size(32)));
     }
 
 SM_KERNEL(sm_plain, )
-#if defined(__GNUC__) && defined(__x86_64__)
-#define SM_AVX2 1
+#ifdef KVN_X86
 SM_KERNEL(sm_avx2, __attribute__((target("avx2"))))
 #endif
 
@@ -189,7 +188,7 @@ int kvn_softmax_mean(const float *logits, int64_t B, int64_t R, int64_t T, const
                      int kernel)
 {
     int (*fn)(const float *, int64_t, int64_t, const float *, float *, double *) = sm_plain;
-#ifdef SM_AVX2
+#ifdef KVN_X86
     __builtin_cpu_init();
     const int has8 = __builtin_cpu_supports("avx2");
     if (kernel == 2 && !has8)

@@ -227,9 +227,7 @@ int kvn_esc_vector(int on) {
   return was;
 }
 
-#if defined(__GNUC__) && defined(__x86_64__)
-#include <immintrin.h>
-#define ESC_AVX2 1
+#ifdef KVN_X86
 /* Tokens [t0, t0 + 8) of esc_ctx_pass_i32 in AVX2 lanes, one token a lane: the codes of a row
  * gathered down the tokens, the split, magnitude, class and running sum as vectors; the symbols
  * and classes stored (lane by lane, or eight side by side for row-major outputs), the counts and
@@ -355,7 +353,7 @@ int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int
     const int32_t* c32 = (const int32_t*)codes;
     int64_t done = 0;
     ne = 0;
-#ifdef ESC_AVX2
+#ifdef KVN_X86
     /* eight tokens at a time in AVX2 lanes where the block's codes allow it (esc_ctx_block8),
        else the scalar pass on those tokens; the last n % 8 tokens scalar */
     __builtin_cpu_init();
@@ -528,7 +526,7 @@ int kvn_escape_join(const uint16_t* sym, int64_t n, int64_t R, int64_t L, const 
 KVN_DQ_ROW(_i64, int64_t)
 KVN_DQ_ROW(_i32_plain, int32_t)
 
-#ifdef ESC_AVX2
+#ifdef KVN_X86
 /* dq_row_i32 in AVX2 vectors of eight (steps contiguous or one for the row; the offsets looked up
  * with a gather): the same operations on each value -- (float)c, the offset subtracted, times the
  * step, plus the mean, clamped as clampf does (NaN kept) -- so the same bits. */
@@ -567,7 +565,7 @@ int kvn_dq_vector(int on) {
  * one for the row, else the plain loop (the same bits). */
 KVN_INTERNAL void dq_row_i32(const int32_t* c, const float* st, int64_t s2, const float* mu, int64_t D, float m,
                              const float* rtab, int64_t rm, float* r) {
-#ifdef ESC_AVX2
+#ifdef KVN_X86
   if (dq_vector && (s2 == 0 || s2 == 1) && D >= 8 && __builtin_cpu_supports("avx2")) {
     dq_row_i32_avx2(c, st, s2, mu, D, m, rtab, rm, r);
     return;

@@ -53,8 +53,17 @@ typedef struct {
 /* Functions shared between units but not part of the ABI: hidden from the library's exports. */
 #if defined(__GNUC__) || defined(__clang__)
 #define KVN_INTERNAL __attribute__((visibility("hidden")))
+#define KVN_ALWAYS_INLINE inline __attribute__((always_inline))
 #else
 #define KVN_INTERNAL
+#define KVN_ALWAYS_INLINE inline
+#endif
+
+/* x86-64 with GCC's target attributes and __builtin_cpu_supports: the units build their AVX2 (and
+ * AVX-512) kernels beside the plain ones and choose at run time */
+#if defined(__GNUC__) && defined(__x86_64__)
+#define KVN_X86 1
+#include <immintrin.h>
 #endif
 
 static inline void geom_read(const int64_t* g, Geom* o) {

@@ -27,11 +27,6 @@ static void next_q(const double* centers, int64_t k, int64_t a, double* q) {
  * costs the non-zero counts times k, not R * A * k. centers [k, a]: in, the first centres;
  * out, the last. assign [r], sums [k, a], used [k] out: those of the final assignment; q [k, a]
  * scratch. Returns the passes made, or -1 when out of memory. */
-#if defined(__GNUC__) || defined(__clang__)
-#define KVN_ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define KVN_ALWAYS_INLINE inline
-#endif
 static KVN_ALWAYS_INLINE int cluster_iterate(const double* h, int64_t r, int64_t a, int64_t k, int iters,
                                              double* centers, int64_t* assign, double* sums, uint8_t* used,
                                              double* q) {
@@ -95,7 +90,7 @@ static KVN_ALWAYS_INLINE int cluster_iterate(const double* h, int64_t r, int64_t
 /* The passes built twice, for AVX2 (chosen at run time where the CPU has it) and plain: the gains'
  * loop over the tables vectorises four doubles wide instead of two; the same operations (no
  * multiply-add is fused: -ffp-contract=off). */
-#if defined(__GNUC__) && defined(__x86_64__)
+#ifdef KVN_X86
 __attribute__((target("avx2"))) static int cluster_iterate_avx2(const double* h, int64_t r, int64_t a, int64_t k,
                                                                 int iters, double* centers, int64_t* assign,
                                                                 double* sums, uint8_t* used, double* q) {
@@ -105,7 +100,7 @@ __attribute__((target("avx2"))) static int cluster_iterate_avx2(const double* h,
 
 int kvn_cluster_iterate(const double* h, int64_t r, int64_t a, int64_t k, int iters, double* centers,
                         int64_t* assign, double* sums, uint8_t* used, double* q) {
-#if defined(__GNUC__) && defined(__x86_64__)
+#ifdef KVN_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2")) return cluster_iterate_avx2(h, r, a, k, iters, centers, assign, sums, used, q);
 #endif

@@ -24,9 +24,6 @@
  * the untuned V half of a predictor's inputs, the K half too where K does not rotate), and the
  * 4-lane kernel computes them as before. */
 #include "kvn_common.h"
-#if defined(__GNUC__) && defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 /* rows per group of the tiled kernels: their inputs stay in cache (a multiple of each kernel's
  * rows per tile) */
@@ -135,8 +132,7 @@ static int fusable(const float *v, int64_t n)
 typedef float xp_v4 __attribute__((vector_size(16)));
 XP_KERNEL(affine_v4, xp_v4, 4, 2, 4, , XP_MULADD)
 
-#if defined(__GNUC__) && defined(__x86_64__)
-#define XP_AVX2 1
+#ifdef KVN_X86
 typedef float xp_v8 __attribute__((vector_size(32)));
 /* six rows of two vectors: 12 accumulators, two weight vectors and a broadcast in AVX2's 16
  * registers (1.3x the four rows' speed on an AMD EPYC, scratch benchmark: 65 against 50 GFLOP/s
@@ -168,7 +164,7 @@ static int affine_any(const float *x, int64_t t, int64_t n_in, const float *w, c
 {
     int64_t done, t4 = t - t % 4; /* rows [0, t4) of outputs [0, done) by four-row tiles */
     int used = 4;
-#ifdef XP_AVX2
+#ifdef KVN_X86
     __builtin_cpu_init();
     const int has16 = __builtin_cpu_supports("avx512f"), has8 = __builtin_cpu_supports("avx2"),
               fma = __builtin_cpu_supports("fma");
