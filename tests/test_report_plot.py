@@ -431,3 +431,21 @@ def test_kvc_rd_replot_draws_the_png_and_leaves_the_json(plt, tmp_path):
                    capture_output=True, timeout=120)
     assert js.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert js.read_bytes() == before and not js.with_suffix(".md").exists()
+
+
+def _family_styles(fig):
+    """{codec id: (colour, marker)} of the KL panel's lines."""
+    return {ln.get_label(): (tuple(ln.get_color()), ln.get_marker()) for ln in fig.axes[0].get_lines()
+            if ln.get_label() != rdplot.FRONT_LABEL and not ln.get_label().startswith("_")}
+
+
+def test_a_family_keeps_its_colour_and_marker_whichever_others_share_the_plot(plt):
+    from kvcodec.harness.report import _rd_figure
+
+    # Qwen's baseline run plots five families, the default run nine: kvc must not change colour
+    few = _family_styles(_rd_figure(_doc([_row("kvc-near", "kvc", 3.3, 0.006), _row("fp8-e4m3", "fp8", 8.0, 0.008),
+                                          _row("my-codec", "mine", 4.0, 0.01)]), plt))
+    many = _family_styles(_rd_figure(_doc(CROWDED + [_row("raw", "raw", 16.0, 0.0, 0.0),
+                                                     _row("my-codec", "mine", 4.0, 0.01)]), plt))
+    assert few["kvc"] == many["kvc"] and few["fp8"] == many["fp8"] and few["mine"] == many["mine"]
+    assert len(set(many.values())) == len(many), "two families share a colour and marker"

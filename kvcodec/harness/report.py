@@ -177,8 +177,9 @@ def markdown_report(doc: dict[str, Any]) -> str:
 
 def rd_plot(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Rate–distortion PNG: bits per element against next-token KL (left) and against attention
-    output error (right), log y, one colour per codec id (a line per family), the Pareto front over
-    all points dashed grey, a "lower left is better" note, the legend below the panels. Each preset
+    output error (right), log y, one colour and marker per codec id, the same in every plot (a
+    line per family), the Pareto front over all points dashed grey, a "lower left is better"
+    note, the legend below the panels. Each preset
     and each point on the front is labelled with its name (a parameter point with its parameters,
     :func:`kvcodec.harness.rdplot.short_label`); a parameter point off the front is labelled only
     where its label fits right beside it (its row is in the table). Labels never overlap each
@@ -226,10 +227,8 @@ def _rd_figure(doc: dict[str, Any], plt: Any) -> Any:
         xy: list[tuple[float, float]] = []
         names: list[str] = []
         colors: list[Any] = []
-        for i, (cid, fams) in enumerate(sorted(groups.items())):
-            # tab10 first (ten distinct hues), then the lighter tab20 shades.
-            color = plt.cm.tab10(i % 10) if i < 10 else plt.cm.tab20((2 * (i - 10) + 1) % 20)
-            marker = "os^Dv<>ph*"[i % 10]
+        for cid, fams in sorted(groups.items()):
+            color, marker = _family_style(cid, sorted(groups), plt)
             for j, (fam, rs) in enumerate(sorted(fams.items(), key=lambda f: (f[0] != cid, f[0]))):
                 rs = sorted(rs, key=lambda r: r["bits_per_element"])
                 xs = [r["bits_per_element"] for r in rs]
@@ -279,6 +278,23 @@ def _rd_figure(doc: dict[str, Any], plt: Any) -> Any:
                             colors=[_darker(c) for c in colors], avoid=[hint],
                             near_only=[p >= 3 for p in prio])
     return fig
+
+
+#: the built-in codec ids, each with a colour and marker of its own in every plot (the order of
+#: matplotlib's tab10 hues and of the markers): a family looks the same whichever others share it
+FAMILY_ORDER = ("cachegen", "cachegen-lmcache", "fp16", "fp8", "kivi", "kivi-ans", "kvc", "nvfp4", "raw")
+
+
+def _family_style(cid: str, present: list[str], plt: Any) -> tuple[Any, str]:
+    """The colour and marker of codec id ``cid``: its own (:data:`FAMILY_ORDER`), or for an id
+    not built in (``present``: the sorted ids of the plot) the next of tab10's tenth hue and
+    tab20's lighter shades."""
+    if cid in FAMILY_ORDER:
+        i = FAMILY_ORDER.index(cid)
+    else:
+        i = len(FAMILY_ORDER) + [c for c in present if c not in FAMILY_ORDER].index(cid)
+    color = plt.cm.tab10(i) if i < 10 else plt.cm.tab20((2 * (i - 10) + 1) % 20)
+    return color, "os^Dv<>ph*"[i % 10]
 
 
 def _darker(color: Any) -> tuple[float, float, float]:
