@@ -398,7 +398,7 @@ def test_committed_study_plots_label_every_point_cleanly(plt, stem):
     assert_front_crosses_no_label(ax, renderer)
 
 
-@pytest.mark.parametrize("stem", ["smollm2_default", "smollm2_sweep"])
+@pytest.mark.parametrize("stem", ["smollm2_default", "smollm2_sweep", "qwen_coder_baseline"])
 def test_committed_eval_plots_label_every_preset_cleanly(plt, stem):
     """The committed ``kvcodec eval`` results: every preset and every Pareto point labelled (the
     three kivi-2 and three kivi-4 variants included), no overlaps, no leader across a label."""
@@ -449,3 +449,56 @@ def test_a_family_keeps_its_colour_and_marker_whichever_others_share_the_plot(pl
                                                      _row("my-codec", "mine", 4.0, 0.01)]), plt))
     assert few["kvc"] == many["kvc"] and few["fp8"] == many["fp8"] and few["mine"] == many["mine"]
     assert len(set(many.values())) == len(many), "two families share a colour and marker"
+
+
+# --- eval/studies/kvc_profile.py ------------------------------------------------------------------
+
+def _kvc_profile():
+    spec = importlib.util.spec_from_file_location("kvc_profile_study", ROOT / "eval" / "studies" / "kvc_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kvc_profile_figure_of_the_committed_result_labels_every_point_cleanly(plt):
+    """The README's headline (eval/results/kvc_profile.json) drawn: a panel per model and context,
+    a point per codec and kind at its means over the texts, each labelled by name, no two labels
+    overlapping, no leader or front across a label, the legend below every panel."""
+    mod = _kvc_profile()
+    doc = json.loads((ROOT / "eval" / "results" / "kvc_profile.json").read_text())
+    fig = mod.figure(doc, plt)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    pts = mod.points(doc)
+    assert len(fig.axes) == len(doc["models"]) * len(doc["contexts"]) == len(pts)
+    (legend,) = fig.legends
+    for ax, ((model, ctx), here) in zip(fig.axes, sorted(pts.items(), key=lambda kv: (
+            doc["models"].index(kv[0][0]), doc["contexts"].index(kv[0][1])))):
+        assert ax.get_title() == f"{model}, context {ctx}"
+        texts = sorted(t.get_text() for t in _point_labels(ax))
+        assert texts == sorted(p["codec"] + (" fixed" if p["kind"] == "fixed" else "") for p in here)
+        boxes = [_text_box(t, renderer) for t in _point_labels(ax)]
+        assert not [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
+        assert_leaders_cross_no_label(ax, renderer)
+        assert_front_crosses_no_label(ax, renderer)
+        assert not legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+    # a point is the mean over the texts; its whisker ends at the worst text
+    near = [p for p in pts[("smollm2-135m", 1536)] if p["codec"] == "kvc-near" and p["kind"] == "profile"][0]
+    rows = [r for r in doc["rows"] if (r["model"], r["context"], r["codec"], r["kind"]) ==
+            ("smollm2-135m", 1536, "kvc-near", "profile")]
+    assert near["texts"] == len(rows) == 3
+    assert near["kl_mean"] == pytest.approx(sum(r["kl_mean"] for r in rows) / 3)
+    assert near["kl_worst"] == max(r["kl_mean"] for r in rows)
+    for t in _all_texts(fig):
+        assert t.get_fontsize() >= 8, f"{t.get_text()!r} at {t.get_fontsize()} pt"
+
+
+def test_kvc_profile_rerender_draws_the_png_and_leaves_the_json(plt, tmp_path):
+    js = tmp_path / "kvc_profile.json"
+    js.write_bytes((ROOT / "eval" / "results" / "kvc_profile.json").read_bytes())
+    before = js.read_bytes()
+    subprocess.run([sys.executable, "eval/studies/kvc_profile.py", "--rerender", "--out", str(tmp_path / "kvc_profile")],
+                   cwd=ROOT, check=True, capture_output=True, timeout=120)
+    assert js.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert js.read_bytes() == before
+    assert js.with_suffix(".md").read_text() == (ROOT / "eval" / "results" / "kvc_profile.md").read_text()

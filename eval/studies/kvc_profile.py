@@ -15,11 +15,14 @@ For each model (SmolLM2-135M, Qwen2.5-Coder-0.5B by default):
 The verdicts: each level's mean KL over the domains within its target and its worst window at
 most 1.2x the target; near-lossless bits against the best baseline at equal or lower KL.
 
-Writes ``<out>.json`` and ``<out>.md`` (default ``eval/results/kvc_profile``).
+Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default ``eval/results/kvc_profile``):
+the plot has a panel per model and context, each level and baseline at its mean bits and mean
+KL over the texts, a whisker up to its worst text, the targets, and the Pareto front.
 
 Usage:
     python eval/studies/kvc_profile.py                                        # both models, ctx 1536 and 4096
     python eval/studies/kvc_profile.py --models smollm2-135m --contexts 1536  # a quick look
+    python eval/studies/kvc_profile.py --rerender        # the .md and .png again from the .json
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-profile", dest="with_profile", action="store_false",
                     help="score no profile (nor make one): the fixed presets and baselines only")
     ap.add_argument("--out", default="eval/results/kvc_profile")
-    ap.add_argument("--rerender", action="store_true", help="only rewrite <out>.md from <out>.json (no model)")
+    ap.add_argument("--rerender", action="store_true",
+                    help="only rewrite <out>.md and <out>.png from <out>.json (no model)")
     args = ap.parse_args(argv)
     if args.rerender:
         rerender(Path(args.out).with_suffix(".json"))
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                "domains": args.domains.split(","), "continuation": args.continuation, "profiles": profiles,
                "rows": rows, "verdicts": verdicts(rows), "complete": complete}
         write_result(args.out, doc, report(doc), prov=prov, echo=complete)
+        if complete:
+            plot(doc, Path(args.out).with_suffix(".png"))
     for model_name in args.models.split(","):
         model, tok = load_model(model_name)
         if args.with_profile:
@@ -198,13 +204,124 @@ def report(doc: dict[str, Any]) -> str:
 
 
 def rerender(js: Path) -> None:
-    """Rewrite ``<stem>.md`` from ``<stem>.json`` (its provenance kept): no model runs."""
+    """Rewrite ``<stem>.md`` and ``<stem>.png`` from ``<stem>.json`` (its provenance kept): no
+    model runs."""
     from kvcodec.harness.results import read_result, with_provenance_block
 
     doc = read_result(js)
     prov = doc.pop("provenance")
     doc.pop("schema", None)
     js.with_suffix(".md").write_text(with_provenance_block(report(doc), prov))
+    plot(doc, js.with_suffix(".png"))
+
+
+#: the levels' targets, drawn across each panel and named in the right-hand margin
+TARGETS = ((0.002, "transparent ≤ 0.002"), (0.01, "near-lossless ≤ 0.01"), (0.05, "aggressive ≤ 0.05"))
+#: (kind, legend label, style) of the plotted series, in drawing order
+SERIES = (
+    ("baseline", "baselines", {"marker": "s", "color": "C0", "ms": 7}),
+    ("fixed", "kvc levels without a profile (fixed steps)", {"marker": "D", "color": "C3", "ms": 7}),
+    ("profile", "kvc levels with the model's profile", {"marker": "*", "color": "C4", "ms": 12}),
+)
+
+
+def points(doc: dict[str, Any]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """Per (model, context): one point per (codec, kind), the means of its bits and KL over the
+    texts and its worst text's KL."""
+    groups: dict[tuple[str, int, str, str], list[dict[str, Any]]] = {}
+    for r in doc["rows"]:
+        groups.setdefault((r["model"], r["context"], r["codec"], r["kind"]), []).append(r)
+    out: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for (model, ctx, codec, kind), rs in groups.items():
+        out.setdefault((model, ctx), []).append({
+            "codec": codec, "kind": kind, "bits": sum(r["bits"] for r in rs) / len(rs),
+            "kl_mean": sum(r["kl_mean"] for r in rs) / len(rs), "kl_worst": max(r["kl_mean"] for r in rs),
+            "texts": len(rs)})
+    return out
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Write :func:`figure` as a PNG (nothing without matplotlib, the ``[eval]`` extra)."""
+    try:
+        from kvcodec.harness.rdplot import pyplot
+
+        plt = pyplot()
+    except ImportError:
+        print("matplotlib missing: no plot (pip install 'kvcodec[eval]')")
+        return
+    fig = figure(doc, plt)
+    fig.savefig(path, dpi=fig.dpi)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def figure(doc: dict[str, Any], plt: Any) -> Any:
+    """The study's figure: a panel per model (rows) and context (columns), mean next-token KL
+    over the texts against mean all-in bits, log KL; a whisker from each point up to its worst
+    text; the targets; the Pareto front; labels by preset name (kvc levels without a profile
+    marked "fixed"); the legend below the panels."""
+    from kvcodec.harness import rdplot
+
+    pts = points(doc)
+    models = [m for m in doc["models"] if any(k[0] == m for k in pts)]
+    contexts = [c for c in doc["contexts"] if any(k[1] == c for k in pts)]
+    fig, axes = plt.subplots(len(models), len(contexts), squeeze=False, dpi=rdplot.DPI,
+                             figsize=(rdplot.FIG_WIDTH_IN, 1.2 + 4.8 * len(models)))
+    ys = [p[k] for ps in pts.values() for p in ps for k in ("kl_mean", "kl_worst")]
+    lo, hi = min(ys + [t for t, _ in TARGETS]) / 1.6, max(ys + [t for t, _ in TARGETS]) * 1.6
+    xmax = max(p["bits"] for ps in pts.values() for p in ps) * 1.1
+    handles: dict[str, Any] = {}
+    placed = []
+    for i, model in enumerate(models):
+        for j, ctx in enumerate(contexts):
+            ax = axes[i][j]
+            here = pts.get((model, ctx), [])
+            xy, texts, colors = [], [], []
+            for kind, label, style in SERIES:
+                rs = sorted((p for p in here if p["kind"] == kind), key=lambda p: p["bits"])
+                if not rs:
+                    continue
+                (h,) = ax.plot([p["bits"] for p in rs], [p["kl_mean"] for p in rs], ls="none", zorder=3.4,
+                               label=label, **style)
+                handles.setdefault(label, h)
+                for p in rs:
+                    if p["texts"] > 1:
+                        ax.plot([p["bits"]] * 2, [p["kl_mean"], p["kl_worst"]], color=style["color"], lw=1.0,
+                                alpha=0.7, zorder=3)
+                    xy.append((p["bits"], p["kl_mean"]))
+                    texts.append(p["codec"] + (" fixed" if kind == "fixed" else ""))
+                    colors.append(style["color"])
+            if xy:
+                front = rdplot.draw_front(ax, [p[0] for p in xy], [p[1] for p in xy])
+                if front is not None:
+                    handles.setdefault(rdplot.FRONT_LABEL, front)
+            for kl, name in TARGETS:
+                ax.axhline(kl, ls=":", color="0.5", lw=0.9, zorder=1)
+                if j == len(contexts) - 1:
+                    ax.text(1.02, kl, name.replace(" ≤", "\n≤"), fontsize=rdplot.LABEL_PT, color="0.35",
+                            ha="left", va="center", transform=ax.get_yaxis_transform(), linespacing=1.1)
+            ax.set_yscale("log")
+            ax.set_ylim(lo, hi)
+            ax.set_xlim(0, xmax)
+            ax.set_title(f"{model}, context {ctx}", fontsize=rdplot.AXIS_PT)
+            ax.set_xlabel("bits per element (all-in, mean over the texts)", fontsize=rdplot.AXIS_PT)
+            ax.set_ylabel("next-token KL (nats, mean)", fontsize=rdplot.AXIS_PT)
+            ax.tick_params(labelsize=rdplot.LABEL_PT + 0.5)
+            ax.grid(True, which="major", alpha=0.35)
+            ax.grid(True, which="minor", alpha=0.12)
+            placed.append((ax, xy, texts, colors))
+    texts_of = ", ".join(doc.get("domains", []))
+    fig.suptitle(f"kvc's quality levels on texts calibration never saw ({texts_of}; "
+                 f"{doc.get('continuation')} scored tokens each)\n"
+                 f"a point: the mean over the texts; its whisker: up to the worst text", fontsize=rdplot.TITLE_PT)
+    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", bbox_to_anchor=(0.5, 0.005),
+               ncol=2, fontsize=rdplot.LABEL_PT, frameon=False, columnspacing=1.6)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.98))
+    for ax, xy, texts, colors in placed:
+        # the profile's levels first (the study's subject), then the fixed steps, then baselines
+        prio = [0 if c == "C4" else 1 if c == "C3" else 2 for c in colors]
+        rdplot.place_labels(ax, xy, texts, priority=prio, colors=colors, avoid=[rdplot.better_hint(ax, xy)])
+    return fig
 
 
 if __name__ == "__main__":
