@@ -568,11 +568,11 @@ def test_dequantize_rows_vector_equals_plain():
                     for dtype in (torch.float16, torch.bfloat16, torch.float32):
                         got = []
                         for on in (1, 0):
-                            was = lb.kvn_dq_vector(on)
+                            was = lb.kvn_kvc_vector(on)
                             try:
                                 got.append(native.kvc_dequantize(codes, step, mean, dtype, recon=recon))
                             finally:
-                                lb.kvn_dq_vector(was)
+                                lb.kvn_kvc_vector(was)
                         a, b = (x.view(torch.int16 if dtype != torch.float32 else torch.int32) for x in got)
                         assert torch.equal(a, b), (n, h, d, np.shape(step), dtype, recon)
 
@@ -616,11 +616,11 @@ def test_escape_split_with_ctx_statistics_equals_the_two_calls():
             outs = []
             for on in (1, 0):
                 for rows in (False, True):  # token-major outputs, or row-major ones seen as [n, R]
-                    was = lb.kvn_esc_vector(on)
+                    was = lb.kvn_kvc_vector(on)
                     try:
                         outs.append(native.escape_split_ctx_tokens(codes, max_level, dl, g, th, rows=rows))
                     finally:
-                        lb.kvn_esc_vector(was)
+                        lb.kvn_kvc_vector(was)
             assert outs[1][0].strides[0] == 2 and outs[1][4].strides[0] == 1  # row-major underneath
             s0, e0, l0, h0, c0 = outs[2]  # scalar, token-major
             for s1, e1, l1, h1, c1 in outs:

@@ -18,7 +18,7 @@ import ctypes
 import numpy as np
 
 #: Version of the C library's ABI (``kvn_abi_version()``; KVN_ABI_VERSION in csrc/kvn_common.h).
-ABI_VERSION = 38
+ABI_VERSION = 39
 
 # status codes (KVN_* in kvn_common.h)
 OK, ZERO_WORD, NOT_CONSUMED, NOMEM, BAD_SYMBOL, OVERFLOW = range(6)
@@ -59,8 +59,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
                            _i),
     # kvc.c
     "kvn_escape_split": ([_p, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p], _i),
-    "kvn_esc_vector": ([_i], _i),
-    "kvn_dq_vector": ([_i], _i),
+    "kvn_kvc_vector": ([_i], _i),
     "kvn_escape_split1": ([_p, _i, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i64, _p, _p], _i),
     "kvn_escape_split_ctx": ([_p, _i, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _p, _p,
                               _p, _i64], _i),

@@ -218,12 +218,13 @@ KVN_ESC_CTX_PASS(_i32_2, int32_t, 2)
 KVN_ESC_CTX_PASS(_i32_3, int32_t, 3)
 KVN_ESC_CTX_PASS(_i32_4, int32_t, 4)
 
-/* 0: the one pass with contexts stays scalar (tests compare the two; kvn_esc_vector) */
-static int esc_vector = 1;
+/* 0: this unit's AVX2 paths (the escape split with contexts, dq_row_i32) stay scalar: tests
+ * compare the two through kvn_kvc_vector, which sets it (on >= 0) and returns what it was */
+static int kvc_vector = 1;
 
-int kvn_esc_vector(int on) {
-  const int was = esc_vector;
-  if (on >= 0) esc_vector = on != 0;
+int kvn_kvc_vector(int on) {
+  const int was = kvc_vector;
+  if (on >= 0) kvc_vector = on != 0;
   return was;
 }
 
@@ -357,7 +358,7 @@ int kvn_escape_split_ctx(const void* codes, int ckind, int64_t n, int64_t R, int
     /* eight tokens at a time in AVX2 lanes where the block's codes allow it (esc_ctx_block8),
        else the scalar pass on those tokens; the last n % 8 tokens scalar */
     __builtin_cpu_init();
-    if (esc_vector && __builtin_cpu_supports("avx2") && nthr >= 1 && nthr <= 4 && R < ((int64_t)1 << 28) &&
+    if (kvc_vector && __builtin_cpu_supports("avx2") && nthr >= 1 && nthr <= 4 && R < ((int64_t)1 << 28) &&
         gk * ml < ((int64_t)1 << 30) && n >= 8) {
       int32_t* bm1 = (int32_t*)malloc(sizeof(int32_t) * (size_t)(gk * 4));
       if (bm1) {
@@ -552,21 +553,12 @@ __attribute__((target("avx2"))) static void dq_row_i32_avx2(const int32_t* c, co
 }
 #endif
 
-/* 0: dq_row_i32 stays scalar (tests compare the two; kvn_dq_vector) */
-static int dq_vector = 1;
-
-int kvn_dq_vector(int on) {
-  const int was = dq_vector;
-  if (on >= 0) dq_vector = on != 0;
-  return was;
-}
-
 /* One row of D dequantized int32 codes: AVX2 where the CPU has it and the steps are contiguous or
  * one for the row, else the plain loop (the same bits). */
 KVN_INTERNAL void dq_row_i32(const int32_t* c, const float* st, int64_t s2, const float* mu, int64_t D, float m,
                              const float* rtab, int64_t rm, float* r) {
 #ifdef KVN_X86
-  if (dq_vector && (s2 == 0 || s2 == 1) && D >= 8 && __builtin_cpu_supports("avx2")) {
+  if (kvc_vector && (s2 == 0 || s2 == 1) && D >= 8 && __builtin_cpu_supports("avx2")) {
     dq_row_i32_avx2(c, st, s2, mu, D, m, rtab, rm, r);
     return;
   }

@@ -48,7 +48,7 @@ typedef struct {
 
 /* Version of the functions' signatures; kvcodec/native/abi.py's ABI_VERSION must equal it (the
  * loader checks kvn_abi_version()). Bump both when a signature changes. */
-#define KVN_ABI_VERSION 38
+#define KVN_ABI_VERSION 39
 
 /* Functions shared between units but not part of the ABI: hidden from the library's exports. */
 #if defined(__GNUC__) || defined(__clang__)
@@ -58,6 +58,12 @@ typedef struct {
 #define KVN_INTERNAL
 #define KVN_ALWAYS_INLINE inline
 #endif
+
+/* an initializer of 4, 8 or 16 copies of s, for GCC vector types (not s + 0: that would turn
+ * -0 into +0, and the compiler would spend an add on every copy) */
+#define KVN_SPLAT4(s) {(s), (s), (s), (s)}
+#define KVN_SPLAT8(s) {(s), (s), (s), (s), (s), (s), (s), (s)}
+#define KVN_SPLAT16(s) {(s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s)}
 
 /* x86-64 with GCC's target attributes and __builtin_cpu_supports: the units build their AVX2 (and
  * AVX-512) kernels beside the plain ones and choose at run time */

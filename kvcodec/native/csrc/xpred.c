@@ -66,12 +66,6 @@ static int fusable(const float *v, int64_t n)
  * product exact) or not; nseg runs cover 0 .. n_in in order. */
 #define XP_MAXSEG 16
 
-/* a vector of LANES copies of the float s (an initializer, not s + 0: that would turn -0 into
- * +0, and the compiler would spend an add on every copy) */
-#define XP_SPLAT4(s) {(s), (s), (s), (s)}
-#define XP_SPLAT8(s) {(s), (s), (s), (s), (s), (s), (s), (s)}
-#define XP_SPLAT16(s) {(s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s), (s)}
-
 /* The inputs [I_LO, I_HI) of RB rows into the accumulators a (in XP_KERNEL's scope), each
  * a[r][v] = OP(x, w, a[r][v]) in input order */
 #define XP_INPUTS(VT, LANES, NV, RB, I_LO, I_HI, OP)                                              \
@@ -82,7 +76,7 @@ static int fusable(const float *v, int64_t n)
             memcpy(&ww[v], wi + v * (LANES), sizeof ww[v]);                                       \
         for (int r = 0; r < (RB); r++) {                                                          \
             const float xs = x[(r0 + r) * n_in + i];                                              \
-            const VT xv = XP_SPLAT##LANES(xs);                                                    \
+            const VT xv = KVN_SPLAT##LANES(xs);                                                    \
             for (int v = 0; v < (NV); v++)                                                        \
                 a[r][v] = OP(xv, ww[v], a[r][v]);                                                 \
         }                                                                                         \
