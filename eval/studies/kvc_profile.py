@@ -215,8 +215,6 @@ def rerender(js: Path) -> None:
     plot(doc, js.with_suffix(".png"))
 
 
-#: the levels' targets, drawn across each panel and named in the right-hand margin
-TARGETS = ((0.002, "transparent ≤ 0.002"), (0.01, "near-lossless ≤ 0.01"), (0.05, "aggressive ≤ 0.05"))
 #: (kind, legend label, style) of the plotted series, in drawing order
 SERIES = (
     ("baseline", "baselines", {"marker": "s", "color": "C0", "ms": 7}),
@@ -242,17 +240,10 @@ def points(doc: dict[str, Any]) -> dict[tuple[str, int], list[dict[str, Any]]]:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Write :func:`figure` as a PNG (nothing without matplotlib, the ``[eval]`` extra)."""
-    try:
-        from kvcodec.harness.rdplot import pyplot
+    from kvcodec.harness.rdplot import write_png
 
-        plt = pyplot()
-    except ImportError:
-        print("matplotlib missing: no plot (pip install 'kvcodec[eval]')")
-        return
-    fig = figure(doc, plt)
-    fig.savefig(path, dpi=fig.dpi)
-    plt.close(fig)
-    print(f"wrote {path}")
+    if write_png(figure, doc, path):
+        print(f"wrote {path}")
 
 
 def figure(doc: dict[str, Any], plt: Any) -> Any:
@@ -268,7 +259,7 @@ def figure(doc: dict[str, Any], plt: Any) -> Any:
     fig, axes = plt.subplots(len(models), len(contexts), squeeze=False, dpi=rdplot.DPI,
                              figsize=(rdplot.FIG_WIDTH_IN, 1.2 + 4.8 * len(models)))
     ys = [p[k] for ps in pts.values() for p in ps for k in ("kl_mean", "kl_worst")]
-    lo, hi = min(ys + [t for t, _ in TARGETS]) / 1.6, max(ys + [t for t, _ in TARGETS]) * 1.6
+    lo, hi = min(ys + [t for t, _ in rdplot.TARGETS]) / 1.6, max(ys + [t for t, _ in rdplot.TARGETS]) * 1.6
     xmax = max(p["bits"] for ps in pts.values() for p in ps) * 1.1
     handles: dict[str, Any] = {}
     placed = []
@@ -295,11 +286,7 @@ def figure(doc: dict[str, Any], plt: Any) -> Any:
                 front = rdplot.draw_front(ax, [p[0] for p in xy], [p[1] for p in xy])
                 if front is not None:
                     handles.setdefault(rdplot.FRONT_LABEL, front)
-            for kl, name in TARGETS:
-                ax.axhline(kl, ls=":", color="0.5", lw=0.9, zorder=1)
-                if j == len(contexts) - 1:
-                    ax.text(1.02, kl, name.replace(" ≤", "\n≤"), fontsize=rdplot.LABEL_PT, color="0.35",
-                            ha="left", va="center", transform=ax.get_yaxis_transform(), linespacing=1.1)
+            rdplot.draw_targets(ax, named=j == len(contexts) - 1)  # named in the right-hand margin
             ax.set_yscale("log")
             ax.set_ylim(lo, hi)
             ax.set_xlim(0, xmax)

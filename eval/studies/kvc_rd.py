@@ -319,22 +319,12 @@ def markdown(res: dict) -> str:
 
 
 #: The quality targets of the presets (issue 7): next-token KL bars drawn across the plot.
-TARGETS = ((0.002, "transparent ≤ 0.002"), (0.01, "near-lossless ≤ 0.01"), (0.05, "aggressive ≤ 0.05"))
-
-
 def plot(res: dict, path: Path) -> None:
     """The study's PNG: mean next-token KL against all-in bits per element, log KL, the Pareto
     front over every point, the preset targets, labels by preset name, the legend to the right."""
-    try:
-        from kvcodec.harness.rdplot import pyplot
+    from kvcodec.harness.rdplot import write_png
 
-        plt = pyplot()
-    except ImportError:
-        print("matplotlib missing: no plot (pip install 'kvcodec[eval]')")
-        return
-    fig = figure(res, plt)
-    fig.savefig(path, dpi=fig.dpi)
-    plt.close(fig)
+    write_png(figure, res, path)
 
 
 def figure(res: dict, plt) -> object:
@@ -391,10 +381,7 @@ def figure(res: dict, plt) -> object:
                 ax.plot(x_, y_, style["marker"], color=style["color"], mfc="white", ms=style["ms"], zorder=3.5)
     front_idx = set(rdplot.pareto_front([p[0] for p in xy], [p[1] for p in xy]))
     rdplot.draw_front(ax, [p[0] for p in xy], [p[1] for p in xy])
-    for kl, lab in TARGETS:  # named in the margin right of the axes, where no point can be
-        ax.axhline(kl, ls=":", color="0.5", lw=0.9, zorder=1)
-        ax.text(1.01, kl, lab.replace(" ≤", "\n≤"), fontsize=rdplot.LABEL_PT, color="0.35", ha="left",
-                va="center", transform=ax.get_yaxis_transform(), linespacing=1.1)
+    rdplot.draw_targets(ax)
     ax.set_yscale("log")
     ax.set_xlim(left=0, right=max(p[0] for p in xy) * 1.12 if xy else None)
     ax.margins(y=0.12)

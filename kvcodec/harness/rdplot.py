@@ -2,7 +2,7 @@
 do not collide, a "lower left is better" hint, and a legend outside the data.
 
 Used by :func:`kvcodec.harness.report.rd_plot` (the ``kvcodec eval`` plot) and by
-``eval/studies/kvc_rd.py``. The pure helpers (:func:`pareto_front`, :func:`short_label`,
+``eval/studies/kvc_rd.py`` and ``kvc_profile.py``. The pure helpers (:func:`pareto_front`, :func:`short_label`,
 :func:`has_params`) need nothing; the drawing helpers take matplotlib objects, and matplotlib (the
 ``[eval]`` extra) is imported only by :func:`pyplot`.
 
@@ -166,6 +166,44 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def write_png(figure: Any, doc: Any, path: Any) -> bool:
+    """Save ``figure(doc, plt)`` to ``path`` as a PNG at the figure's own dpi and close it; without
+    matplotlib print why and write nothing (False).
+
+    Example:
+        >>> import os, tempfile
+        >>> def one_point(doc, plt):
+        ...     fig, ax = plt.subplots(figsize=(2, 2)); ax.plot([doc], [doc], "o"); return fig
+        >>> p = os.path.join(tempfile.mkdtemp(), "p.png"); write_png(one_point, 1.0, p)
+        True
+    """
+    try:
+        plt = pyplot()
+    except ImportError:
+        print("matplotlib missing: no plot (pip install 'kvcodec[eval]')")
+        return False
+    fig = figure(doc, plt)
+    try:
+        fig.savefig(path, dpi=fig.dpi)
+    finally:
+        plt.close(fig)
+    return True
+
+
+#: kvc's quality levels (mean next-token KL), as the plots name them
+TARGETS = ((0.002, "transparent ≤ 0.002"), (0.01, "near-lossless ≤ 0.01"), (0.05, "aggressive ≤ 0.05"))
+
+
+def draw_targets(ax: Any, named: bool = True) -> None:
+    """A dotted line across ``ax`` at each of :data:`TARGETS`, named (``named``) in the margin
+    right of the axes, where no point can be."""
+    for kl, name in TARGETS:
+        ax.axhline(kl, ls=":", color="0.5", lw=0.9, zorder=1)
+        if named:
+            ax.text(1.01, kl, name.replace(" ≤", "\n≤"), fontsize=LABEL_PT, color="0.35", ha="left",
+                    va="center", transform=ax.get_yaxis_transform(), linespacing=1.1)
 
 
 def draw_front(ax: Any, xs: Sequence[float], ys: Sequence[float]) -> Any:
@@ -531,6 +569,6 @@ def _crosses(pts: Any, i: int, end: Any, m: float) -> bool:
     return bool(np.any(dist < m))
 
 
-__all__ = ["AXIS_PT", "DPI", "FIG_WIDTH_IN", "FRONT_LABEL", "FRONT_STYLE", "LABEL_PT", "TITLE_PT",
-           "better_hint", "draw_front", "has_params", "params", "pareto_front", "place_labels", "pyplot",
-           "short_label"]
+__all__ = ["AXIS_PT", "DPI", "FIG_WIDTH_IN", "FRONT_LABEL", "FRONT_STYLE", "LABEL_PT", "TARGETS", "TITLE_PT",
+           "better_hint", "draw_front", "draw_targets", "has_params", "params", "pareto_front", "place_labels",
+           "pyplot", "short_label", "write_png"]
