@@ -318,7 +318,6 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-#: The quality targets of the presets (issue 7): next-token KL bars drawn across the plot.
 def plot(res: dict, path: Path) -> None:
     """The study's PNG: mean next-token KL against all-in bits per element, log KL, the Pareto
     front over every point, the preset targets, labels by preset name, the legend to the right."""

@@ -2,9 +2,9 @@
 do not collide, a "lower left is better" hint, and a legend outside the data.
 
 Used by :func:`kvcodec.harness.report.rd_plot` (the ``kvcodec eval`` plot) and by
-``eval/studies/kvc_rd.py`` and ``kvc_profile.py``. The pure helpers (:func:`pareto_front`, :func:`short_label`,
-:func:`has_params`) need nothing; the drawing helpers take matplotlib objects, and matplotlib (the
-``[eval]`` extra) is imported only by :func:`pyplot`.
+``eval/studies/kvc_rd.py`` and ``kvc_profile.py``. The pure helpers (:func:`pareto_front`,
+:func:`short_label`, :func:`has_params`) need nothing; the drawing helpers take matplotlib
+objects, and matplotlib (the ``[eval]`` extra) is imported only by :func:`pyplot`.
 
 Sizes are chosen for a figure shown about 1000 px wide: :data:`FIG_WIDTH_IN` inches at
 :data:`DPI`, no text under :data:`LABEL_PT` points.

@@ -179,13 +179,13 @@ def rd_plot(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Rate–distortion PNG: bits per element against next-token KL (left) and against attention
     output error (right), log y, one colour and marker per codec id, the same in every plot (a
     line per family), the Pareto front over all points dashed grey, a "lower left is better"
-    note, the legend below the panels. Each preset
-    and each point on the front is labelled with its name (a parameter point with its parameters,
-    :func:`kvcodec.harness.rdplot.short_label`); a parameter point off the front is labelled only
-    where its label fits right beside it (its row is in the table). Labels never overlap each
-    other, a marker or the front (:func:`kvcodec.harness.rdplot.place_labels`). Exact zeros
-    (lossless rows) are drawn hollow at a floor a decade under the smallest non-zero value, and
-    only then does the title say so. Needs matplotlib (the ``[eval]`` extra).
+    note, the legend below the panels. Each preset and each point on the front is labelled with
+    its name (a parameter point with its parameters, :func:`kvcodec.harness.rdplot.short_label`);
+    a parameter point off the front is labelled only where its label fits right beside it (its
+    row is in the table). Labels never overlap each other, a marker or the front
+    (:func:`kvcodec.harness.rdplot.place_labels`). Exact zeros (lossless rows) are drawn hollow at
+    a floor a decade under the smallest non-zero value, and only then does the title say so.
+    Needs matplotlib (the ``[eval]`` extra).
 
     Example:
         >>> import tempfile, os

@@ -34,12 +34,11 @@
 typedef float sm_v8 __attribute__((vector_size(32)));
 typedef int32_t sm_i8 __attribute__((vector_size(32)));
 
-
 /* exp_neg of eight values (each <= 0, or -inf): the header's arithmetic, lane by lane */
 #define SM_EXP8(D, OUT)                                                                              \
     do {                                                                                             \
-        const sm_v8 lo_ = KVN_SPLAT8(SM_LO), l2e_ = KVN_SPLAT8(SM_LOG2E), mg_ = KVN_SPLAT8(SM_MAGIC);      \
-        const sm_v8 c1_ = KVN_SPLAT8(SM_C1), c2_ = KVN_SPLAT8(SM_C2), one_ = KVN_SPLAT8(1.0f);             \
+        const sm_v8 lo_ = KVN_SPLAT8(SM_LO), l2e_ = KVN_SPLAT8(SM_LOG2E), mg_ = KVN_SPLAT8(SM_MAGIC); \
+        const sm_v8 c1_ = KVN_SPLAT8(SM_C1), c2_ = KVN_SPLAT8(SM_C2), one_ = KVN_SPLAT8(1.0f);       \
         const sm_v8 dd_ = (D);                                                                       \
         const sm_i8 under_ = dd_ < lo_;                                                              \
         const sm_v8 d_ = (sm_v8)(((sm_i8)dd_ & ~under_) | ((sm_i8)lo_ & under_));                    \
@@ -47,9 +46,9 @@ typedef int32_t sm_i8 __attribute__((vector_size(32)));
         const sm_v8 r_ = (d_ - n_ * c1_) - n_ * c2_;                                                 \
         const sm_v8 z_ = r_ * r_;                                                                    \
         const sm_v8 z2_ = z_ * z_; /* the polynomial by Estrin's scheme: a shorter chain */         \
-        const sm_v8 a_ = r_ * (sm_v8)KVN_SPLAT8(SM_P0) + (sm_v8)KVN_SPLAT8(SM_P1);                       \
-        const sm_v8 b_ = r_ * (sm_v8)KVN_SPLAT8(SM_P2) + (sm_v8)KVN_SPLAT8(SM_P3);                       \
-        const sm_v8 c_ = r_ * (sm_v8)KVN_SPLAT8(SM_P4) + (sm_v8)KVN_SPLAT8(SM_P5);                       \
+        const sm_v8 a_ = r_ * (sm_v8)KVN_SPLAT8(SM_P0) + (sm_v8)KVN_SPLAT8(SM_P1);                   \
+        const sm_v8 b_ = r_ * (sm_v8)KVN_SPLAT8(SM_P2) + (sm_v8)KVN_SPLAT8(SM_P3);                   \
+        const sm_v8 c_ = r_ * (sm_v8)KVN_SPLAT8(SM_P4) + (sm_v8)KVN_SPLAT8(SM_P5);                   \
         sm_v8 y_ = (a_ * z2_ + b_ * z_) + c_;                                                        \
         y_ = (y_ * z_ + r_) + one_;                                                                  \
         const sm_i8 e2_ = (__builtin_convertvector(n_, sm_i8) + 127) << 23;                           \
@@ -74,7 +73,7 @@ typedef double sm_d4 __attribute__((vector_size(32)));
     ATTR static int NAME(const float *x, int64_t R, int64_t T, const float *sink, float *e, double *acc) \
     {                                                                                                \
         const int64_t T8 = T - T % 8, T4 = T - T % 4;                                                \
-        const sm_v8 inf8 = KVN_SPLAT8(INFINITY);                                                       \
+        const sm_v8 inf8 = KVN_SPLAT8(INFINITY);                                                     \
         for (int64_t r = 0; r < R; r++) {                                                            \
             const float *row = x + r * T;                                                            \
             /* the largest logit: four running maxima */                                             \
@@ -121,8 +120,8 @@ typedef double sm_d4 __attribute__((vector_size(32)));
                 m = sink[r];                                                                         \
             if (m == -INFINITY)                                                                      \
                 continue; /* no key seen, no sink: the row adds 0 */                                 \
-            const sm_v8 mv = KVN_SPLAT8(m);                                                            \
-            sm_v8 s = KVN_SPLAT8(0.0f);                                                                \
+            const sm_v8 mv = KVN_SPLAT8(m);                                                          \
+            sm_v8 s = KVN_SPLAT8(0.0f);                                                              \
             int64_t j0 = 0;                                                                          \
             for (; j0 + 16 <= T8; j0 += 16) { /* two vectors at a time: their chains overlap */     \
                 sm_v8 v, w, ev, ew;                                                                  \
@@ -154,7 +153,7 @@ typedef double sm_d4 __attribute__((vector_size(32)));
             for (int l = 1; l < 8; l++)                                                              \
                 z = z + s[l];                                                                        \
             if (sink) {                                                                              \
-                sm_v8 v = KVN_SPLAT8(sink[r]), ev;                                                     \
+                sm_v8 v = KVN_SPLAT8(sink[r]), ev;                                                   \
                 SM_EXP8(v - mv, ev);                                                                 \
                 z = z + ev[0];                                                                       \
             }                                                                                        \

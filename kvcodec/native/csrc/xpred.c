@@ -76,7 +76,7 @@ static int fusable(const float *v, int64_t n)
             memcpy(&ww[v], wi + v * (LANES), sizeof ww[v]);                                       \
         for (int r = 0; r < (RB); r++) {                                                          \
             const float xs = x[(r0 + r) * n_in + i];                                              \
-            const VT xv = KVN_SPLAT##LANES(xs);                                                    \
+            const VT xv = KVN_SPLAT##LANES(xs);                                                  \
             for (int v = 0; v < (NV); v++)                                                        \
                 a[r][v] = OP(xv, ww[v], a[r][v]);                                                 \
         }                                                                                         \
