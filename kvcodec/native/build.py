@@ -58,15 +58,14 @@ _MODES: dict = {}  # raw value -> mode
 
 
 def _mode() -> str:
-    if _ENV_DATA is not None:
-        raw = _ENV_DATA.get(_ENV_KEY)
-        got = _MODES.get(raw)
-        if got is not None:
-            return got
+    raw = _ENV_DATA.get(_ENV_KEY) if _ENV_DATA is not None else None
+    got = _MODES.get(raw) if _ENV_DATA is not None else None
+    if got is not None:
+        return got
     m = os.environ.get("KVCODEC_NATIVE", "auto").strip().lower()
     m = m if m in ("0", "1") else "auto"
     if _ENV_DATA is not None and len(_MODES) < 16:
-        _MODES[_ENV_DATA.get(_ENV_KEY)] = m
+        _MODES[raw] = m
     return m
 
 
