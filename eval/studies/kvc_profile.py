@@ -215,11 +215,13 @@ def rerender(js: Path) -> None:
     plot(doc, js.with_suffix(".png"))
 
 
-#: (kind, legend label, style) of the plotted series, in drawing order
+#: (kind, legend label, style, label priority) of the plotted series, in drawing order; labels
+#: are placed lowest priority first: the profile's levels (the study's subject), the fixed steps,
+#: the baselines
 SERIES = (
-    ("baseline", "baselines", {"marker": "s", "color": "C0", "ms": 7}),
-    ("fixed", "kvc levels without a profile (fixed steps)", {"marker": "D", "color": "C3", "ms": 7}),
-    ("profile", "kvc levels with the model's profile", {"marker": "*", "color": "C4", "ms": 12}),
+    ("baseline", "baselines", {"marker": "s", "color": "C0", "ms": 7}, 2),
+    ("fixed", "kvc levels without a profile (fixed steps)", {"marker": "D", "color": "C3", "ms": 7}, 1),
+    ("profile", "kvc levels with the model's profile", {"marker": "*", "color": "C4", "ms": 12}, 0),
 )
 
 
@@ -267,8 +269,8 @@ def figure(doc: dict[str, Any], plt: Any) -> Any:
         for j, ctx in enumerate(contexts):
             ax = axes[i][j]
             here = pts.get((model, ctx), [])
-            xy, texts, colors = [], [], []
-            for kind, label, style in SERIES:
+            xy, texts, colors, prio = [], [], [], []
+            for kind, label, style, p_label in SERIES:
                 rs = sorted((p for p in here if p["kind"] == kind), key=lambda p: p["bits"])
                 if not rs:
                     continue
@@ -282,6 +284,7 @@ def figure(doc: dict[str, Any], plt: Any) -> Any:
                     xy.append((p["bits"], p["kl_mean"]))
                     texts.append(p["codec"] + (" fixed" if kind == "fixed" else ""))
                     colors.append(style["color"])
+                    prio.append(p_label)
             if xy:
                 front = rdplot.draw_front(ax, [p[0] for p in xy], [p[1] for p in xy])
                 if front is not None:
@@ -296,7 +299,7 @@ def figure(doc: dict[str, Any], plt: Any) -> Any:
             ax.tick_params(labelsize=rdplot.LABEL_PT + 0.5)
             ax.grid(True, which="major", alpha=0.35)
             ax.grid(True, which="minor", alpha=0.12)
-            placed.append((ax, xy, texts, colors))
+            placed.append((ax, xy, texts, colors, prio))
     texts_of = ", ".join(doc.get("domains", []))
     fig.suptitle(f"kvc's quality levels on texts calibration never saw ({texts_of}; "
                  f"{doc.get('continuation')} scored tokens each)\n"
@@ -304,9 +307,7 @@ def figure(doc: dict[str, Any], plt: Any) -> Any:
     fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", bbox_to_anchor=(0.5, 0.005),
                ncol=2, fontsize=rdplot.LABEL_PT, frameon=False, columnspacing=1.6)
     fig.tight_layout(rect=(0, 0.06, 1, 0.98))
-    for ax, xy, texts, colors in placed:
-        # the profile's levels first (the study's subject), then the fixed steps, then baselines
-        prio = [0 if c == "C4" else 1 if c == "C3" else 2 for c in colors]
+    for ax, xy, texts, colors, prio in placed:
         rdplot.place_labels(ax, xy, texts, priority=prio, colors=colors, avoid=[rdplot.better_hint(ax, xy)])
     return fig
 
